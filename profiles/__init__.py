@@ -1,0 +1,1 @@
+"""Named model profiles: published configs (no weights) and the shipped small model."""
