@@ -24,6 +24,7 @@ class ForwardOut:
     logits: torch.Tensor  # [B, R, V] for the rows asked for
     hidden: torch.Tensor  # [B, R, H] after the final norm (target) / shared_head.norm (MTP)
     prenorm: torch.Tensor | None = None  # MTP only: block output before shared_head.norm
+    hidden_all: torch.Tensor | None = None  # target only: normed hiddens of every appended row
 
 
 @dataclass
@@ -104,8 +105,9 @@ class Glm5ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all") -> ForwardOut:
         """Append input_ids [B, T] to each sequence's cache; logits and normed hiddens for `rows`."""
-        h = _rows(self._run(input_ids, caches), rows)
-        return ForwardOut(self.lm_head(h), h)
+        h_all = self._run(input_ids, caches)
+        h = _rows(h_all, rows)
+        return ForwardOut(self.lm_head(h), h, hidden_all=h_all)
 
     def forward_train(self, input_ids: torch.Tensor) -> TrainOut:
         """Cache-free forward over whole sequences, with the DSA indexer's KL loss."""

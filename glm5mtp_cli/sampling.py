@@ -1,0 +1,90 @@
+"""Token choice shared by target and drafter: greedy, temperature, top-p; and speculative acceptance.
+
+Sampling draws without a host sync (argmax of probs / Exponential(1), as gpt-fast does), from an
+explicit torch.Generator so a seed reproduces a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from: softmax(logits / T), restricted to the top-p nucleus."""
+    probs = (logits.float() / params.temperature).softmax(-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of probs, without a host sync."""
+    noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
+    return (probs / noise).argmax(-1)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
+    """(tokens, probs or None): argmax when greedy, else a draw from probs_from_logits."""
+    if params.greedy:
+        return logits.argmax(-1), None
+    probs = probs_from_logits(logits, params)
+    return draw(probs, gen), probs
+
+
+def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor, num_drafts: int):
+    """Greedy verification of one sequence.
+
+    drafts [g]; target_logits [g+1, V] at the verified positions. Returns (n accepted, next token):
+    the target's own choice after the accepted prefix (the correction, or the bonus when all pass).
+    """
+    target_tokens = target_logits.argmax(-1)
+    match = (target_tokens[:num_drafts] == drafts[:num_drafts]).int()
+    accepted = int(match.cumprod(0).sum().item()) if num_drafts else 0
+    return accepted, int(target_tokens[accepted].item())
+
+
+def accept_rejection(drafts: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
+                     num_drafts: int, params: SamplingParams, gen: torch.Generator):
+    """Speculative sampling (Leviathan et al.): the emitted tokens follow the target's distribution.
+
+    Draft i is kept with probability min(1, p(d)/q(d)); at the first rejection the token is drawn
+    from normalise(max(p - q, 0)); when every draft passes, the bonus token is drawn from p.
+    """
+    p = probs_from_logits(target_logits, params)  # [g+1, V]
+    if num_drafts:
+        idx = torch.arange(num_drafts, device=p.device)
+        d = drafts[:num_drafts]
+        p_d = p[idx, d]
+        q_d = draft_probs[idx, d]
+        u = torch.rand(num_drafts, generator=gen, device=p.device)
+        ok = (u * q_d <= p_d).int()  # u < p/q without dividing by a zero q
+        accepted = int(ok.cumprod(0).sum().item())
+    else:
+        accepted = 0
+    if accepted < num_drafts:
+        residual = (p[accepted] - draft_probs[accepted]).clamp_min(0.0)
+        total = residual.sum()
+        # p == q exactly leaves no residual mass; p itself is then the right distribution.
+        residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[accepted])
+        token = draw(residual[None], gen)[0]
+    else:
+        token = draw(p[accepted][None], gen)[0]
+    return accepted, int(token.item())

@@ -1,0 +1,342 @@
+"""The prefill-then-propose loop: target prefill, drafter prefill, then propose gamma drafts, verify
+gamma+1 positions in one target forward, accept, trim both caches, catch the drafter up.
+
+Per sequence the bookkeeping is: the target cache holds n rows (t[0..n-1]); t[n] is the newest
+accepted token, not yet in the cache. A step verifies [t[n], d1..dg] at positions n..n+g, keeps
+n+a+1 rows (a drafts accepted) and emits d1..da plus the target's own next token. The drafter is
+then fed the real rows (t[n+1..n+a+1], h[n..n+a]) at the start of the next propose.
+Gamma 0 runs this same loop without a drafter: the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import CachePools, SequenceCache
+from .config import ModelConfig
+from .errors import UserError
+from .metrics import Acceptance
+from .mtp import Glm5MtpHead
+from .proposer import ProposerState
+from .sampling import SamplingParams, accept_rejection, choose
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    request_id: int = 0
+    cancel_after_steps: int | None = None  # leak-check: stop mid-way as a client would
+    fail_at_step: int | None = None  # leak-check: raise inside a verify step
+
+
+@dataclass
+class SeqResult:
+    request_id: int
+    prompt_tokens: int
+    tokens: list[int]
+    finish_reason: str
+    acceptance: Acceptance
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    propose_s: list[float] = field(default_factory=list)  # per draft, per step
+    verify_s: list[float] = field(default_factory=list)
+    trace: list[dict] = field(default_factory=list)
+    state_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class InjectedFailure(RuntimeError):
+    """Raised inside a verify step by leak-check's failure injection."""
+
+
+class _Clock:
+    """Wall time that waits for the device only where a number is read (end of a request)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+@dataclass
+class _Seq:
+    req: Request
+    cache: SequenceCache
+    state: ProposerState | None
+    out: list[int]
+    acc: Acceptance
+    t0: object
+    last: int = 0  # t[n]: newest accepted token, not yet in the target cache
+    pend_tokens: torch.Tensor | None = None
+    pend_hidden: torch.Tensor | None = None
+    done: str | None = None
+    steps: int = 0
+    res: SeqResult | None = None
+    marks: list = field(default_factory=list)  # (propose start, verify start, verify end, drafts)
+
+
+class SpecEngine:
+    def __init__(self, cfg: ModelConfig, target, mtp_layer, pools: CachePools, *, gamma: int,
+                 sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
+                 draft_conf_tau: float | None = None, eos_ids: list[int] | None = None,
+                 prefill_chunk: int = 1024, device: torch.device | str = "cpu", check_invariants: bool = False,
+                 inject_leak: str | None = None):
+        if gamma < 0:
+            raise UserError(f"--gamma must be >= 0, got {gamma}")
+        if alloc not in ("budget", "ceiling"):
+            raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
+        self.cfg = cfg
+        self.target = target
+        self.pools = pools
+        self.gamma = gamma
+        self.sampling = sampling
+        self.max_seq_len = max_seq_len
+        self.alloc = alloc
+        self.eos = set(cfg.eos_token_id if eos_ids is None else eos_ids)
+        self.prefill_chunk = prefill_chunk
+        self.device = torch.device(device)
+        self.check = check_invariants
+        self.inject_leak = inject_leak
+        self.gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.clock = _Clock(self.device)
+        self.head = None
+        if gamma > 0:
+            self.head = Glm5MtpHead(mtp_layer, target.model.embed_tokens, target.lm_head, pools, max_seq_len,
+                                    sampling, draft_conf_tau, self.gen)
+
+    # ---- sizing -----------------------------------------------------------------------------
+    def budget_tokens(self, req: Request) -> int:
+        """Rows a request can reach in either cache: prompt + new tokens + the last verify's drafts."""
+        return len(req.prompt) + req.max_new_tokens + self.gamma
+
+    def reserve_tokens(self, req: Request) -> int:
+        return self.budget_tokens(req) if self.alloc == "budget" else self.max_seq_len
+
+    def check_request(self, req: Request) -> None:
+        if not req.prompt:
+            raise UserError(f"request {req.request_id}: empty prompt")
+        if req.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {req.max_new_tokens}")
+        bad = [t for t in req.prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise UserError(f"request {req.request_id}: token id {bad[0]} outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        need = self.budget_tokens(req)
+        if need > self.max_seq_len:
+            raise UserError(
+                f"request {req.request_id}: prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new + "
+                f"gamma {self.gamma} needs {need} rows, over --max-seq-len {self.max_seq_len}")
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def generate(self, requests: list[Request], batch_size: int = 1) -> list[SeqResult]:
+        for r in requests:
+            self.check_request(r)  # refuse before anything is allocated
+        results = []
+        for i in range(0, len(requests), batch_size):
+            results += self.run_batch(requests[i:i + batch_size])
+        return results
+
+    def run_batch(self, requests: list[Request]) -> list[SeqResult]:
+        seqs: list[_Seq] = []
+        try:
+            for req in requests:
+                seqs.append(self._start(req))
+            while True:
+                active = [s for s in seqs if s.done is None]
+                if not active:
+                    break
+                self._step(active)
+            return [s.res for s in seqs]
+        finally:
+            for s in seqs:
+                self._release(s)
+
+    def _start(self, req: Request) -> _Seq:
+        self.check_request(req)
+        t0 = self.clock.now()
+        cache = self.pools.target_cache()
+        seq = _Seq(req, cache, None, [], Acceptance(self.gamma), t0)
+        try:
+            self._fill(seq)
+        except BaseException:
+            self._release(seq)  # a failed start leaves nothing allocated
+            raise
+        return seq
+
+    def _fill(self, seq: _Seq) -> None:
+        req = seq.req
+        seq.cache.reserve(self.reserve_tokens(req))
+        if self.head is not None:
+            seq.state = (self.head.alloc_state_for(self.budget_tokens(req)) if self.alloc == "budget"
+                         else self.head.alloc_state())
+        state_bytes = self._state_bytes(seq)
+        prompt = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
+        logits, hiddens = self.prefill(prompt, seq.cache)
+        first, _ = choose(logits[None], self.sampling, self.gen)
+        seq.last = int(first.item())
+        t1 = self.clock.now()
+        if seq.state is not None:
+            self.head.prefill_drafter(prompt, hiddens, seq.state)
+            seq.pend_tokens = first.reshape(1)
+            seq.pend_hidden = hiddens[-1:]
+        seq.out.append(seq.last)
+        seq.res = SeqResult(req.request_id, len(req.prompt), seq.out, "", seq.acc, 0.0, 0.0, 0.0,
+                            state_bytes=state_bytes)
+        seq.marks.append(("prefill", seq.t0, t1))
+        self._maybe_finish(seq)
+
+    def prefill(self, prompt: torch.Tensor, cache: SequenceCache):
+        """Target prefill in chunks; returns (logits of the last row, normed hiddens of every row)."""
+        hiddens = []
+        logits = None
+        for a in range(0, prompt.shape[0], self.prefill_chunk):
+            out = self.target(prompt[None, a:a + self.prefill_chunk], [cache], rows="last")
+            hiddens.append(out.hidden_all[0])
+            logits = out.logits[0, -1]
+        return logits, torch.cat(hiddens)
+
+    def _step(self, active: list[_Seq]) -> None:
+        g = self.gamma
+        p0 = self.clock.now()
+        chains = None
+        if g > 0:
+            chains = self.head.propose_batch([s.pend_tokens for s in active], [s.pend_hidden for s in active],
+                                             [s.state.real_rows for s in active], g, [s.state for s in active])
+            if self.check:
+                for s in active:
+                    assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
+        v0 = self.clock.now()
+        last = torch.tensor([s.last for s in active], dtype=torch.long, device=self.device)
+        if chains:
+            drafts = torch.stack([c.tokens for c in chains])
+            ids = torch.cat([last[:, None], drafts], dim=1)
+        else:
+            drafts = None
+            ids = last[:, None]
+        starts = [s.cache.length for s in active]
+        for s in active:
+            if s.req.fail_at_step is not None and s.steps == s.req.fail_at_step:
+                raise InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
+        out = self.target(ids, [s.cache for s in active], rows="all")
+        counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
+        accepted, nxt = self._accept(drafts, chains, out.logits, counts)
+        v1 = self.clock.now()
+        for i, s in enumerate(active):
+            a = accepted[i]
+            new = (drafts[i, :a].tolist() if a else []) + [nxt[i]]
+            s.cache.truncate(starts[i] + a + 1)
+            if s.state is not None:
+                self.head.after_verify(a, s.state)
+                s.pend_tokens = torch.tensor(new, dtype=torch.long, device=self.device)
+                s.pend_hidden = out.hidden_all[i, : a + 1]
+            s.acc.record(counts[i], a)
+            s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], len(new)))
+            s.steps += 1
+            s.last = new[-1]
+            s.out.extend(new)
+            self._maybe_finish(s)
+
+    def _accept(self, drafts, chains, logits, counts):
+        """(accepted per sequence, next token per sequence) with one host sync for greedy."""
+        if self.sampling.greedy:
+            target_tokens = logits.argmax(-1)  # [B, g+1]
+            if drafts is None:
+                return [0] * logits.shape[0], target_tokens[:, 0].tolist()
+            n = torch.tensor(counts, device=logits.device)
+            pos = torch.arange(drafts.shape[1], device=logits.device)
+            match = ((target_tokens[:, :-1] == drafts) & (pos[None, :] < n[:, None])).int()
+            acc = match.cumprod(1).sum(1)
+            nxt = target_tokens.gather(1, acc[:, None])[:, 0]
+            both = torch.stack([acc, nxt]).tolist()
+            return both[0], both[1]
+        acc, nxt = [], []
+        for i in range(logits.shape[0]):
+            if drafts is None:
+                a, t = accept_rejection(logits.new_empty(0, dtype=torch.long), None, logits[i], 0,
+                                        self.sampling, self.gen)
+            else:
+                a, t = accept_rejection(drafts[i], chains[i].probs, logits[i], counts[i], self.sampling, self.gen)
+            acc.append(a)
+            nxt.append(t)
+        return acc, nxt
+
+    def _maybe_finish(self, s: _Seq) -> None:
+        req = s.req
+        for j, t in enumerate(s.out):
+            if t in self.eos:
+                del s.out[j + 1:]
+                s.done = "eos"
+                break
+        if s.done is None and len(s.out) >= req.max_new_tokens:
+            del s.out[req.max_new_tokens:]
+            s.done = "length"
+        if s.done is None and req.cancel_after_steps is not None and s.steps >= req.cancel_after_steps:
+            s.done = "cancelled"
+        if s.done is not None:
+            self._finalize(s)
+            self._release(s)
+
+    def _finalize(self, s: _Seq) -> None:
+        res = s.res
+        res.finish_reason = s.done
+        prefill = s.marks[0]
+        res.prefill_s = self.clock.seconds(prefill[1], prefill[2])
+        res.ttft_s = res.prefill_s
+        decode = 0.0
+        for m in s.marks[1:]:
+            _, p0, v0, v1, nd, a, pos, emitted = m
+            prop = self.clock.seconds(p0, v0)
+            ver = self.clock.seconds(v0, v1)
+            decode += prop + ver
+            if nd:
+                res.propose_s.append(prop / nd)
+            res.verify_s.append(ver)
+            res.trace.append({"step": len(res.trace), "request": s.req.request_id, "position": pos,
+                              "drafts": nd, "accepted": a, "emitted": emitted,
+                              "propose_ms": prop * 1e3, "verify_ms": ver * 1e3})
+        res.decode_s = decode
+
+    def _state_bytes(self, s: _Seq) -> dict[str, int]:
+        out = {f"target_{k}": v for k, v in s.cache.bytes_held().items()}
+        if s.state is not None and s.state.cache is not None:
+            out.update({f"drafter_{k}": v for k, v in s.state.cache.bytes_held().items()})
+        return out
+
+    def _release(self, s: _Seq) -> None:
+        """Give back every per-sequence allocation; safe to call twice (finish, then finally)."""
+        if self.inject_leak not in ("target_mla", "target_indexer", "target"):
+            s.cache.release()
+        elif not s.cache.released:
+            # leak-check's self-test: keep the named component's blocks, free the rest
+            keep = s.cache.mla if self.inject_leak in ("target_mla", "target") else s.cache.indexer
+            for rows in (s.cache.mla, s.cache.indexer):
+                if rows is not keep:
+                    rows.release()
+            s.cache.released = True
+        if s.state is not None and self.head is not None:
+            if self.inject_leak in ("drafter_mla", "drafter_indexer", "drafter") and s.state.cache is not None:
+                keep = s.state.cache.mla if self.inject_leak in ("drafter_mla", "drafter") else s.state.cache.indexer
+                for rows in (s.state.cache.mla, s.state.cache.indexer):
+                    if rows is not keep:
+                        rows.release()
+                s.state.cache = None
+            self.head.free_state(s.state)
+
+
+def pool_blocks_for(tokens_per_seq: int, concurrent: int, block_size: int) -> int:
+    return concurrent * math.ceil(tokens_per_seq / block_size)
