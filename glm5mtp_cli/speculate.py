@@ -10,7 +10,6 @@ Gamma 0 runs this same loop without a drafter: the baseline.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -115,6 +114,9 @@ class SpecEngine:
         self.inject_leak = inject_leak
         self.gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         self.clock = _Clock(self.device)
+        self.wall_prefill_s = 0.0
+        self.wall_decode_s = 0.0
+        self.on_tokens = None  # callback(request_id, new token ids) for streaming
         self.head = None
         if gamma > 0:
             self.head = Glm5MtpHead(mtp_layer, target.model.embed_tokens, target.lm_head, pools, max_seq_len,
@@ -122,11 +124,10 @@ class SpecEngine:
 
     # ---- sizing -----------------------------------------------------------------------------
     def budget_tokens(self, req: Request) -> int:
-        """Rows a request can reach in either cache: prompt + new tokens + the last verify's drafts."""
-        return len(req.prompt) + req.max_new_tokens + self.gamma
+        return budget_tokens(len(req.prompt), req.max_new_tokens, self.gamma)
 
     def reserve_tokens(self, req: Request) -> int:
-        return self.budget_tokens(req) if self.alloc == "budget" else self.max_seq_len
+        return reserve_tokens(len(req.prompt), req.max_new_tokens, self.gamma, self.alloc, self.max_seq_len)
 
     def check_request(self, req: Request) -> None:
         if not req.prompt:
@@ -154,17 +155,28 @@ class SpecEngine:
     def run_batch(self, requests: list[Request]) -> list[SeqResult]:
         seqs: list[_Seq] = []
         try:
+            t0 = self._wall()
             for req in requests:
                 seqs.append(self._start(req))
+            t1 = self._wall()
             while True:
                 active = [s for s in seqs if s.done is None]
                 if not active:
                     break
                 self._step(active)
+            t2 = self._wall()
+            self.wall_prefill_s += t1 - t0
+            self.wall_decode_s += t2 - t1
             return [s.res for s in seqs]
         finally:
             for s in seqs:
                 self._release(s)
+
+    def _wall(self) -> float:
+        """Host time after the device caught up: read only at batch boundaries, never inside a step."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _start(self, req: Request) -> _Seq:
         self.check_request(req)
@@ -199,6 +211,8 @@ class SpecEngine:
                             state_bytes=state_bytes)
         seq.marks.append(("prefill", seq.t0, t1))
         self._maybe_finish(seq)
+        if self.on_tokens is not None:
+            self.on_tokens(req.request_id, list(seq.out))
 
     def prefill(self, prompt: torch.Tensor, cache: SequenceCache):
         """Target prefill in chunks; returns (logits of the last row, normed hiddens of every row)."""
@@ -248,8 +262,11 @@ class SpecEngine:
             s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], len(new)))
             s.steps += 1
             s.last = new[-1]
+            before = len(s.out)
             s.out.extend(new)
             self._maybe_finish(s)
+            if self.on_tokens is not None and len(s.out) > before:
+                self.on_tokens(s.req.request_id, s.out[before:])
 
     def _accept(self, drafts, chains, logits, counts):
         """(accepted per sequence, next token per sequence) with one host sync for greedy."""
@@ -338,5 +355,11 @@ class SpecEngine:
             self.head.free_state(s.state)
 
 
-def pool_blocks_for(tokens_per_seq: int, concurrent: int, block_size: int) -> int:
-    return concurrent * math.ceil(tokens_per_seq / block_size)
+def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
+    """Rows a request can reach in either cache: prompt + new tokens + the last verify's drafts."""
+    return prompt_len + max_new_tokens + gamma
+
+
+def reserve_tokens(prompt_len: int, max_new_tokens: int, gamma: int, alloc: str, max_seq_len: int) -> int:
+    """Rows reserved per cache for one sequence: its budget, or the --max-seq-len ceiling."""
+    return budget_tokens(prompt_len, max_new_tokens, gamma) if alloc == "budget" else max_seq_len

@@ -1,0 +1,29 @@
+"""Shared fixtures: checkpoints written by transformers (the oracle) with MTP weights added."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def hf_ckpt(tmp_path_factory):
+    """(folder, transformers model): random glm5-tiny target at full strength, random MTP layer."""
+    from oracle import hf_model, write_with_mtp
+
+    model = hf_model(seed=0)
+    folder = write_with_mtp(model, tmp_path_factory.mktemp("hf_ckpt"), mtp_seed=1)
+    return folder, model
+
+
+@pytest.fixture(scope="session")
+def spec_ckpt(tmp_path_factory):
+    """(folder, transformers model): a near-bigram target and an MTP layer that mostly predicts it,
+    so verify steps accept some drafts and reject others."""
+    from oracle import hf_model, write_with_mtp
+
+    model = hf_model(seed=2, output_scale=0.02)
+    folder = write_with_mtp(model, tmp_path_factory.mktemp("spec_ckpt"), mtp_seed=3, mirror=0.03)
+    return folder, model

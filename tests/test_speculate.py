@@ -1,0 +1,216 @@
+"""Speculative decoding is lossless, drafts follow REFERENCE section 4, and the state bookkeeping holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm5mtp_cli.checkpoint import load_models, resolve_model
+from glm5mtp_cli.proposer import CatchupMisaligned, DraftProposer
+from glm5mtp_cli.runtime import Runtime
+from glm5mtp_cli.sampling import SamplingParams
+from glm5mtp_cli.speculate import Request, SpecEngine
+
+
+@pytest.fixture(scope="module")
+def spec_rt(spec_ckpt):
+    folder, hf = spec_ckpt
+    resolved = resolve_model(str(folder), progress=False)
+    target, mtp, _ = load_models(resolved, "cpu", torch.float32)
+    return Runtime(resolved, resolved.config, target.eval(), mtp.eval(), None, torch.device("cpu"), torch.float32), hf
+
+
+def _engine(rt, gamma, max_seq_len=256, alloc="budget", sampling=SamplingParams(), tau=None, batch=3):
+    pools = rt.make_pools(max_seq_len if alloc == "ceiling" else 128, batch, block_size=4)
+    return SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
+                      alloc=alloc, eos_ids=[], check_invariants=True, draft_conf_tau=tau), pools
+
+
+PROMPTS = [[3, 17, 99, 4, 250], list(range(10, 40)), [7] * 3 + list(range(60, 81))]  # index_topk is 8
+
+
+def test_greedy_is_lossless_for_every_gamma_and_batch(spec_rt):
+    rt, hf = spec_rt
+    reference = []
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        hf.generation_config.eos_token_id = None
+        out = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          min_new_tokens=24)
+        reference.append(out[0, len(p):].tolist())
+    mean_lengths = {}
+    for gamma in range(5):
+        for batch in (1, 3):
+            engine, pools = _engine(rt, gamma, batch=batch)
+            res = engine.generate([Request(p, 24, i) for i, p in enumerate(PROMPTS)], batch_size=batch)
+            assert [r.tokens for r in res] == reference, f"gamma {gamma}, batch {batch}"
+            assert not any(pools.blocks_held().values())
+            acc = res[0].acceptance
+            for r in res[1:]:
+                acc.merge(r.acceptance)
+            mean_lengths[gamma] = acc.mean_acceptance_length
+            if gamma:
+                # drafts were both accepted and rejected: every path of the verify step ran
+                assert 0 < acc.accepted < acc.proposed
+    assert mean_lengths[0] == 1.0 and mean_lengths[3] > 1.5
+
+
+def _reference_drafts(rt, hf, prompt, gamma):
+    """REFERENCE section 4 with plain tensor operations; transformers' decoder layer is the MTP block."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRotaryEmbedding
+
+    cfg = rt.cfg
+    hcfg = hf.config.__class__(**{**hf.config.to_dict(), "num_hidden_layers": cfg.num_hidden_layers + 1,
+                                  "mlp_layer_types": hf.config.mlp_layer_types + ["sparse"],
+                                  "indexer_types": hf.config.indexer_types + ["full"],
+                                  "layer_types": None})
+    hcfg._attn_implementation = "eager"
+    block = GlmMoeDsaDecoderLayer(hcfg, cfg.num_hidden_layers).eval()
+    mtp_sd = rt.mtp.state_dict()
+    block.load_state_dict({k: v for k, v in _hf_names(mtp_sd).items()}, strict=True)
+    rope = GlmMoeDsaRotaryEmbedding(hcfg)
+
+    def rms(x, w, eps=cfg.rms_norm_eps):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=False)
+        h = hf.model(ids).last_hidden_state[0]  # after model.norm
+        tokens = list(prompt) + [int(out.logits[0, -1].argmax())]
+        hidden_rows = [h[i] for i in range(len(prompt))]  # row i pairs t[i+1] with h[i]
+        drafts = []
+        for step in range(gamma):
+            n = len(hidden_rows)
+            emb = hf.model.embed_tokens(torch.tensor(tokens[1:n + 1]))
+            emb[0] = 0.0  # the row at position 0
+            x = torch.cat([rms(emb, mtp_sd["enorm.weight"]), rms(torch.stack(hidden_rows), mtp_sd["hnorm.weight"])], -1)
+            x = x @ mtp_sd["eh_proj.weight"].t()
+            pos = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            y, _ = block(x[None], attention_mask=mask, position_ids=pos,
+                         position_embeddings=rope(x[None], pos))
+            g = rms(y[0, -1], mtp_sd["shared_head.norm.weight"])
+            d = int((g @ hf.lm_head.weight.t()).argmax())
+            drafts.append(d)
+            tokens.append(d)
+            hidden_rows.append(g)  # GLM chains the post-shared_head.norm hidden
+    return drafts
+
+
+def _hf_names(sd):
+    """Our MTP state dict (checkpoint names minus the layer prefix) -> a transformers decoder layer's."""
+    out = {}
+    experts = {}
+    for k, v in sd.items():
+        if k.startswith(("eh_proj", "enorm", "hnorm", "shared_head")):
+            continue
+        if ".experts." in k and not k.startswith("mlp.shared"):
+            e, proj = k.split(".experts.")[1].split(".")[:2]
+            experts.setdefault(proj, {})[int(e)] = v
+            continue
+        out[k] = v
+    gate = torch.stack([experts["gate_proj"][e] for e in sorted(experts["gate_proj"])])
+    up = torch.stack([experts["up_proj"][e] for e in sorted(experts["up_proj"])])
+    out["mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    out["mlp.experts.down_proj"] = torch.stack([experts["down_proj"][e] for e in sorted(experts["down_proj"])])
+    return out
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[1]])
+def test_first_drafts_follow_reference_math(spec_rt, prompt):
+    rt, hf = spec_rt
+    gamma = 4
+    engine, pools = _engine(rt, gamma, batch=1)
+    captured = []
+    original = engine.head.propose_batch
+
+    def spy(*args, **kwargs):
+        chains = original(*args, **kwargs)
+        captured.append([c.tokens.tolist() for c in chains])
+        return chains
+
+    engine.head.propose_batch = spy
+    engine.generate([Request(prompt, 2, 0)])
+    assert captured[0][0] == _reference_drafts(rt, hf, prompt, gamma)
+
+
+def test_prenorm_carry_switch_changes_chained_drafts(spec_rt):
+    rt, _ = spec_rt
+    runs = {}
+    for normed in (True, False):
+        rt.mtp.cfg.mtp_carry_normed_hidden = normed
+        engine, _ = _engine(rt, 4, batch=1)
+        res = engine.generate([Request(PROMPTS[1], 16, 0)])
+        runs[normed] = (res[0].tokens, res[0].acceptance.per_position)
+    rt.mtp.cfg.mtp_carry_normed_hidden = True
+    assert runs[True][0] == runs[False][0]  # lossless either way
+    assert runs[True][1][0] == runs[False][1][0]  # the first draft does not chain
+
+
+def test_head_state_protocol(spec_rt):
+    rt, _ = spec_rt
+    engine, pools = _engine(rt, 2, batch=1)
+    head = engine.head
+    assert isinstance(head, DraftProposer) and not head.needs_comm()
+    state = head.alloc_state_for(40)
+    hidden = torch.randn(6, rt.cfg.hidden_size)
+    head.prefill_drafter(torch.arange(6), hidden, state)
+    assert head.drafter_rows(state) == 5
+    with pytest.raises(CatchupMisaligned):
+        head.catchup_drafter(torch.tensor([1, 2]), hidden[:2], 3, state)
+    head.catchup_drafter(torch.tensor([1, 2]), hidden[:2], 5, state)
+    chain = head.propose(torch.tensor([4]), hidden[:1], 7, 2, state)
+    assert chain.num_drafts == 2 and head.drafter_rows(state) == 8 + 1  # one real row, one speculative
+    head.after_verify(1, state)
+    assert head.drafter_rows(state) == 8
+    with pytest.raises(ValueError):
+        head.after_verify(3, state)
+    head.free_state(state)
+    head.free_state(state)  # twice is safe
+    assert not any(pools.blocks_held().values())
+
+
+def test_ceiling_and_budget_give_the_same_tokens(spec_rt):
+    rt, _ = spec_rt
+    out = {}
+    for alloc in ("budget", "ceiling"):
+        engine, pools = _engine(rt, 3, alloc=alloc, batch=1)
+        res = engine.generate([Request(PROMPTS[1], 10, 0)])
+        out[alloc] = (res[0].tokens, res[0].state_bytes)
+    assert out["budget"][0] == out["ceiling"][0]
+    assert out["budget"][1]["drafter_mla"] < out["ceiling"][1]["drafter_mla"]
+
+
+def test_confidence_stop_is_lossless_and_shortens_chains(spec_rt):
+    rt, _ = spec_rt
+    base, _ = _engine(rt, 4, batch=1)
+    ref = base.generate([Request(PROMPTS[2], 16, 0)])[0]
+    engine, pools = _engine(rt, 4, batch=1, tau=0.999)
+    res = engine.generate([Request(PROMPTS[2], 16, 0)])[0]
+    assert res.tokens == ref.tokens
+    assert res.acceptance.proposed < ref.acceptance.proposed
+    assert engine.head.last_confidence is not None
+
+
+def test_sampling_runs_reproducibly(spec_rt):
+    rt, _ = spec_rt
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    runs = []
+    for _ in range(2):
+        engine, pools = _engine(rt, 3, sampling=params, batch=2)
+        res = engine.generate([Request(p, 12, i) for i, p in enumerate(PROMPTS[:2])], batch_size=2)
+        runs.append([r.tokens for r in res])
+        assert not any(pools.blocks_held().values())
+    assert runs[0] == runs[1]
+    assert all(0 <= t < rt.cfg.vocab_size for seq in runs[0] for t in seq)
+
+
+def test_prompt_over_the_limit_is_refused_before_allocating(spec_rt):
+    from glm5mtp_cli.errors import UserError
+
+    rt, _ = spec_rt
+    engine, pools = _engine(rt, 3, max_seq_len=32, batch=1)
+    with pytest.raises(UserError, match="max-seq-len"):
+        engine.generate([Request(list(range(30)), 8, 0)])
+    assert not any(pools.blocks_held().values())
