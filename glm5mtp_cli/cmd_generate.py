@@ -184,7 +184,8 @@ def generate_cmd(
     if stream is None:
         for r in doc["requests"]:
             out.print(f"[bold]request {r['id']}[/bold] ({r['prompt_tokens']} prompt tokens, {r['finish_reason']}):")
-            out.print(r["text"] if r["text"] is not None else r["tokens"], highlight=False, markup=False)
+            out.print(r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])),
+                      highlight=False, markup=False)
     print_tables(out, doc, acc)
 
 

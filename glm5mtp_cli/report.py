@@ -44,12 +44,14 @@ def _f(x, spec=".3f", none="-"):
 
 def acceptance_table(acc: Acceptance) -> Table:
     t = Table(title=f"acceptance (gamma {acc.gamma}, vLLM definitions)")
-    for c in ("verify steps", "proposed", "accepted", "draft acceptance rate", "mean acceptance length"):
-        t.add_column(c, justify="right")
-    for k in range(acc.gamma):
-        t.add_column(f"pos {k + 1}", justify="right")
-    t.add_row(str(acc.steps), str(acc.proposed), str(acc.accepted), _f(acc.draft_acceptance_rate),
-              _f(acc.mean_acceptance_length), *[_f(p) for p in acc.per_position])
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("verify steps", str(acc.steps))
+    t.add_row("drafts proposed / accepted", f"{acc.proposed} / {acc.accepted}")
+    t.add_row("draft acceptance rate", _f(acc.draft_acceptance_rate))
+    t.add_row("mean acceptance length", _f(acc.mean_acceptance_length))
+    for k, rate in enumerate(acc.per_position, 1):
+        t.add_row(f"acceptance at position {k}", _f(rate))
     return t
 
 
