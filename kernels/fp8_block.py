@@ -1,0 +1,181 @@
+"""Block-scaled FP8 weights (GLM-5-FP8's `weight_block_size: [128, 128]`).
+
+A weight ``w`` [M, N] in float8_e4m3fn comes with ``scale_inv`` [ceil(M/b), ceil(N/b)] fp32;
+the real weight is ``w * scale_inv`` block by block (edge blocks are partial). Two ops:
+
+- :func:`fp8_block_dequant` materialises the real weight in ``out_dtype``.
+- :func:`fp8_block_matmul` computes ``x @ dequant(w)^T`` without materialising it: the Triton
+  GEMM loads FP8 tiles, converts them exactly (every e4m3 value is a bf16 value) and applies the
+  block scale to each K-step's partial product, accumulating in fp32.
+
+Triton loads float8_e4m3fn directly, in the interpreter as well (checked with triton 3.9: every
+code but the two NaN codes 0x7F/0xFF decodes exactly there; the interpreter reads those as 480,
+which real weights never contain), so no manual uint8 decoding is needed.
+"""
+
+import torch
+
+from ._triton import alloc, interpreting, jit, next_pow2, tl, triton, use_triton
+
+
+def _expand_scale(scale_inv: torch.Tensor, m: int, n: int, block: int) -> torch.Tensor:
+    return scale_inv.float().repeat_interleave(block, 0)[:m].repeat_interleave(block, 1)[:, :n]
+
+
+def _check_scale(w: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
+    m, n = w.shape
+    want = ((m + block - 1) // block, (n + block - 1) // block)
+    assert tuple(scale_inv.shape) == want, f"scale_inv {tuple(scale_inv.shape)} should be {want}"
+
+
+def fp8_block_dequant_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """PyTorch reference: w [M, N] fp8, scale_inv [ceil(M/b), ceil(N/b)] -> [M, N] out_dtype."""
+    _check_scale(w, scale_inv, block)
+    return (w.float() * _expand_scale(scale_inv, *w.shape, block)).to(out_dtype)
+
+
+def fp8_block_matmul_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """PyTorch reference: x [..., K] @ dequant(w [N, K])^T in fp32, returned in x.dtype."""
+    wf = fp8_block_dequant_ref(w, scale_inv, block, torch.float32)
+    return (x.float() @ wf.t()).to(x.dtype)
+
+
+@jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, M, N, s_cols, BLOCK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + pid_m * s_cols + pid_n)
+    tl.store(out_ptr + offs, (w * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_block_dequant_triton(w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+                             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Triton version of :func:`fp8_block_dequant_ref`; one program per scale block."""
+    assert w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
+    assert block >= 16 and block & (block - 1) == 0, "block must be a power of two >= 16"
+    _check_scale(w, scale_inv, block)
+    assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
+    m, n = w.shape
+    out = alloc((m, n), dtype=out_dtype, device=w.device)
+    if m and n:
+        grid = (triton.cdiv(m, block), triton.cdiv(n, block))
+        _dequant_kernel[grid](w, scale_inv, out, m, n, scale_inv.shape[1], BLOCK=block, num_warps=8)
+    return out
+
+
+@jit
+def _matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, stride_xt, s_cols, TILES_PER_SPLIT,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr):
+    # BLOCK_K is the scale block and BLOCK_N divides it, so each K-step of a tile has one scale.
+    # Split-K: program (.., .., z) covers K-tiles [z * TILES_PER_SPLIT, ...) and writes slice z of
+    # out (fp32 partial sums that the wrapper adds up; with one split, out is the result itself).
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    kb_begin = pid_k * TILES_PER_SPLIT
+    kb_end = tl.minimum(kb_begin + TILES_PER_SPLIT, tl.cdiv(K, BLOCK_K))
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + (kb_begin * BLOCK_K + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + (kb_begin * BLOCK_K + offs_k)[:, None]  # w^T tile
+    s_ptrs = s_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * s_cols
+    tmask = offs_t < T
+    nmask = offs_n < N
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_begin, kb_end):
+        kmask = offs_k < K - kb * BLOCK_K
+        xa = tl.load(x_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
+        wb = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        s = tl.load(s_ptrs + kb)
+        if DOT_BF16:  # exact products (e4m3 fits in bf16), fp32 accumulation
+            part = tl.dot(xa, wb.to(tl.bfloat16))
+        else:
+            part = tl.dot(xa.to(tl.float32), wb.to(tl.float32), input_precision="ieee")
+        acc += part * s
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = out_ptr + pid_k.to(tl.int64) * T * N + offs_t[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+
+
+_TARGET_PROGRAMS = 264  # two per H200 multiprocessor (132)
+
+
+def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+                            split_k: int | None = None) -> torch.Tensor:
+    """Triton version of :func:`fp8_block_matmul_ref`: a tiled GEMM dequantising `w` on the fly.
+
+    Decode GEMMs (few rows) have too few output tiles to fill the GPU, so K is split until there
+    are about `_TARGET_PROGRAMS` programs (`split_k` overrides); the fp32 partial sums are added in
+    torch (deterministic, unlike atomics).
+    """
+    assert w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
+    assert block >= 16 and block & (block - 1) == 0, "block must be a power of two >= 16"
+    _check_scale(w, scale_inv, block)
+    assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
+    n, k = w.shape
+    assert x.shape[-1] == k, f"x width {x.shape[-1]} != weight K {k}"
+    x2 = x.reshape(-1, k)
+    assert x2.stride(-1) == 1, "x needs a unit stride in its last dimension"
+    t = x2.shape[0]
+    out = alloc((t, n), dtype=x.dtype, device=x.device)
+    if t and n:
+        block_t = 16 if t <= 16 else (32 if t <= 32 else 64)
+        block_n = min(64, block)
+        tiles = triton.cdiv(t, block_t) * triton.cdiv(n, block_n)
+        k_tiles = triton.cdiv(k, block)
+        split = split_k or max(1, min(k_tiles, _TARGET_PROGRAMS // tiles))
+        per_split = triton.cdiv(k_tiles, split)
+        split = triton.cdiv(k_tiles, per_split)  # no empty splits
+        dest = out if split == 1 else alloc((split, t, n), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n), split)
+        _matmul_kernel[grid](x2, w, scale_inv, dest, t, n, k, x2.stride(0), scale_inv.shape[1], per_split,
+                             BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block,
+                             DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(),
+                             num_warps=4, num_stages=3)
+        if split > 1:
+            out.copy_(dest.sum(0))
+    return out.reshape(*x.shape[:-1], n)
+
+
+def fp8_block_dequant(w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+                      out_dtype: torch.dtype = torch.bfloat16, force_triton: bool = False) -> torch.Tensor:
+    """Dequantise a block-scaled FP8 weight.
+
+    Args:
+        w: [M, N] float8_e4m3fn.
+        scale_inv: [ceil(M/block), ceil(N/block)] fp32, multiplied into each block.
+        block: scale block side (128 for GLM-5-FP8).
+        out_dtype: dtype of the result.
+        force_triton: run the Triton kernel in the interpreter (tests only).
+    Returns:
+        [M, N] tensor in out_dtype.
+    """
+    if use_triton(w, scale_inv, force=force_triton):
+        return fp8_block_dequant_triton(w, scale_inv, block, out_dtype)
+    return fp8_block_dequant_ref(w, scale_inv, block, out_dtype)
+
+
+def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+                     force_triton: bool = False) -> torch.Tensor:
+    """``x @ dequant(w)^T`` for a block-scaled FP8 weight (a Linear without bias).
+
+    Args:
+        x: [..., K] activations (bf16 or fp32).
+        w: [N, K] float8_e4m3fn.
+        scale_inv: [ceil(N/block), ceil(K/block)] fp32.
+        block: scale block side.
+        force_triton: run the Triton kernel in the interpreter (tests only).
+    Returns:
+        [..., N] in x.dtype.
+    """
+    if use_triton(x, w, scale_inv, force=force_triton):
+        return fp8_block_matmul_triton(x, w, scale_inv, block)
+    return fp8_block_matmul_ref(x, w, scale_inv, block)

@@ -1,0 +1,84 @@
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+Semantics (Hugging Face's): ``y = (xf * rsqrt(mean(xf^2) + eps)).to(x.dtype) * weight`` with
+``xf = x.float()``; the cast back to the input dtype comes BEFORE the weight product, and the
+output dtype is ``torch.promote_types(x.dtype, weight.dtype)``. With ``residual`` the input is
+``h = x + residual`` (added, then rounded, in ``x.dtype``) and the result is ``(y, h)``.
+"""
+
+import torch
+
+from ._triton import alloc, jit, next_pow2, tl, use_triton
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """PyTorch reference. Returns y, or (y, x + residual) when `residual` is given."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return y if residual is None else (y, h)
+
+
+@jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, N, stride_x, stride_r, eps,
+                    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)  # rounded like torch's add in x.dtype
+        tl.store(h_ptr + row * N + offs, h, mask=mask)
+        x = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Triton version of :func:`rmsnorm_ref` (same arguments and results); one program per row.
+
+    `x` and `residual` may be strided views (say the latent slice of a fused projection) as long
+    as they flatten to rows with a unit last stride; the outputs are contiguous.
+    """
+    n = x.shape[-1]
+    assert weight.shape == (n,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} vs width {n}"
+    x2 = x.reshape(-1, n)  # a view when the leading dims flatten, else a copy
+    assert x2.stride(-1) == 1, "x needs a unit stride in its last dimension"
+    r2 = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+        r2 = residual.reshape(-1, n)
+        assert r2.stride(-1) == 1, "residual needs a unit stride in its last dimension"
+    rows = x2.shape[0]
+    y = alloc(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    h = alloc(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    if rows:
+        block = next_pow2(n)
+        _rmsnorm_kernel[(rows,)](x2, r2 if r2 is not None else x2, weight, y,
+                          h if h is not None else y, n, x2.stride(0),
+                          r2.stride(0) if r2 is not None else 0, eps,
+                          HAS_RES=residual is not None, BLOCK_N=block,
+                          num_warps=min(16, max(1, block // 512)))
+    return y if residual is None else (y, h)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            force_triton: bool = False):
+    """RMSNorm over the last dimension (fused with a residual add when `residual` is given).
+
+    Args:
+        x: [..., N] activations.
+        weight: [N] scale.
+        eps: added to the mean square.
+        residual: optional [..., N] tensor added to `x` first.
+        force_triton: run the Triton kernel in the interpreter (tests only).
+    Returns:
+        y, or (y, x + residual).
+    """
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if use_triton(*tensors, force=force_triton):
+        return rmsnorm_triton(x, weight, eps, residual)
+    return rmsnorm_ref(x, weight, eps, residual)

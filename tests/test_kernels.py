@@ -1,0 +1,407 @@
+"""Each Triton kernel against its PyTorch reference, plus the references' own semantics.
+
+Triton's interpreter must be switched on (``TRITON_INTERPRET=1``) before the process first
+imports ``triton``: its standard library is decorated at import. Another test module may already
+have imported it, so the interpreter comparisons run in a fresh subprocess: this file, executed
+as a script, runs every case in ``CASES`` and prints one JSON line of results that the
+``test_interpreter_*`` tests read. On a CUDA machine the same cases also run in-process, compiled,
+at larger shapes. Outputs are NaN-poisoned before every launch (``KERNELS_POISON_OUTPUTS``), so
+an element a kernel never writes fails the comparison.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kernels import _triton  # noqa: E402
+from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_block_matmul,  # noqa: E402
+                               fp8_block_matmul_ref, fp8_block_matmul_triton)
+from kernels.indexer import indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
+from kernels.mla_decode import mla_decode_attention, mla_decode_attention_ref  # noqa: E402
+from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
+from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases: each builds fresh random inputs on `device` at small (interpreter) or big (GPU) shapes and
+# returns (got, want) or (got, want, relative tolerance), got from the Triton path.
+
+
+def _rand(*shape, device, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+
+def _fp8(n, k, device, block=128):
+    w = _rand(n, k, device=device, scale=40.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand((n + block - 1) // block, (k + block - 1) // block, device=device) * 0.02 + 0.001
+    return w, s
+
+
+def case_rmsnorm(device, big):
+    shape = (8, 6144) if big else (2, 3, 96)
+    x, w = _rand(*shape, device=device), _rand(shape[-1], device=device)
+    return rmsnorm(x, w, 1e-5, force_triton=True), rmsnorm_ref(x, w, 1e-5)
+
+
+def case_rmsnorm_bf16_residual(device, big):
+    shape = (8, 6144) if big else (5, 200)
+    x, r = _rand(*shape, device=device, dtype=BF16), _rand(*shape, device=device, dtype=BF16)
+    w = _rand(shape[-1], device=device, dtype=BF16)
+    return rmsnorm(x, w, 1e-5, r, force_triton=True), rmsnorm_ref(x, w, 1e-5, r)
+
+
+def case_rmsnorm_strided_fp32_weight(device, big):
+    # the latent slice of a fused [latent | rope] projection, normalised in place of a copy
+    lat, rope = (512, 64) if big else (40, 16)
+    fused = _rand(7, lat + rope, device=device, dtype=BF16)
+    x, w = fused[:, :lat], _rand(lat, device=device)
+    # fp32 output, but the normalised value is rounded to bf16 before the weight: bf16 tolerance
+    return rmsnorm(x, w, 1e-6, force_triton=True), rmsnorm_ref(x, w, 1e-6), 1e-2
+
+
+def case_rope_3d(device, big):
+    t, h, d = (8, 64, 64) if big else (3, 5, 12)
+    x = _rand(t, h, d, device=device)
+    cos, sin = _rand(t, d // 2, device=device), _rand(t, d // 2, device=device)
+    return rope_interleaved(x, cos, sin, force_triton=True), rope_interleaved_ref(x, cos, sin)
+
+
+def case_rope_2d_bf16(device, big):
+    t, d = (8, 64) if big else (4, 10)
+    x = _rand(t, d, device=device, dtype=BF16)
+    cos, sin = _rand(t, d // 2, device=device), _rand(t, d // 2, device=device)
+    return rope_interleaved(x, cos, sin, force_triton=True), rope_interleaved_ref(x, cos, sin)
+
+
+def case_rope_strided_slice(device, big):
+    t, h, nope, d = (8, 64, 192, 64) if big else (3, 20, 6, 8)  # q[..., nope:] as the model slices it
+    q = _rand(t, h, nope + d, device=device, dtype=BF16)
+    cos, sin = _rand(t, d // 2, device=device), _rand(t, d // 2, device=device)
+    x = q[..., nope:]
+    return rope_interleaved(x, cos, sin, force_triton=True), rope_interleaved_ref(x, cos, sin)
+
+
+def case_fp8_dequant(device, big):
+    m, n = (2100, 6100) if big else (200, 150)
+    w, s = _fp8(m, n, device)
+    return (fp8_block_dequant(w, s, 128, torch.float32, force_triton=True),
+            fp8_block_dequant_ref(w, s, 128, torch.float32))
+
+
+def case_fp8_dequant_bf16_block32(device, big):
+    m, n = (1000, 700) if big else (70, 45)
+    w, s = _fp8(m, n, device, block=32)
+    return fp8_block_dequant(w, s, 32, BF16, force_triton=True), fp8_block_dequant_ref(w, s, 32, BF16)
+
+
+def case_fp8_all_codes(device, big):
+    # every float8_e4m3fn code except the two NaNs (the interpreter reads those as 480)
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8).to(device)
+    w = torch.cat([codes, codes[:2]]).view(torch.float8_e4m3fn).reshape(2, 128)
+    s = torch.ones(1, 1, device=device)
+    return (fp8_block_dequant(w, s, 128, torch.float32, force_triton=True),
+            fp8_block_dequant_ref(w, s, 128, torch.float32))
+
+
+def case_fp8_matmul_fp32(device, big):
+    t, n, k = (8, 2100, 6144) if big else (5, 200, 300)
+    x = _rand(t, k, device=device)
+    w, s = _fp8(n, k, device)
+    return fp8_block_matmul(x, w, s, force_triton=True), fp8_block_matmul_ref(x, w, s)
+
+
+def case_fp8_matmul_bf16(device, big):
+    lead, n, k = ((3, 40), 6144, 2048) if big else ((2, 3), 70, 130)
+    x = _rand(*lead, k, device=device, dtype=BF16)
+    w, s = _fp8(n, k, device)
+    return fp8_block_matmul(x, w, s, force_triton=True), fp8_block_matmul_ref(x, w, s)
+
+
+def case_fp8_matmul_no_split(device, big):
+    t, n, k = (8, 4096, 4096) if big else (3, 130, 260)
+    x = _rand(t, k, device=device, dtype=BF16)
+    w, s = _fp8(n, k, device)
+    return fp8_block_matmul_triton(x, w, s, split_k=1), fp8_block_matmul_ref(x, w, s)
+
+
+def case_fp8_matmul_prefill_bf16(device, big):
+    t, n, k = (300, 2048, 6144) if big else (40, 64, 256)  # several row tiles
+    x = _rand(t, k, device=device, dtype=BF16)
+    w, s = _fp8(n, k, device)
+    return fp8_block_matmul(x, w, s, force_triton=True), fp8_block_matmul_ref(x, w, s)
+
+
+def case_indexer_scores(device, big):
+    s, hi, d, t = (4, 32, 128, 5000) if big else (3, 5, 24, 50)
+    q, k, w = _rand(s, hi, d, device=device), _rand(t, d, device=device), _rand(s, hi, device=device)
+    off = t - s - 7  # the last keys are in the future of every query
+    return (indexer_scores(q, k, w, off, d ** -0.5, force_triton=True),
+            indexer_scores_ref(q, k, w, off, d ** -0.5))
+
+
+def case_indexer_scores_bf16_chunks(device, big):
+    s, hi, d, t = (20, 32, 128, 3000) if big else (11, 4, 16, 40)  # > 8 queries: two query chunks
+    q, k = _rand(s, hi, d, device=device, dtype=BF16), _rand(t, d, device=device, dtype=BF16)
+    w = _rand(s, hi, device=device, dtype=BF16)
+    off = t - s
+    return (indexer_scores(q, k, w, off, 0.1, force_triton=True), indexer_scores_ref(q, k, w, off, 0.1))
+
+
+def _mla_inputs(device, big, dtype, s=3):
+    h, lkv, r, t = (64, 512, 64, 5000) if big else (20, 40, 8, 70)
+    qn = _rand(s, h, lkv, device=device, dtype=dtype, scale=0.5)
+    qr = _rand(s, h, r, device=device, dtype=dtype, scale=0.5)
+    kv = _rand(t, lkv + r, device=device, dtype=dtype)
+    return qn, qr, kv, t, (lkv + r) ** -0.5
+
+
+def case_mla_dense(device, big):
+    qn, qr, kv, t, scale = _mla_inputs(device, big, torch.float32)
+    off = t - 10
+    return (mla_decode_attention(qn, qr, kv, None, off, scale, force_triton=True),
+            mla_decode_attention_ref(qn, qr, kv, None, off, scale))
+
+
+def case_mla_dense_no_visible_key(device, big):
+    qn, qr, kv, t, scale = _mla_inputs(device, big, torch.float32)
+    return (mla_decode_attention(qn, qr, kv, None, -1, scale, force_triton=True),  # query 0 sees nothing
+            mla_decode_attention_ref(qn, qr, kv, None, -1, scale))
+
+
+def case_mla_indexed(device, big):
+    qn, qr, kv, t, scale = _mla_inputs(device, big, torch.float32, s=4)
+    k = 2048 if big else 45
+    off = t - 4
+    idx = torch.stack([torch.randperm(t, device=device)[:k] for _ in range(4)])
+    idx[:, -5:] = -1  # padding
+    idx[1, 0] = off + 3  # a future position for query 1 (masked), allowed for query 3
+    return (mla_decode_attention(qn, qr, kv, idx, off, scale, force_triton=True),
+            mla_decode_attention_ref(qn, qr, kv, idx, off, scale))
+
+
+def case_mla_indexed_bf16(device, big):
+    qn, qr, kv, t, scale = _mla_inputs(device, big, BF16, s=2)
+    k = 2048 if big else 33
+    idx = torch.stack([torch.randperm(t, device=device)[:k] for _ in range(2)]).to(torch.int32)
+    return (mla_decode_attention(qn, qr, kv, idx, t - 2, scale, force_triton=True),
+            mla_decode_attention_ref(qn, qr, kv, idx, t - 2, scale))
+
+
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def check_close(got, want, rel=None) -> None:
+    """Assert got == want within `rel` (default: by output dtype); NaN (unwritten) always fails."""
+    if isinstance(want, tuple):
+        assert isinstance(got, tuple) and len(got) == len(want)
+        for g, w in zip(got, want):
+            check_close(g, w, rel)
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    assert not got.isnan().any(), "NaN in the output (an element left unwritten?)"
+    finite = want.float()[torch.isfinite(want)]
+    peak = finite.abs().max().item() if finite.numel() else 1.0
+    # bf16: one or two ulps (the interpreter truncates fp32 -> bf16); fp32: 1e-5 (1e-4 compiled)
+    if rel is None:
+        rel = 1e-2 if want.dtype == BF16 else (1e-5 if not got.is_cuda else 1e-4)
+    torch.testing.assert_close(got.float(), want.float(), rtol=rel, atol=rel * peak)
+
+
+# Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array_of_shape_(1,))`,
+# which NumPy >= 2.4 refuses (TypeError "only 0-dimensional arrays ..."); triton 3.9 squeezes
+# first. Kernels with such loops cannot run in that interpreter: those cases are skipped there
+# (on such a machine the compiled CUDA cases still cover them).
+_OLD_INTERPRETER_ERROR = "only 0-dimensional arrays can be converted to Python scalars"
+
+
+def run_cases(device: str, big: bool) -> dict:
+    results = {}
+    for name, fn in CASES.items():
+        torch.manual_seed(zlib.crc32(name.encode()))
+        try:
+            check_close(*fn(device, big))
+            results[name] = "ok"
+        except Exception as exc:  # reported, per case, to the parent test
+            results[name] = f"{type(exc).__name__}: {exc}"
+            if device == "cpu" and _OLD_INTERPRETER_ERROR in str(exc):
+                results[name] = "skip: this triton's interpreter cannot run runtime loop bounds with this NumPy"
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton vs reference
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    if not _triton.HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", KERNELS_POISON_OUTPUTS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreter_matches_reference(interpreter_results, name):
+    if interpreter_results[name].startswith("skip: "):
+        pytest.skip(interpreter_results[name][len("skip: "):])
+    assert interpreter_results[name] == "ok", interpreter_results[name]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and _triton.HAVE_TRITON), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cuda_matches_reference(monkeypatch, name):
+    monkeypatch.setattr(_triton, "POISON_OUTPUTS", True)
+    torch.manual_seed(0)
+    check_close(*CASES[name]("cuda", True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch and packaging
+
+
+def test_dispatch_picks_reference_on_cpu(monkeypatch):
+    import kernels.fp8_block as f
+    import kernels.indexer as i
+    import kernels.mla_decode as m
+    import kernels.rmsnorm as r
+    import kernels.rope as p
+
+    def boom(*args, **kwargs):
+        raise AssertionError("Triton path taken for CPU tensors")
+
+    for mod, name in [(r, "rmsnorm_triton"), (p, "rope_interleaved_triton"), (f, "fp8_block_dequant_triton"),
+                      (f, "fp8_block_matmul_triton"), (i, "indexer_scores_triton"),
+                      (m, "mla_decode_attention_triton")]:
+        monkeypatch.setattr(mod, name, boom)
+    x, w = torch.randn(3, 16), torch.randn(16)
+    assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
+    cs = torch.randn(3, 8)
+    assert torch.equal(rope_interleaved(x, cs, cs), rope_interleaved_ref(x, cs, cs))
+    wq, s = _fp8(16, 16, "cpu")
+    assert torch.equal(fp8_block_dequant(wq, s), fp8_block_dequant_ref(wq, s))
+    assert torch.equal(fp8_block_matmul(x, wq, s), fp8_block_matmul_ref(x, wq, s))
+    q, k, iw = torch.randn(2, 3, 16), torch.randn(5, 16), torch.randn(2, 3)
+    assert torch.equal(indexer_scores(q, k, iw, 3, 0.5), indexer_scores_ref(q, k, iw, 3, 0.5))
+    qn, qr, kv = torch.randn(2, 4, 8), torch.randn(2, 4, 4), torch.randn(6, 12)
+    assert torch.equal(mla_decode_attention(qn, qr, kv, None, 4, 0.3),
+                       mla_decode_attention_ref(qn, qr, kv, None, 4, 0.3))
+
+
+def test_force_triton_without_interpreter_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="force_triton"):
+        rmsnorm(torch.randn(2, 8), torch.randn(8), 1e-5, force_triton=True)
+
+
+def test_kernels_import_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+            "import torch, kernels\n"
+            "from kernels.rmsnorm import rmsnorm\n"
+            "from kernels.mla_decode import mla_decode_attention\n"
+            "import kernels.fp8_block, kernels.indexer, kernels.rope\n"
+            "assert kernels.HAVE_TRITON is False and not hasattr(kernels, '__version__')\n"
+            "print(rmsnorm(torch.ones(2, 4), torch.ones(4), 1e-5).sum().item())\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert abs(float(proc.stdout.strip()) - 8.0) < 1e-3
+
+
+def test_poisoned_alloc_is_nan(monkeypatch):
+    monkeypatch.setattr(_triton, "POISON_OUTPUTS", True)
+    assert _triton.alloc((3, 5), torch.bfloat16, "cpu").isnan().all()
+
+
+# ----------------------------------------------------------------------------------------------
+# The references' semantics, pinned independently
+
+
+def test_rmsnorm_ref_casts_before_weight():
+    x = torch.randn(4, 64).to(BF16)
+    w = (torch.randn(64) * 3).to(BF16)
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(BF16)
+    assert torch.equal(rmsnorm_ref(x, w, 1e-5), normed * w)
+    assert rmsnorm_ref(x, w.float(), 1e-5).dtype == torch.float32  # promoted, like HF with an fp32 weight
+    r = torch.randn(4, 64).to(BF16)
+    y, h = rmsnorm_ref(x, w, 1e-5, r)
+    assert torch.equal(h, x + r) and torch.equal(y, rmsnorm_ref(x + r, w, 1e-5))
+
+
+def test_rope_ref_layout():
+    # pair 0 (1, 2) turned by 90 degrees -> (-2, 1); pair 1 (3, 4) by 0 -> (3, 4); output
+    # [rotated evens | rotated odds] = [-2, 3, 1, 4]
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    out = rope_interleaved_ref(x, torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 0.0]]))
+    assert torch.equal(out, torch.tensor([[-2.0, 3.0, 1.0, 4.0]]))
+
+
+def test_rope_ref_matches_complex_rotation():
+    x = torch.randn(5, 3, 16)
+    ang = torch.randn(5, 8, dtype=torch.float64)
+    z = torch.view_as_complex(x.double().reshape(5, 3, 8, 2)) * torch.polar(torch.ones_like(ang), ang)[:, None]
+    out = rope_interleaved_ref(x, ang.cos().float(), ang.sin().float())
+    torch.testing.assert_close(out, torch.cat([z.real, z.imag], -1).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_dequant_ref_partial_blocks():
+    w, s = _fp8(130, 260, "cpu")
+    d = fp8_block_dequant_ref(w, s, 128, torch.float32)
+    for i, j in [(0, 0), (129, 259), (127, 128), (128, 127), (64, 256)]:
+        assert d[i, j] == w[i, j].float() * s[i // 128, j // 128]
+
+
+def test_indexer_scores_ref_explicit_and_topk():
+    q, k, w = torch.randn(2, 3, 8), torch.randn(6, 8), torch.randn(2, 3)
+    sc = indexer_scores_ref(q, k, w, 2, 0.25)
+    for s in range(2):
+        for t in range(6):
+            want = sum(w[s, h] * torch.relu(q[s, h] @ k[t]) for h in range(3)) * 0.25
+            if t > 2 + s:
+                assert sc[s, t] == float("-inf")
+            else:
+                torch.testing.assert_close(sc[s, t], want)
+    idx = indexer_topk(sc, 5)
+    assert idx.shape == (2, 5)
+    assert torch.equal(idx[:, :3], torch.topk(sc, 5).indices[:, :3])
+    assert (idx[0, 3:] == -1).all() and idx[1, 4] == -1 and idx[1, 3] != -1  # masked picks -> -1
+
+
+def test_mla_ref_matches_naive_loop():
+    s_len, h, lkv, r, t, off, scale = 3, 4, 16, 8, 10, 6, 0.3
+    qn, qr, kv = torch.randn(s_len, h, lkv), torch.randn(s_len, h, r), torch.randn(t, lkv + r)
+    idx = torch.tensor([[0, 3, -1, 8], [9, 1, 2, -1], [5, 0, 4, 7]])
+    for index in (None, idx):
+        out = mla_decode_attention_ref(qn, qr, kv, index, off, scale)
+        for s in range(s_len):
+            keys = range(t) if index is None else [int(p) for p in index[s] if p >= 0]
+            keys = [p for p in keys if p <= off + s]
+            for hh in range(h):
+                sc = torch.stack([(qn[s, hh] @ kv[p, :lkv] + qr[s, hh] @ kv[p, lkv:]) * scale for p in keys])
+                want = (torch.softmax(sc, 0)[:, None] * kv[keys, :lkv]).sum(0)
+                torch.testing.assert_close(out[s, hh], want)
+    full = torch.arange(t).expand(s_len, t).contiguous()
+    torch.testing.assert_close(mla_decode_attention_ref(qn, qr, kv, full, off, scale),
+                               mla_decode_attention_ref(qn, qr, kv, None, off, scale))
+    assert (mla_decode_attention_ref(qn, qr, kv, None, -1, scale)[0] == 0).all()
+
+
+if __name__ == "__main__":  # the interpreter worker (see the module docstring)
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through the tests, or set TRITON_INTERPRET=1"
+    print(json.dumps(run_cases("cpu", big=False)))
