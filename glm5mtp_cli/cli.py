@@ -56,7 +56,14 @@ def command(name: str, fn) -> None:
 
 def _register() -> None:
     """Commands live one module each (cmd_*.py); registering them here keeps one entry point."""
-    # (commands are registered below as they land)
+    from . import cmd_generate, cmd_info, cmd_init, cmd_leakcheck, cmd_profile, cmd_train
+
+    command("generate", cmd_generate.generate_cmd)
+    command("profile", cmd_profile.profile_cmd)
+    command("leak-check", cmd_leakcheck.leakcheck_cmd)
+    command("info", cmd_info.info_cmd)
+    command("init-random", cmd_init.init_random_cmd)
+    command("train", cmd_train.train_cmd)
 
 
 _register()

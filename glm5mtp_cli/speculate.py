@@ -335,24 +335,28 @@ class SpecEngine:
         return out
 
     def _release(self, s: _Seq) -> None:
-        """Give back every per-sequence allocation; safe to call twice (finish, then finally)."""
-        if self.inject_leak not in ("target_mla", "target_indexer", "target"):
-            s.cache.release()
-        elif not s.cache.released:
-            # leak-check's self-test: keep the named component's blocks, free the rest
-            keep = s.cache.mla if self.inject_leak in ("target_mla", "target") else s.cache.indexer
-            for rows in (s.cache.mla, s.cache.indexer):
-                if rows is not keep:
-                    rows.release()
-            s.cache.released = True
+        """Give back every per-sequence allocation; safe to call twice (finish, then finally).
+
+        inject_leak (leak-check's self-test) names one component whose blocks are not given back.
+        """
+        self._release_cache(s.cache, "target")
         if s.state is not None and self.head is not None:
-            if self.inject_leak in ("drafter_mla", "drafter_indexer", "drafter") and s.state.cache is not None:
-                keep = s.state.cache.mla if self.inject_leak in ("drafter_mla", "drafter") else s.state.cache.indexer
-                for rows in (s.state.cache.mla, s.state.cache.indexer):
-                    if rows is not keep:
-                        rows.release()
+            if s.state.cache is not None:
+                self._release_cache(s.state.cache, "drafter")
                 s.state.cache = None
             self.head.free_state(s.state)
+
+    def _release_cache(self, cache: SequenceCache, owner: str) -> None:
+        if cache.released:
+            return
+        if self.inject_leak in (f"{owner}_mla", f"{owner}_indexer"):
+            leaked = cache.mla if self.inject_leak.endswith("_mla") else cache.indexer
+            for rows in (cache.mla, cache.indexer):
+                if rows is not leaked and rows is not None:
+                    rows.release()
+            cache.released = True
+        else:
+            cache.release()
 
 
 def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:

@@ -1,0 +1,61 @@
+"""leak-check: clean on every lifecycle; each injected component leak caught and named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from glm5mtp_cli.cli import app
+from glm5mtp_cli.writer import init_random
+
+COMPONENTS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    init_random("glm5-tiny", out, seed=1, dtype=torch.float32)
+    return str(out)
+
+
+def _run(*args):
+    return CliRunner().invoke(app, ["leak-check", *args])
+
+
+def test_clean_run_covers_every_lifecycle(tiny):
+    r = _run("--model", tiny, "--device", "cpu", "--sequences", "8", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == "clean" and doc["leaked_bytes_per_sequence"] == {}
+    assert {s["finish_reason"] for s in doc["sequences"]} == {"length", "eos", "cancelled", "failed"}
+    assert all(s["finish_reason"] == s["lifecycle"] for s in doc["sequences"])
+    assert all(v == 0 for s in doc["sequences"] for v in s["blocks_held"].values())
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_injected_leak_is_caught_and_named(tiny, component):
+    r = _run("--model", tiny, "--device", "cpu", "--sequences", "4", "--inject-leak", component, "--json")
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == "leak"
+    assert set(doc["leaked_bytes_per_sequence"]) == {component}  # only the named component leaks
+    assert doc["leaked_bytes_per_sequence"][component] > 0
+    assert component in r.stderr and "Traceback" not in r.output
+
+
+def test_ceiling_leak_is_caught_in_table_mode(tiny):
+    r = _run("--model", tiny, "--device", "cpu", "--sequences", "4", "--alloc", "ceiling",
+             "--inject-leak", "drafter_indexer")
+    assert r.exit_code == 1
+    assert "leak: drafter_indexer" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["--inject-leak", "drafter"], ["--inject-leak", "bogus"], ["--sequences", "0"],
+                                  ["--max-seq-len", "0"], ["--max-seq-len", "-5"], ["--alloc", "nope"]])
+def test_bad_flags_one_line(tiny, args):
+    r = _run("--model", tiny, "--device", "cpu", *args)
+    assert r.exit_code == 2
+    assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1

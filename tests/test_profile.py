@@ -1,0 +1,79 @@
+"""profile: budget vs ceiling sizing, predicted == measured on the ledger, glm5 predict-only numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from glm5mtp_cli.cli import app
+from glm5mtp_cli.writer import init_random
+
+CACHES = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    init_random("glm5-tiny", out, seed=1, dtype=torch.float32)
+    return str(out)
+
+
+def _run(*args):
+    return CliRunner().invoke(app, ["profile", *args])
+
+
+def _rows(doc):
+    return {(r["max_seq_len"], r["policy"]): r for r in doc["rows"]}
+
+
+def test_measured_budget_and_ceiling(tiny):
+    r = _run("--model", tiny, "--device", "cpu", "--max-seq-len", "256,1024", "--budget", "64",
+             "--repeats", "1", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    rows = _rows(doc)
+    # budget follows the request, ceiling follows --max-seq-len
+    b256, b1024 = rows[(256, "budget")], rows[(1024, "budget")]
+    c256, c1024 = rows[(256, "ceiling")], rows[(1024, "ceiling")]
+    for comp in CACHES:
+        assert b256["measured_per_sequence_bytes"][comp] == b1024["measured_per_sequence_bytes"][comp] > 0
+        assert c1024["measured_per_sequence_bytes"][comp] == 4 * c256["measured_per_sequence_bytes"][comp]
+    # predicted vs measured on the CPU ledger, within 2%
+    for row in doc["rows"]:
+        for comp in CACHES:
+            p, m = row["per_sequence_bytes"][comp], row["measured_per_sequence_bytes"][comp]
+            assert abs(p - m) <= 0.02 * m, (row["max_seq_len"], row["policy"], comp, p, m)
+        lat = row["latency_ms"]
+        assert lat["verify_ms"] > 0 and lat["propose_per_draft_ms"] > 0 and lat["step_ms"] > 0
+        assert row["per_sequence_bytes"]["cuda_graphs"] == 0
+    assert doc["weights_bytes"] == doc["weights_bytes_measured"] > 0
+    assert abs(doc["weights_bytes_predicted"] - doc["weights_bytes_measured"]) <= 0.02 * doc["weights_bytes_measured"]
+
+
+def test_predict_only_glm5_matches_reference():
+    r = _run("--model", "glm5", "--predict-only", "--max-seq-len", "4096,131072", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["bytes_per_token"]["drafter_mla"] == 1152  # one layer, bf16 MLA (REFERENCE section 5)
+    assert doc["bytes_per_token"]["target_mla"] == 1152 * doc["model_layers"]
+    row = _rows(doc)[(131072, "ceiling")]
+    assert abs(row["per_sequence_bytes"]["drafter_mla"] - 151e6) < 0.01 * 151e6
+    assert 17e6 <= row["per_sequence_bytes"]["drafter_indexer"] <= 34.5e6
+    assert row["measured_per_sequence_bytes"] is None and row["latency_ms"] is None
+    assert _rows(doc)[(131072, "budget")]["per_sequence_bytes"]["total"] < row["per_sequence_bytes"]["total"] / 50
+
+
+def test_plot_without_matplotlib_falls_back(tmp_path):
+    r = _run("--model", "glm5", "--predict-only", "--max-seq-len", "4096", "--plot", str(tmp_path / "p.png"))
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("args", [["--max-seq-len", "0"], ["--max-seq-len", "-4096"], ["--max-seq-len", "abc"],
+                                  ["--max-seq-len", "1024", "--budget", "2048"], ["--gpu-mem", "lots"]])
+def test_bad_flags_one_line(args):
+    r = _run("--model", "glm5", "--predict-only", *args)
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
