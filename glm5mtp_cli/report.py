@@ -100,3 +100,19 @@ def print_tables(console: Console, doc: dict, acc: Acceptance) -> None:
         console.print(t)
         if not cmp["same_tokens"]:
             console.print("[red]speculative output differs from gamma 0[/red]")
+
+
+def conversation_table(doc: dict) -> Table:
+    c = doc["carry"]
+    t = Table(title=f"conversations, carry {c['mode']} (evictions {c['evictions']}; "
+                    f"same tokens as no carry: {c['same_tokens_as_no_carry']})")
+    for col in ("chat", "turn", "prompt", "target rows prefilled", "drafter rows prefilled", "rows carried",
+                "TTFT ms", "TTFT ms, no carry"):
+        t.add_column(col, justify="right")
+    for ci, conv in enumerate(doc["conversations"]):
+        for ti, turn in enumerate(conv["turns"]):
+            t.add_row(str(ci), str(ti + 1), str(turn["prompt_tokens"]), str(turn["prefilled_target_rows"]),
+                      str(turn["prefilled_drafter_rows"]),
+                      f"{turn['carried_rows']} / {turn['carried_drafter_rows']}",
+                      f"{turn['ttft_ms']:.1f}", f"{turn['ttft_ms_no_carry']:.1f}")
+    return t

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CachePools, SequenceCache
+from .carry import Carry, CarryPlan, plan
 from .config import ModelConfig
 from .errors import UserError
 from .metrics import Acceptance
@@ -31,6 +32,8 @@ class Request:
     request_id: int = 0
     cancel_after_steps: int | None = None  # leak-check: stop mid-way as a client would
     fail_at_step: int | None = None  # leak-check: raise inside a verify step
+    carry: Carry | None = None  # the previous turn's caches of this conversation (consumed)
+    carry_mode: str = "none"  # what to hand back for the next turn: none | drafter | all
 
 
 @dataclass
@@ -47,6 +50,11 @@ class SeqResult:
     verify_s: list[float] = field(default_factory=list)
     trace: list[dict] = field(default_factory=list)
     state_bytes: dict[str, int] = field(default_factory=dict)
+    prefilled_target_rows: int = 0
+    prefilled_drafter_rows: int = 0
+    carried_target_rows: int = 0
+    carried_drafter_rows: int = 0
+    carry_out: Carry | None = None
 
 
 class InjectedFailure(RuntimeError):
@@ -81,6 +89,7 @@ class _Seq:
     out: list[int]
     acc: Acceptance
     t0: object
+    all_tokens: list[int] = field(default_factory=list)  # prompt + every accepted token (untruncated)
     last: int = 0  # t[n]: newest accepted token, not yet in the target cache
     pend_tokens: torch.Tensor | None = None
     pend_hidden: torch.Tensor | None = None
@@ -192,27 +201,80 @@ class SpecEngine:
 
     def _fill(self, seq: _Seq) -> None:
         req = seq.req
+        start = self._install_carry(seq) if req.carry is not None else CarryPlan(0, 0)
         seq.cache.reserve(self.reserve_tokens(req))
-        if self.head is not None:
-            seq.state = (self.head.alloc_state_for(self.budget_tokens(req)) if self.alloc == "budget"
-                         else self.head.alloc_state())
+        if self.head is not None and seq.state is None:
+            seq.state = self._alloc_state(req)
         state_bytes = self._state_bytes(seq)
         prompt = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
-        logits, hiddens = self.prefill(prompt, seq.cache)
+        p = len(req.prompt)
+        logits, hiddens = self.prefill(prompt[start.target_start:], seq.cache)
         first, _ = choose(logits[None], self.sampling, self.gen)
         seq.last = int(first.item())
         t1 = self.clock.now()
+        d = 0
         if seq.state is not None:
-            self.head.prefill_drafter(prompt, hiddens, seq.state)
+            d = self.head.drafter_rows(seq.state)
+            # rows d..P-2: (t[i+1], h[i]); hiddens[k] is h[target_start + k]
+            self.head.catchup_drafter(prompt[d + 1:], hiddens[d - start.target_start: p - 1 - start.target_start],
+                                      d, seq.state)
             seq.pend_tokens = first.reshape(1)
             seq.pend_hidden = hiddens[-1:]
         seq.out.append(seq.last)
+        seq.all_tokens = list(req.prompt) + [seq.last]
         seq.res = SeqResult(req.request_id, len(req.prompt), seq.out, "", seq.acc, 0.0, 0.0, 0.0,
-                            state_bytes=state_bytes)
+                            state_bytes=state_bytes, prefilled_target_rows=p - start.target_start,
+                            prefilled_drafter_rows=max(p - 1 - d, 0) if seq.state is not None else 0,
+                            carried_target_rows=start.target_start, carried_drafter_rows=d)
         seq.marks.append(("prefill", seq.t0, t1))
         self._maybe_finish(seq)
         if self.on_tokens is not None:
             self.on_tokens(req.request_id, list(seq.out))
+
+    def _alloc_state(self, req: Request) -> ProposerState:
+        if self.alloc == "budget":
+            return self.head.alloc_state_for(self.budget_tokens(req))
+        return self.head.alloc_state()
+
+    def _install_carry(self, seq: _Seq) -> CarryPlan:
+        """Move the previous turn's caches into this sequence, trimmed to what the prompt reuses."""
+        carry, seq.req.carry = seq.req.carry, None
+        try:
+            plan_ = plan(carry, seq.req.prompt, with_target=carry.target is not None)
+            if carry.target is not None:
+                seq.cache = carry.target  # the fresh cache holds no blocks yet
+                carry.target = None
+                seq.cache.truncate(plan_.target_start)
+            if carry.drafter is not None and self.head is not None:
+                kv, carry.drafter = carry.drafter, None
+                kv.cache.truncate(plan_.drafter_rows)
+                kv.rows = plan_.drafter_rows
+                kv.tokens = kv.tokens[: plan_.drafter_rows]
+                seq.state = self._alloc_state(seq.req)
+                self.head.install_drafter_kv(kv, seq.state)
+            else:
+                plan_.drafter_rows = 0
+            return plan_
+        finally:
+            if self.head is not None:
+                carry.release(self.head)  # anything not installed
+            elif carry.target is not None:
+                carry.target.release()
+
+    def _hand_back_carry(self, s: _Seq) -> None:
+        """End of a turn kept for the next: feed the drafter its pending real rows, then move the
+        caches out of the sequence so _release leaves them alone."""
+        mode = s.req.carry_mode
+        drafter = None
+        if s.state is not None and s.state.cache is not None:
+            self.head.catchup_drafter(s.pend_tokens, s.pend_hidden, s.state.real_rows, s.state)
+            drafter = self.head.take_drafter_kv(s.state)
+        target = None
+        if mode == "all":
+            target, s.cache = s.cache, self.pools.target_cache()
+            s.cache.released = True
+        tokens = s.all_tokens[: target.length] if target is not None else list(s.all_tokens)
+        s.res.carry_out = Carry(target, tokens, drafter)
 
     def prefill(self, prompt: torch.Tensor, cache: SequenceCache):
         """Target prefill in chunks; returns (logits of the last row, normed hiddens of every row)."""
@@ -262,6 +324,7 @@ class SpecEngine:
             s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], len(new)))
             s.steps += 1
             s.last = new[-1]
+            s.all_tokens.extend(new)
             before = len(s.out)
             s.out.extend(new)
             self._maybe_finish(s)
@@ -306,6 +369,8 @@ class SpecEngine:
             s.done = "cancelled"
         if s.done is not None:
             self._finalize(s)
+            if s.done in ("eos", "length") and req.carry_mode != "none":
+                self._hand_back_carry(s)
             self._release(s)
 
     def _finalize(self, s: _Seq) -> None:
