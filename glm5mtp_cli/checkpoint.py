@@ -281,6 +281,7 @@ class CheckpointReader:
         self.max_open = max_open
         self.block = block
         self.files_opened: set[str] = set()
+        self.bytes_read = 0  # bytes copied out of the shards (tests: a rank reads only its slices)
         self._open: OrderedDict[str, object] = OrderedDict()
         self._keys: dict[str, set[str]] = {}  # names each opened shard holds (small: names only)
 
@@ -331,9 +332,52 @@ class CheckpointReader:
         """The tensor as stored (fp8 stays fp8)."""
         file, handle = self._holding(name)
         try:
-            return handle.get_tensor(name)
+            t = handle.get_tensor(name)
         except Exception as e:  # a truncated data region
             raise UserError(f"tensor '{name}' unreadable in '{self.folder / file}' ({_short(e)})") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def raw_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, read lazily: only the
+        slice is copied out of the memory-mapped shard."""
+        file, handle = self._holding(name)
+        try:
+            sl = handle.get_slice(name)
+            t = sl[start:stop] if dim == 0 else sl[:, start:stop]
+        except Exception as e:
+            raise UserError(f"tensor '{name}' unreadable in '{self.folder / file}' ({_short(e)})") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype | None = None,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+        """`get` of a slice along dim 0 or 1. FP8 weights read the whole scale blocks the slice
+        touches, dequantize them and trim, so any boundary works."""
+        file, handle = self._holding(name)
+        try:
+            stored = handle.get_slice(name).get_dtype()
+        except Exception as e:
+            raise UserError(f"tensor '{name}' unreadable in '{self.folder / file}' ({_short(e)})") from None
+        if stored.upper() in ("F8_E4M3", "FLOAT8_E4M3FN"):
+            scale_name = name + "_scale_inv"
+            if not self.has(scale_name):
+                raise UserError(f"FP8 tensor '{name}' has no '{scale_name}' in the checkpoint at {self.folder}")
+            b = self.block[dim]
+            full = self.shape(name)[dim]
+            s0, s1 = start // b, -(-stop // b)
+            w = self.raw_slice(name, dim, s0 * b, min(s1 * b, full))
+            scale = self.raw_slice(scale_name, dim, s0, s1)
+            try:
+                t = dequant_fp8_block(w, scale, self.block)
+            except ValueError as e:
+                raise UserError(f"FP8 tensor '{name}' in '{file}': {e}") from None
+            t = t.narrow(dim, start - s0 * b, stop - start)
+        else:
+            t = self.raw_slice(name, dim, start, stop)
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return t.to(device) if torch.device(device) != t.device else t
 
     def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
         t = self.raw(name)
@@ -387,13 +431,15 @@ def materialize(module: torch.nn.Module, dtype: torch.dtype, device: str | torch
 
 
 def load_module(module: torch.nn.Module, reader: CheckpointReader, prefix: str, dtype: torch.dtype,
-                device: str | torch.device = "cpu") -> list[str]:
+                device: str | torch.device = "cpu", plan: dict | None = None) -> list[str]:
     """Fill every state_dict entry of `module` (parameters and persistent buffers) from `reader`
     at `prefix + key`, checking shapes. Returns the keys loaded.
 
     The module may be on the meta device (it is materialized first). Loaded tensors are copied in
     place into what state_dict() returns, so modules whose state_dict presents per-checkpoint-name
     views of a fused tensor (stacked experts) load with no special case here.
+    plan (tensor parallel): checkpoint name -> (dim, start, stop); those tensors are read as that
+    slice only (parallel.shard_target / shard_mtp give the module the sliced shapes).
     """
     materialize(module, dtype, device)
     loaded = []
@@ -402,10 +448,20 @@ def load_module(module: torch.nn.Module, reader: CheckpointReader, prefix: str, 
         if not reader.has(name):
             raise UserError(f"tensor '{name}' is missing from the checkpoint at {reader.folder}")
         found = reader.shape(name)
+        part = plan.get(name) if plan else None
+        if part is not None:
+            found = list(found)
+            if len(found) <= part[0] or part[2] > found[part[0]]:
+                raise UserError(f"tensor '{name}' in '{reader.folder / reader.file_of(name)}' has shape "
+                                f"{found}: cannot take [{part[1]}:{part[2]}] of dim {part[0]}")
+            found[part[0]] = part[2] - part[1]
         if tuple(found) != tuple(dst.shape):
             raise UserError(f"tensor '{name}' in '{reader.folder / reader.file_of(name)}' has shape "
                             f"{list(found)}, expected {list(dst.shape)}")
-        t = reader.get(name, dst.dtype, dst.device)
+        if part is not None:
+            t = reader.get_slice(name, *part, dst.dtype, dst.device)
+        else:
+            t = reader.get(name, dst.dtype, dst.device)
         with torch.no_grad():
             dst.copy_(t)
         loaded.append(key)
@@ -444,13 +500,16 @@ def _check_no_meta(module: torch.nn.Module, what: str) -> None:
         raise RuntimeError(f"{what}: tensors left unloaded on the meta device: {left[:5]}")
 
 
-def load_models(resolved: ResolvedModel, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
+def load_models(resolved: ResolvedModel, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                comm=None, stats: dict | None = None):
     """Build and load the target and the MTP layer. Returns (target, mtp, extras).
 
     target is None when resolved with need='mtp'; mtp is None with need='target'. The MTP layer is
     read from `model.layers.{N}` with N the checkpoint's own depth, even when --layers truncated the
     target. extras: the MTP layer's own `embed_tokens`/`shared_head.head` when the checkpoint has
     them (DeepSeek style; GLM-5 has none and shares the target's).
+    comm (parallel.Comm, world > 1): build this rank's shard only and read only its slices.
+    stats: when given, gets 'bytes_read' (bytes copied out of the shards).
     """
     from .model import Glm5ForCausalLM, Glm5MtpLayer
 
@@ -463,20 +522,33 @@ def load_models(resolved: ResolvedModel, device: str | torch.device = "cpu", dty
     wants_target = resolved.need in ("all", "target")
     wants_mtp = resolved.need in ("all", "mtp")
     target = mtp = None
+    sharded = comm is not None and comm.world > 1
     try:
         if wants_target:
             with _ParamsOnMeta():
                 target = Glm5ForCausalLM(cfg)
-            load_module(target, reader, "", dtype, device)
+            plan = None
+            if sharded:
+                from .parallel import shard_target
+
+                plan = shard_target(target, comm)
+            load_module(target, reader, "", dtype, device, plan)
             target.to(device)  # the non-persistent buffers; parameters are already there
             _check_no_meta(target, "target")
         if wants_mtp:
             with _ParamsOnMeta():
                 mtp = Glm5MtpLayer(cfg)
-            load_module(mtp, reader, mtp_prefix, dtype, device)
+            plan = None
+            if sharded:
+                from .parallel import shard_mtp
+
+                plan = shard_mtp(mtp, comm, mtp_prefix)
+            load_module(mtp, reader, mtp_prefix, dtype, device, plan)
             mtp.to(device)
             _check_no_meta(mtp, "MTP layer")
         extras = {k: reader.get(mtp_prefix + k, dtype, device) for k in _MTP_EXTRAS if reader.has(mtp_prefix + k)}
+        if stats is not None:
+            stats["bytes_read"] = reader.bytes_read
     finally:
         reader.close()
     return target, mtp, extras

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import launch
 from .cache import COMPONENTS
 from .errors import UserError
 from .leakcheck import LeakCheckConfig, check_flags, run_leakcheck
@@ -43,12 +44,17 @@ def leakcheck_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout, nothing else there.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
     layers: Annotated[Optional[int], typer.Option(help="Use only the first K target layers.")] = None,
+    tp: launch.TpOpt = 1,
 ) -> None:
     """Run sequences to every end (length, EOS, cancel, error) and check the cache pools for leaks."""
+    kwargs = dict(locals())
     cfg = LeakCheckConfig(sequences, gamma, max_new_tokens, alloc, max_seq_len, inject_leak, seed)
     check_flags(cfg)  # refuse bad flags before loading anything
+    if launch.maybe_spawn(tp, device, model, leakcheck_cmd, kwargs):
+        return
     out = Console(stderr=json_out)
-    rt = load_runtime(model, device, dtype, layers, with_mtp=True, progress=not json_out)
+    rt = load_runtime(model, device, dtype, layers, with_mtp=True, progress=not json_out,
+                      comm=launch.rank_comm(tp, device))
     if max_seq_len > rt.cfg.max_position_embeddings:
         raise UserError(f"--max-seq-len {max_seq_len} is over the model's max_position_embeddings "
                         f"{rt.cfg.max_position_embeddings}")

@@ -14,8 +14,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from . import launch
 from .checkpoint import resolve_config
 from .errors import UserError
+from .parallel import check_tp, weight_bytes_per_rank
 from .profile import POLICIES, ProfileConfig, check_flags, parse_lengths, run_profile
 from .runtime import DEFAULT_MODEL, load_runtime, pick_device, pick_dtype
 from .writer import parse_size
@@ -48,21 +50,29 @@ def profile_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout, nothing else there.")] = False,
     plot: Annotated[Optional[Path], typer.Option(help="Write a bar chart PNG (needs matplotlib; else terminal bars).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random cache rows and tokens.")] = 0,
+    tp: launch.TpOpt = 1,
 ) -> None:
     """Per-sequence memory by component and latency per phase, ceiling vs budget allocation."""
+    kwargs = dict(locals())
     lengths = parse_lengths(max_seq_len)
     c = ProfileConfig(lengths, budget, gamma, block_size, 0, repeats, seed)
     check_flags(c)
     out = Console(stderr=json_out)
+    if tp < 1:
+        raise UserError(f"--tp must be >= 1, got {tp}")
+    if not predict_only and launch.maybe_spawn(tp, device, model, profile_cmd, kwargs):
+        return
     if predict_only:
         cfg, _ = resolve_config(model)
+        check_tp(cfg, tp)
         if layers is not None:
             cfg = cfg.with_layers(layers)
         dev = pick_device(device) if device != "auto" else torch.device("cpu")
         dt = pick_dtype(dtype, torch.device("cuda")) if dtype == "auto" else pick_dtype(dtype, dev)
         rt = None
     else:
-        rt = load_runtime(model, device, dtype, layers, with_mtp=gamma > 0, progress=not json_out)
+        rt = load_runtime(model, device, dtype, layers, with_mtp=gamma > 0, progress=not json_out,
+                          comm=launch.rank_comm(tp, device))
         cfg, dev, dt = rt.cfg, rt.device, rt.dtype
     check_flags(c, cfg.max_position_embeddings)
     if gpu_mem is not None:
@@ -77,6 +87,9 @@ def profile_cmd(
     doc["model"] = model
     doc["device"] = str(dev) if rt is not None else None
     doc["predict_only"] = predict_only
+    doc["tp"] = tp
+    if tp > 1 or predict_only:
+        doc["tp_per_gpu"] = tp_table(cfg, c, doc, tp, with_mtp=gamma > 0)
     plot_note = None
     if plot is not None:
         plot_note = _plot(plot, doc)
@@ -86,6 +99,8 @@ def profile_cmd(
         sys.stdout.write(json.dumps(doc) + "\n")
         return
     _print(out, doc)
+    if "tp_per_gpu" in doc and (tp > 1 or predict_only):
+        _print_tp(out, doc)
     if plot is not None:
         if plot_note == "written":
             out.print(f"plot written to {plot}")
@@ -135,6 +150,23 @@ def _print(out: Console, doc: dict) -> None:
         out.print(lt)
 
 
+def _print_tp(out: Console, doc: dict) -> None:
+    tpd = doc["tp_per_gpu"]
+    t = Table(title=f"per GPU under tensor/expert parallelism ({doc['model']}, {doc['model_layers']} target layers, "
+                    f"gpu-mem {_fmt(doc['gpu_mem_bytes'])}, cache {doc['dtype']}, budget {doc['budget']} tokens)")
+    for col in ("tp", "ckpt", "weights/GPU", "of it replicated", "max-seq-len", "cache/seq (ceiling)",
+                "seqs (ceiling)", "cache/seq (budget)", "seqs (budget)"):
+        t.add_column(col, justify="right")
+    for r in tpd["rows"]:
+        t.add_row(str(r["tp"]) + (" *" if r["tp"] == doc["tp"] else ""), r["format"], _fmt(r["weights_per_gpu_bytes"]),
+                  _fmt(r["replicated_per_gpu_bytes"]), str(r["max_seq_len"]),
+                  _fmt(r["per_sequence_bytes"]["ceiling"]), f"{r['max_concurrent_sequences']['ceiling']:,}",
+                  _fmt(r["per_sequence_bytes"]["budget"]), f"{r['max_concurrent_sequences']['budget']:,}")
+    out.print(t)
+    for note in tpd["notes"]:
+        out.print(note, highlight=False)
+
+
 def _plot(path: Path, doc: dict) -> str:
     try:
         import matplotlib
@@ -166,3 +198,32 @@ def _bars(out: Console, doc: dict) -> None:
         v = r["per_sequence_bytes"]["total"]
         out.print(f"{r['max_seq_len']:>8} {r['policy']:<8} {'█' * max(1, round(40 * v / top)):<40} {_fmt(v)}",
                   highlight=False)
+
+
+def tp_table(cfg, c: ProfileConfig, doc: dict, tp: int, with_mtp: bool) -> dict:
+    """Weights, cache per sequence and concurrent sequences per GPU for tp in {1, 2, 4, 8, --tp} that
+    divide the model, for the bf16 and the FP8 checkpoint (weights as served: FP8 stays 1 byte +
+    block scales). The per-sequence cache is the same on every rank: the MLA latent is shared by
+    all heads, so tensor parallelism replicates it (vLLM's MLA does the same) instead of splitting it."""
+    rows = []
+    for n in sorted({1, 2, 4, 8, tp}):
+        try:
+            check_tp(cfg, n)
+        except UserError:
+            continue
+        for fmt in ("bf16", "fp8"):
+            w = weight_bytes_per_rank(cfg, n, fmt, with_mtp)
+            for r_ceil, r_bud in zip(doc["rows"][0::2], doc["rows"][1::2]):
+                per = {"ceiling": r_ceil["per_sequence_bytes"]["total"], "budget": r_bud["per_sequence_bytes"]["total"]}
+                free = c.gpu_mem - w["total"]
+                rows.append({"tp": n, "format": fmt, "weights_per_gpu_bytes": w["total"],
+                             "sharded_per_gpu_bytes": w["sharded"], "replicated_per_gpu_bytes": w["replicated"],
+                             "max_seq_len": r_ceil["max_seq_len"], "per_sequence_bytes": per,
+                             "max_concurrent_sequences": {k: max(0, free // v) for k, v in per.items()}})
+    return {"rows": rows, "notes": [
+        "MLA latent cache (and the DSA indexer keys) are replicated on every rank, not split by heads: the latent "
+        "is shared by all heads, as in vLLM's tensor parallel MLA; per-sequence cache per GPU equals the tp 1 value.",
+        "weights/GPU: q_b/kv_b/o_proj split by heads, routed experts E/N per rank, shared expert and dense MLPs "
+        "column/row split, embed_tokens and lm_head split by vocabulary; q_a/kv_a, norms, router, DSA indexer, "
+        "eh_proj replicated. fp8: quantized matrices 1 byte + fp32 scale per 128x128 block (as served).",
+        "max seqs = (gpu-mem - weights/GPU) // cache per sequence (no activation or CUDA-graph reserve)."]}

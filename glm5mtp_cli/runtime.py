@@ -75,12 +75,17 @@ class Tokenizer:
         import jinja2
 
         env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _template_error
         try:
             return env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                                      bos_token=self.config.get("bos_token", ""),
                                                      eos_token=self.config.get("eos_token", ""))
         except jinja2.TemplateError as e:
             raise UserError(f"--chat: the chat template failed: {e}") from None
+
+
+def _template_error(message: str):
+    raise UserError(f"chat template: {message}")
 
 
 @dataclass
@@ -92,6 +97,7 @@ class Runtime:
     tokenizer: Tokenizer | None
     device: torch.device
     dtype: torch.dtype
+    comm: object | None = None  # parallel.Comm when sharded over ranks (weights are this rank's)
 
     def weight_bytes(self) -> dict[str, int]:
         def size(m):
@@ -111,12 +117,20 @@ class Runtime:
 
 
 def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: int | None = None,
-                 revision: str | None = None, with_mtp: bool = True, progress: bool = True) -> Runtime:
+                 revision: str | None = None, with_mtp: bool = True, progress: bool = True, comm=None) -> Runtime:
+    """comm (parallel.Comm): this rank's shard on its own GPU (cuda:local_rank) or the CPU."""
     dev = pick_device(device)
+    if comm is not None and dev.type == "cuda":
+        dev = torch.device("cuda", comm.local_rank)
+        torch.cuda.set_device(dev)
     dt = pick_dtype(dtype, dev)
     resolved = resolve_model(model, revision=revision, need="all" if with_mtp else "target", layers=layers,
                              progress=progress)
-    target, mtp, extras = load_models(resolved, device=dev, dtype=dt)
+    if comm is not None:
+        from .parallel import check_tp
+
+        check_tp(resolved.config, comm.world)
+    target, mtp, extras = load_models(resolved, device=dev, dtype=dt, comm=comm)
     if extras:
         # DeepSeek-style checkpoints carry the MTP layer's own head/embeddings; GLM-5's share the target's.
         raise UserError(f"{resolved.folder}: the MTP layer has its own {', '.join(sorted(extras))}; "
@@ -124,4 +138,4 @@ def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: 
     target.eval()
     if mtp is not None:
         mtp.eval()
-    return Runtime(resolved, resolved.config, target, mtp, Tokenizer.maybe(resolved.folder), dev, dt)
+    return Runtime(resolved, resolved.config, target, mtp, Tokenizer.maybe(resolved.folder), dev, dt, comm)

@@ -104,7 +104,7 @@ class SpecEngine:
                  sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
                  draft_conf_tau: float | None = None, eos_ids: list[int] | None = None,
                  prefill_chunk: int = 1024, device: torch.device | str = "cpu", check_invariants: bool = False,
-                 inject_leak: str | None = None):
+                 inject_leak: str | None = None, draft_ids: torch.Tensor | None = None):
         if gamma < 0:
             raise UserError(f"--gamma must be >= 0, got {gamma}")
         if alloc not in ("budget", "ceiling"):
@@ -129,7 +129,7 @@ class SpecEngine:
         self.head = None
         if gamma > 0:
             self.head = Glm5MtpHead(mtp_layer, target.model.embed_tokens, target.lm_head, pools, max_seq_len,
-                                    sampling, draft_conf_tau, self.gen)
+                                    sampling, draft_conf_tau, self.gen, draft_ids=draft_ids)
 
     # ---- sizing -----------------------------------------------------------------------------
     def budget_tokens(self, req: Request) -> int:
@@ -357,13 +357,13 @@ class SpecEngine:
 
     def _maybe_finish(self, s: _Seq) -> None:
         req = s.req
+        del s.out[req.max_new_tokens:]  # a verify step may accept past the budget
         for j, t in enumerate(s.out):
             if t in self.eos:
                 del s.out[j + 1:]
                 s.done = "eos"
                 break
         if s.done is None and len(s.out) >= req.max_new_tokens:
-            del s.out[req.max_new_tokens:]
             s.done = "length"
         if s.done is None and req.cancel_after_steps is not None and s.steps >= req.cancel_after_steps:
             s.done = "cancelled"

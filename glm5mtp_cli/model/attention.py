@@ -69,6 +69,10 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
+    # Set by parallel.shard_model when q_b/kv_b hold this rank's heads and o_proj its input columns:
+    # o_proj's partial output is then summed over ranks. None (one device): no reduction.
+    comm = None
+
     def __init__(self, cfg: ModelConfig, has_indexer: bool):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
@@ -132,8 +136,10 @@ class MLAttention(nn.Module):
                 indexer_losses.append(_indexer_kl(probs_dense, index_scores, keep))
             outs.append(torch.einsum("thc,hvc->thv", out, w_uv))
             topks.append(topk)
-        out = torch.stack(outs).reshape(b, t, self.n_heads * self.v_dim)
-        return self.o_proj(out), topks
+        out = self.o_proj(torch.stack(outs).reshape(b, t, self.n_heads * self.v_dim))
+        if self.comm is not None:
+            out = self.comm.all_reduce_sum(out)
+        return out, topks
 
     @staticmethod
     def _causal(start: int, t: int, length: int, device) -> torch.Tensor:

@@ -48,6 +48,8 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
+    comm = None  # set by parallel.shard_model on a column/row-sharded dense MLP: sum over ranks
+
     def __init__(self, hidden: int, inner: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
@@ -55,7 +57,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.comm is not None:
+            out = self.comm.all_reduce_sum(out)
+        return out
 
 
 class Router(nn.Module):
@@ -103,6 +108,7 @@ class Experts(nn.Module):
     def __init__(self, n_experts: int, hidden: int, inner: int):
         super().__init__()
         self.n_experts = n_experts
+        self.offset = 0  # global id of expert 0 here (expert parallel: this rank holds offset..offset+n-1)
         self.gate = nn.Parameter(torch.empty(n_experts, inner, hidden))
         self.up = nn.Parameter(torch.empty(n_experts, inner, hidden))
         self.down = nn.Parameter(torch.empty(n_experts, hidden, inner))
@@ -134,22 +140,52 @@ class Experts(nn.Module):
             out.index_add_(0, tok, ye)
         return out
 
+    def forward_local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: the contribution of this rank's experts only; ids are global."""
+        local = ids - self.offset
+        mine = (local >= 0) & (local < self.n_experts)
+        n, k = ids.shape
+        if n * k <= self.GATHER_MAX_PAIRS:
+            # Other ranks' pairs point at a clamped local expert with weight 0 (no host sync).
+            return self.forward(x, weights * mine, local.clamp(0, self.n_experts - 1))
+        out = torch.zeros_like(x)
+        flat = torch.where(mine, local, self.n_experts).reshape(-1)  # others go to a last bucket
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts].tolist()
+        token_of = order // k
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            sel = order[start:start + c]
+            tok = token_of[start:start + c]
+            start += c
+            xe = x[tok]
+            h = F.silu(xe @ self.gate[e].t()) * (xe @ self.up[e].t())
+            ye = (h @ self.down[e].t()) * weights.reshape(-1)[sel].unsqueeze(-1).to(x.dtype)
+            out.index_add_(0, tok, ye)
+        return out
+
 
 def _split_experts(module: Experts, state_dict: dict, prefix: str, local_metadata) -> None:
     for stacked, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
         t = state_dict.pop(prefix + stacked)
         for e in range(module.n_experts):
-            state_dict[f"{prefix}{e}.{name}.weight"] = t[e]
+            state_dict[f"{prefix}{e + module.offset}.{name}.weight"] = t[e]
 
 
 def _stack_experts(module: Experts, state_dict: dict, prefix: str, *args) -> None:
     for stacked, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-        keys = [f"{prefix}{e}.{name}.weight" for e in range(module.n_experts)]
+        keys = [f"{prefix}{e + module.offset}.{name}.weight" for e in range(module.n_experts)]
         if all(k in state_dict for k in keys):
             state_dict[prefix + stacked] = torch.stack([state_dict.pop(k) for k in keys])
 
 
 class MoE(nn.Module):
+    # Set by parallel.shard_model: experts hold this rank's E/N, the shared expert its column/row
+    # slice; the routed and shared partials are added, then summed over ranks in ONE all-reduce.
+    comm = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = Router(cfg)
@@ -163,5 +199,8 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         if self.training:
             self.last_expert_ids = ids.detach()
-        out = self.experts(x, weights, ids) + self.shared_experts(x)
+        if self.comm is None:
+            out = self.experts(x, weights, ids) + self.shared_experts(x)
+        else:
+            out = self.comm.all_reduce_sum(self.experts.forward_local(x, weights, ids) + self.shared_experts(x))
         return out.view(shape)
