@@ -12,8 +12,12 @@ import torch
 import typer
 from rich.console import Console
 
+from . import launch
 from .errors import UserError
-from .report import print_tables, summarize
+from .launch import TpOpt
+from .draft_vocab import load_draft_ids
+from .conversation import read_conversations, run_conversations
+from .report import conversation_table, print_tables, summarize
 from .runtime import DEFAULT_MODEL, Runtime, load_runtime
 from .sampling import SamplingParams
 from .speculate import Request, SpecEngine, reserve_tokens
@@ -98,14 +102,17 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
                  batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
-                 on_tokens=None):
+                 on_tokens=None, draft_vocab: int | None = None):
     """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes)."""
+    draft_ids = None
+    if draft_vocab is not None and gamma > 0:
+        draft_ids = load_draft_ids(rt.resolved.folder, draft_vocab, rt.cfg.vocab_size, rt.device)
     requests = [Request(p, max_new_tokens, i) for i, p in enumerate(prompts)]
     per_seq = max(reserve_tokens(len(r.prompt), r.max_new_tokens, gamma, alloc, max_seq_len) for r in requests)
     pools = rt.make_pools(per_seq, min(batch_size, len(requests)))
     engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
-                        device=rt.device)
+                        device=rt.device, draft_ids=draft_ids)
     engine.on_tokens = on_tokens
     results = engine.generate(requests, batch_size=batch_size)
     acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s)
@@ -138,29 +145,48 @@ def generate_cmd(
     compare: Annotated[bool, typer.Option(help="Also run gamma 0 and report the speedup.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout, nothing else there.")] = False,
     trace: Annotated[Optional[Path], typer.Option(help="JSON lines, one per verify step per request.")] = None,
+    tp: TpOpt = 1,
+    conversation: Annotated[Optional[Path], typer.Option(help='JSONL: {"turns": ["...", ...]} per line; each reply is appended before the next turn.')] = None,
+    carry: Annotated[str, typer.Option(help="With --conversation: keep caches between turns: all (target + drafter), drafter, none.")] = "none",
+    carry_budget: Annotated[Optional[int], typer.Option(help="Bytes of held carries; least recently used are freed past it.")] = None,
+    draft_vocab: Annotated[Optional[int], typer.Option(help="Draft over the K most frequent tokens (token_counts.json beside the checkpoint).")] = None,
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
+    kwargs = dict(locals())
     check_flags(gamma, max_new_tokens, temperature, top_p, batch_size, draft_conf_tau)
     if alloc not in ("budget", "ceiling"):
         raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
+    if launch.maybe_spawn(tp, device, model, generate_cmd, kwargs):
+        return
     out = Console(stderr=json_out)
-    rt = load_runtime(model, device, dtype, layers, revision, with_mtp=gamma > 0 or compare, progress=not json_out)
+    rt = load_runtime(model, device, dtype, layers, revision, with_mtp=gamma > 0 or compare, progress=not json_out,
+                      comm=launch.rank_comm(tp, device))
     seq_cap = max_seq_len or rt.cfg.max_position_embeddings
     if seq_cap < 2:
         raise UserError(f"--max-seq-len must be >= 2, got {seq_cap}")
+    if conversation is not None:
+        if any(x is not None for x in (prompt, prompt_ids, prompts)):
+            raise UserError("--conversation replaces --prompt, --prompt-ids and --prompts")
+        run_conversation_cmd(rt, out, conversation, json_out, gamma=gamma, max_new_tokens=max_new_tokens,
+                             sampling=SamplingParams(temperature, top_p, seed), max_seq_len=seq_cap, alloc=alloc,
+                             carry=carry, carry_budget=carry_budget, use_template=chat or _has_template(rt),
+                             ignore_eos=ignore_eos)
+        return
+    if carry != "none":
+        raise UserError("--carry needs --conversation")
     token_lists = read_prompts(rt, prompt, prompt_ids, prompts, chat)
     sampling = SamplingParams(temperature, top_p, seed)
     stream = None
     if rt.tokenizer is not None and not json_out and len(token_lists) == 1:
         stream = _Streamer(rt, out)
     kwargs = dict(max_new_tokens=max_new_tokens, sampling=sampling, batch_size=batch_size, max_seq_len=seq_cap,
-                  alloc=alloc, draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos)
+                  alloc=alloc, draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos, draft_vocab=draft_vocab)
     results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, gamma=gamma, on_tokens=stream, **kwargs)
     if stream:
         stream.end()
     peak, peak_src = peak_memory(rt.device)
     doc = {
-        "model": model, "device": str(rt.device), "dtype": str(rt.dtype).replace("torch.", ""), "gamma": gamma,
+        "model": model, "device": str(rt.device), "tp": rt.comm.world if rt.comm else 1, "dtype": str(rt.dtype).replace("torch.", ""), "gamma": gamma,
         "requests": [{"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
                       "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None,
                       "finish_reason": r.finish_reason} for r in results],
@@ -187,6 +213,33 @@ def generate_cmd(
             out.print(r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])),
                       highlight=False, markup=False)
     print_tables(out, doc, acc)
+
+
+def _has_template(rt: Runtime) -> bool:
+    return rt.tokenizer is not None and bool(rt.tokenizer.config.get("chat_template"))
+
+
+def run_conversation_cmd(rt: Runtime, out: Console, path: Path, json_out: bool, **kwargs) -> None:
+    """Run the conversations with the chosen carry and, for comparison, without; report per turn."""
+    convs = read_conversations(path)
+    chats, info = run_conversations(rt, convs, **kwargs)
+    base = chats
+    if kwargs["carry"] != "none":
+        base, _ = run_conversations(rt, convs, **{**kwargs, "carry": "none"})
+    same = all(a.tokens == b.tokens for ca, cb in zip(chats, base) for a, b in zip(ca.turns, cb.turns))
+    doc = {"carry": {**info, "same_tokens_as_no_carry": same}, "conversations": [
+        {"turns": [{"tokens": t.tokens, "text": rt.tokenizer.decode(t.tokens) if rt.tokenizer else None,
+                    "prompt_tokens": len(t.prompt), "prefilled_target_rows": t.prefilled_target_rows,
+                    "prefilled_drafter_rows": t.prefilled_drafter_rows, "carried_rows": t.carried_target_rows,
+                    "carried_drafter_rows": t.carried_drafter_rows, "ttft_ms": t.ttft_s * 1e3,
+                    "ttft_ms_no_carry": b.ttft_s * 1e3, "finish_reason": t.finish_reason}
+                   for t, b in zip(c.turns, cb.turns)]} for c, cb in zip(chats, base)]}
+    if json_out:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        return
+    out.print(conversation_table(doc))
+    if not same:
+        out.print("[red]carried turns produced different tokens from fresh turns[/red]")
 
 
 class _Streamer:

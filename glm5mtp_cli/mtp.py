@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .cache import CachePools
+from .draft_vocab import SubsetHead
 from .errors import UserError
 from .model import Glm5MtpLayer
 from .proposer import CatchupMisaligned, DraftChain, DrafterKV, ProposerState
@@ -25,10 +26,13 @@ class Glm5MtpHead:
     def __init__(self, layer: Glm5MtpLayer, embed: nn.Embedding, head: nn.Linear, pools: CachePools,
                  max_seq_len: int, sampling: SamplingParams = SamplingParams(),
                  draft_conf_tau: float | None = None, generator: torch.Generator | None = None,
-                 batch_max: int = 256):
+                 batch_max: int = 256, draft_ids: torch.Tensor | None = None):
         self.layer = layer
         self.embed = embed
         self.head = head
+        # --draft-vocab: chain steps score only these tokens (a catch-up row's logits are unused
+        # except the last, which drafts too, so every drafting forward uses the subset head)
+        self.draft_head = SubsetHead(head, draft_ids) if draft_ids is not None else None
         self.pools = pools
         self.max_seq_len = max_seq_len
         self.sampling = sampling
@@ -115,7 +119,8 @@ class Glm5MtpHead:
             groups[tok.shape[0]].append(i)
         for k, members in groups.items():
             out = self.layer(torch.stack([tokens[i] for i in members]), torch.stack([hiddens[i] for i in members]),
-                             [states[i].cache for i in members], self.embed, self.head, rows="last")
+                             [states[i].cache for i in members], self.embed, self.draft_head or self.head,
+                             rows="last")
             for j, i in enumerate(members):
                 logits[i] = out.logits[j, -1]
                 carried[i] = (out.hidden if self.carry_normed else out.prenorm)[j, -1]
@@ -128,6 +133,9 @@ class Glm5MtpHead:
         counts = [0] * b
         for step in range(num_drafts):
             d, q = choose(logits_t, self.sampling, self.gen)
+            if self.draft_head is not None:
+                d = self.draft_head.to_full(d)
+                q = None if q is None else self.draft_head.probs_to_full(q, self.head.weight.shape[0])
             drafts.append(d)
             probs.append(q)
             if self.tau is not None:
@@ -141,7 +149,8 @@ class Glm5MtpHead:
                 counts[i] += active[i]
             if step == num_drafts - 1 or not any(active):
                 break
-            out = self.layer(d[:, None], hidden_t[:, None], caches, self.embed, self.head, rows="last")
+            out = self.layer(d[:, None], hidden_t[:, None], caches, self.embed, self.draft_head or self.head,
+                             rows="last")
             logits_t = out.logits[:, -1]
             hidden_t = (out.hidden if self.carry_normed else out.prenorm)[:, -1]
         chains = []
@@ -166,7 +175,11 @@ class Glm5MtpHead:
         return state.last_chain.confidence if state.last_chain is not None else None
 
     def needs_comm(self) -> bool:
-        return False
+        """True when the layer is sharded over ranks: every rank must then run each propose call in
+        lockstep (same inputs, same generator seed), or the collectives inside the layer hang or,
+        skipped, leave partial sums."""
+        comm = getattr(self.layer, "comm", None)
+        return comm is not None and comm.world > 1
 
     # ---- carry across turns -----------------------------------------------------------------
     def take_drafter_kv(self, state: ProposerState) -> DrafterKV:

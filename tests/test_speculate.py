@@ -214,3 +214,19 @@ def test_prompt_over_the_limit_is_refused_before_allocating(spec_rt):
     with pytest.raises(UserError, match="max-seq-len"):
         engine.generate([Request(list(range(30)), 8, 0)])
     assert not any(pools.blocks_held().values())
+
+
+def test_eos_just_past_the_budget_is_not_emitted(spec_rt):
+    """A verify step that accepts past max_new_tokens must not let an EOS beyond the budget through."""
+    rt, _ = spec_rt
+    engine, _ = _engine(rt, 4, batch=1)
+    ref = engine.generate([Request(PROMPTS[1], 20, 0)])[0].tokens
+    for budget in range(1, 12):
+        engine, pools = _engine(rt, 4, batch=1)
+        engine.eos = {ref[budget]}  # the token right after the budget ends the sequence if let through
+        res = engine.generate([Request(PROMPTS[1], budget, 0)])[0]
+        expected = ref[:budget]
+        if ref[budget] in expected:
+            expected = expected[: expected.index(ref[budget]) + 1]
+        assert res.tokens == expected, budget
+        assert not any(pools.blocks_held().values())
