@@ -14,6 +14,7 @@ from rich.console import Console
 
 from . import launch
 from .errors import UserError
+from .jsonl import read_jsonl
 from .launch import TpOpt
 from .draft_vocab import load_draft_ids
 from .conversation import read_conversations, run_conversations
@@ -41,7 +42,7 @@ def read_prompts(rt: Runtime, prompt: str | None, prompt_ids: str | None, prompt
     if prompt is not None:
         items = [{"prompt": prompt}]
     else:
-        items = _read_jsonl(prompts_file)
+        items = read_jsonl(prompts_file)
     if rt.tokenizer is None:
         raise UserError(f"{rt.resolved.folder}: no tokenizer.json; use --prompt-ids")
     out = []
@@ -55,27 +56,6 @@ def read_prompts(rt: Runtime, prompt: str | None, prompt_ids: str | None, prompt
             raise UserError(f"{prompts_file}: line {i + 1} needs a 'prompt' string or a 'messages' list")
         out.append(rt.tokenizer.encode(text))
     return out
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise UserError(f"{path}: {e.strerror}") from None
-    items = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: line {n} is not JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise UserError(f"{path}: line {n} is not a JSON object")
-        items.append(obj)
-    if not items:
-        raise UserError(f"{path}: no prompts")
-    return items
 
 
 def check_flags(gamma: int, max_new_tokens: int, temperature: float, top_p: float, batch_size: int,

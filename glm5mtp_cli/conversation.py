@@ -8,13 +8,13 @@ reused without re-tokenising the history.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .carry import CARRY_MODES, CarryStore
 from .errors import UserError
+from .jsonl import read_jsonl
 from .runtime import Runtime
 from .sampling import SamplingParams
 from .speculate import Request, SpecEngine, budget_tokens
@@ -43,26 +43,14 @@ class Chat:
 
 
 def read_conversations(path: Path) -> list[list]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise UserError(f"{path}: {e.strerror}") from None
     convs = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: line {n} is not JSON ({e.msg})") from None
-        turns = obj.get("turns") if isinstance(obj, dict) else None
+    for n, obj in enumerate(read_jsonl(path), 1):
+        turns = obj.get("turns")
         ok = isinstance(turns, list) and turns and all(
             isinstance(t, str) or (isinstance(t, list) and t and all(isinstance(x, int) for x in t)) for t in turns)
         if not ok:
-            raise UserError(f'{path}: line {n} needs {{"turns": [...]}}: user texts, or token id lists')
+            raise UserError(f'{path}: entry {n} needs {{"turns": [...]}}: user texts, or token id lists')
         convs.append(turns)
-    if not convs:
-        raise UserError(f"{path}: no conversations")
     return convs
 
 

@@ -91,7 +91,7 @@ class Glm5MtpHead:
     @staticmethod
     def _mark_real(state: ProposerState, tokens: torch.Tensor) -> None:
         state.real_rows = state.cache.length
-        state.row_tokens.extend(tokens.tolist())
+        state.row_tokens.append(tokens)  # kept on the device: reading them back would sync every step
 
     # ---- drafting ---------------------------------------------------------------------------
     def propose(self, last_token, hidden, position: int, num_drafts: int, state: ProposerState) -> DraftChain:
@@ -186,7 +186,7 @@ class Glm5MtpHead:
         """Move the real rows out of a finished state; the state no longer owns them."""
         cache = state.cache
         cache.truncate(state.real_rows)
-        kv = DrafterKV(cache, state.real_rows, list(state.row_tokens))
+        kv = DrafterKV(cache, state.real_rows, _host_tokens(state.row_tokens))
         state.cache = None
         state.freed = True
         return kv
@@ -205,10 +205,14 @@ class Glm5MtpHead:
             raise
         state.cache = kv.cache
         state.real_rows = kv.rows
-        state.row_tokens = list(kv.tokens)
+        state.row_tokens = [torch.tensor(kv.tokens, dtype=torch.long, device=self.embed.weight.device)]
         kv.cache = None
 
     def free_drafter_kv(self, kv: DrafterKV) -> None:
         if kv.cache is not None:
             kv.cache.release()
             kv.cache = None
+
+
+def _host_tokens(chunks: list) -> list[int]:
+    return torch.cat(chunks).tolist() if chunks else []

@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .errors import UserError
 from .info import model_info
 from .runtime import Runtime
-from .speculate import Request, SpecEngine, budget_tokens, reserve_tokens
+from .speculate import Request, SpecEngine, reserve_tokens
 
 POLICIES = ("ceiling", "budget")
 PREFILL_TOKENS = 32  # the "short prompt" of the prefill latency
@@ -236,7 +236,6 @@ def measure_latency(rt: Runtime, c: ProfileConfig, context: int) -> dict:
     cache.release()
     if state is not None:
         engine.head.free_state(state)
-    del engine, pools
     return res
 
 

@@ -41,7 +41,7 @@ class ProposerState:
     budget_tokens: int
     real_rows: int = 0  # rows built from target hiddens; rows past this are speculative
     last_chain: DraftChain | None = None
-    row_tokens: list[int] = field(default_factory=list)  # t[i+1] of each real row i
+    row_tokens: list[torch.Tensor] = field(default_factory=list)  # chunks of t[i+1], one per real row i
     freed: bool = False
 
 

@@ -310,11 +310,11 @@ class SpecEngine:
                 raise InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
         out = self.target(ids, [s.cache for s in active], rows="all")
         counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
-        accepted, nxt = self._accept(drafts, chains, out.logits, counts)
+        accepted, nxt, draft_ids = self._accept(drafts, chains, out.logits, counts)
         v1 = self.clock.now()
         for i, s in enumerate(active):
             a = accepted[i]
-            new = (drafts[i, :a].tolist() if a else []) + [nxt[i]]
+            new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
             s.cache.truncate(starts[i] + a + 1)
             if s.state is not None:
                 self.head.after_verify(a, s.state)
@@ -332,18 +332,18 @@ class SpecEngine:
                 self.on_tokens(s.req.request_id, s.out[before:])
 
     def _accept(self, drafts, chains, logits, counts):
-        """(accepted per sequence, next token per sequence) with one host sync for greedy."""
+        """(accepted, next token, draft ids) per sequence, with one host sync per step for greedy."""
         if self.sampling.greedy:
             target_tokens = logits.argmax(-1)  # [B, g+1]
             if drafts is None:
-                return [0] * logits.shape[0], target_tokens[:, 0].tolist()
+                return [0] * logits.shape[0], target_tokens[:, 0].tolist(), None
             n = torch.tensor(counts, device=logits.device)
             pos = torch.arange(drafts.shape[1], device=logits.device)
             match = ((target_tokens[:, :-1] == drafts) & (pos[None, :] < n[:, None])).int()
             acc = match.cumprod(1).sum(1)
             nxt = target_tokens.gather(1, acc[:, None])[:, 0]
-            both = torch.stack([acc, nxt]).tolist()
-            return both[0], both[1]
+            host = torch.cat([acc[:, None], nxt[:, None], drafts], dim=1).tolist()  # the one sync
+            return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
         acc, nxt = [], []
         for i in range(logits.shape[0]):
             if drafts is None:
@@ -353,7 +353,7 @@ class SpecEngine:
                 a, t = accept_rejection(drafts[i], chains[i].probs, logits[i], counts[i], self.sampling, self.gen)
             acc.append(a)
             nxt.append(t)
-        return acc, nxt
+        return acc, nxt, None if drafts is None else drafts.tolist()
 
     def _maybe_finish(self, s: _Seq) -> None:
         req = s.req

@@ -118,27 +118,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
         if n * k <= self.GATHER_MAX_PAIRS:
-            gate, up, down = self.gate[ids], self.up[ids], self.down[ids]  # [N, k, ...]
-            h = F.silu(torch.einsum("nh,nkih->nki", x, gate)) * torch.einsum("nh,nkih->nki", x, up)
-            out = torch.einsum("nki,nkhi->nkh", h, down)
-            return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
-        out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = flat.argsort()
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()  # host sync: prefill only
-        token_of = (order // k)
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            sel = order[start:start + c]
-            tok = token_of[start:start + c]
-            start += c
-            xe = x[tok]
-            h = F.silu(xe @ self.gate[e].t()) * (xe @ self.up[e].t())
-            ye = (h @ self.down[e].t()) * weights.reshape(-1)[sel].unsqueeze(-1).to(x.dtype)
-            out.index_add_(0, tok, ye)
-        return out
+            return self._gathered(x, weights, ids)
+        return self._looped(x, weights, ids)
 
     def forward_local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Expert parallel: the contribution of this rank's experts only; ids are global."""
@@ -147,11 +128,22 @@ class Experts(nn.Module):
         n, k = ids.shape
         if n * k <= self.GATHER_MAX_PAIRS:
             # Other ranks' pairs point at a clamped local expert with weight 0 (no host sync).
-            return self.forward(x, weights * mine, local.clamp(0, self.n_experts - 1))
+            return self._gathered(x, weights * mine, local.clamp(0, self.n_experts - 1))
+        return self._looped(x, weights, torch.where(mine, local, self.n_experts))
+
+    def _gathered(self, x, weights, ids):
+        gate, up, down = self.gate[ids], self.up[ids], self.down[ids]  # [N, k, ...]
+        h = F.silu(torch.einsum("nh,nkih->nki", x, gate)) * torch.einsum("nh,nkih->nki", x, up)
+        out = torch.einsum("nki,nkhi->nkh", h, down)
+        return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+
+    def _looped(self, x, weights, ids):
+        """Each hit expert once over its tokens; an id of n_experts marks a pair owned elsewhere."""
+        k = ids.shape[1]
         out = torch.zeros_like(x)
-        flat = torch.where(mine, local, self.n_experts).reshape(-1)  # others go to a last bucket
+        flat = ids.reshape(-1)
         order = flat.argsort()
-        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts].tolist()
+        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts].tolist()  # prefill only
         token_of = order // k
         start = 0
         for e, c in enumerate(counts):
