@@ -110,3 +110,20 @@ def test_our_kernels_package_does_not_pose_as_huggingface_kernels():
 
     assert kernels.__file__  # ours is importable beside transformers
     assert not import_utils.is_kernels_available()
+
+
+def test_batched_training_forward_equals_per_sequence(hf_ckpt):
+    """The cache-free (training) forward runs all sequences in one batched pass; it must equal
+    running them one by one, logits and the indexer's KL loss alike, and match transformers."""
+    folder, hf = hf_ckpt
+    target, mtp, _ = _load(folder)
+    ids = torch.randint(0, target.cfg.vocab_size, (3, 26))
+    batched = target.forward_train(ids)
+    singles = [target.forward_train(ids[i:i + 1]) for i in range(3)]
+    assert _rel(batched.logits, torch.cat([s.logits for s in singles])) < 1e-5
+    assert abs(batched.aux_loss.item() - sum(s.aux_loss.item() for s in singles) / 3) < 1e-5
+    with torch.no_grad():
+        assert _rel(batched.logits, hf(ids).logits) < 1e-4
+    m = mtp.forward_train(batched.hidden[:, :-1], ids[:, 1:], target.model.embed_tokens, target.lm_head)
+    m1 = mtp.forward_train(batched.hidden[:1, :-1], ids[:1, 1:], target.model.embed_tokens, target.lm_head)
+    assert _rel(m.logits[:1], m1.logits) < 1e-5

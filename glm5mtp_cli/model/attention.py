@@ -22,6 +22,11 @@ from ..config import ModelConfig
 from .layers import RMSNorm, apply_rope_interleaved
 
 
+def rope_gt(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved rope of x [G, T, ..., D] with the T positions' cos/sin [T, D/2]."""
+    return apply_rope_interleaved(x.transpose(0, 1), cos, sin).transpose(0, 1)
+
+
 @dataclass
 class AttnContext:
     """Per-sequence inputs of one forward, shared by every layer.
@@ -52,19 +57,19 @@ class Indexer(nn.Module):
 
     def _rope_first(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([apply_rope_interleaved(rot, cos, sin), rest], dim=-1)
+        return torch.cat([rope_gt(rot, cos, sin), rest], dim=-1)
 
     def keys(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        """x: [T, H] -> roped, normed keys [T, D]."""
+        """x: [G, T, H] -> roped, normed keys [G, T, D]."""
         return self._rope_first(self.k_norm(self.wk(x)), cos, sin)
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos, sin) -> torch.Tensor:
-        """Index scores [T, L] in fp32 (not yet masked)."""
-        t = x.shape[0]
-        q = self._rope_first(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), cos, sin)
-        s = torch.einsum("thd,ld->thl", q.float(), keys.float()).relu() * self.head_dim ** -0.5
+        """Index scores [G, T, L] in fp32 (not yet masked); keys [G, L, D]."""
+        g, t = x.shape[:2]
+        q = self._rope_first(self.wq_b(q_resid).view(g, t, self.n_heads, self.head_dim), cos, sin)
+        s = torch.einsum("gthd,gld->gthl", q.float(), keys.float()).relu() * self.head_dim ** -0.5
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
-        return torch.einsum("th,thl->tl", w, s)
+        return torch.einsum("gth,gthl->gtl", w, s)
 
 
 class MLAttention(nn.Module):
@@ -91,7 +96,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctxs: list[AttnContext], kv_layer: int, idx_layer: int | None,
                 prev_topk: list[torch.Tensor] | None, indexer_losses: list | None = None):
-        """x: [B, T, H] -> (out [B, T, H], topk per sequence).
+        """x: [B, T, H] -> (out [B, T, H], the top-k selection of each group of sequences).
 
         kv_layer / idx_layer: this layer's index in the MLA and indexer pools.
         """
@@ -102,43 +107,56 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
 
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
+        w_uk = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)[:, : self.nope]
         q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # q_nope folded into latent space
 
+        # Cache-free (training) forwards start every sequence at 0: one batched pass. Cached
+        # sequences each have their own length, so each is its own group of one. topks holds one
+        # [G, T, K] selection per group, which the next `shared` layer reuses group by group.
+        cache_free = all(ctx.cache is None for ctx in ctxs)
+        spans = [(0, b)] if cache_free else [(i, i + 1) for i in range(b)]
         outs, topks = [], []
-        for i, ctx in enumerate(ctxs):
-            qr = apply_rope_interleaved(q_rope[i], ctx.cos, ctx.sin)
-            kr = apply_rope_interleaved(k_rope[i], ctx.cos, ctx.sin)
-            rows = torch.cat([latent[i], kr], dim=-1)
-            if ctx.cache is not None:
-                ctx.cache.mla.write(kv_layer, ctx.kv_slots.new, rows)
-                rows = ctx.cache.mla.read(kv_layer, ctx.kv_slots.all)
-            keep = self._causal(ctx.start, t, rows.shape[0], x.device)
-            if self.indexer is not None:
-                idx_x = x[i].detach() if indexer_losses is not None else x[i]
-                idx_q = q_resid[i].detach() if indexer_losses is not None else q_resid[i]
-                keys = self.indexer.keys(idx_x, ctx.cos, ctx.sin)
-                if ctx.cache is not None:
-                    ctx.cache.indexer.write(idx_layer, ctx.idx_slots.new, keys)
-                    keys = ctx.cache.indexer.read(idx_layer, ctx.idx_slots.all)
-                index_scores = self.indexer.scores(idx_x, idx_q, keys, ctx.cos, ctx.sin)
-                index_scores = index_scores.masked_fill(~keep, float("-inf"))
-                topk = index_scores.topk(min(self.indexer.topk, rows.shape[0]), dim=-1).indices
-            else:
-                index_scores = None
-                topk = prev_topk[i]
-            selected = torch.zeros_like(keep).scatter_(-1, topk, True)
-            out, probs_dense = self._attend(q_abs[i], qr, rows, keep & selected, keep,
-                                            want_dense=index_scores is not None and indexer_losses is not None)
-            if probs_dense is not None:
-                indexer_losses.append(_indexer_kl(probs_dense, index_scores, keep))
-            outs.append(torch.einsum("thc,hvc->thv", out, w_uv))
+        for n, (i, j) in enumerate(spans):
+            out, topk = self._group(ctxs[i], q_resid[i:j], q_abs[i:j], q_rope[i:j], latent[i:j], k_rope[i:j],
+                                    x[i:j], kv_layer, idx_layer, None if prev_topk is None else prev_topk[n],
+                                    indexer_losses, t)
+            outs.append(out)
             topks.append(topk)
-        out = self.o_proj(torch.stack(outs).reshape(b, t, self.n_heads * self.v_dim))
+        out = self.o_proj(torch.cat(outs).reshape(b, t, self.n_heads * self.v_dim))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
         return out, topks
+
+    def _group(self, ctx, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
+               indexer_losses, t):
+        """Attention for G sequences sharing start and cache-ness (G = 1 whenever a cache is used)."""
+        w_uv = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)[:, self.nope:]
+        qr = rope_gt(q_rope, ctx.cos, ctx.sin)
+        rows = torch.cat([latent, rope_gt(k_rope, ctx.cos, ctx.sin)], dim=-1)  # [G, T, C+R]
+        if ctx.cache is not None:
+            ctx.cache.mla.write(kv_layer, ctx.kv_slots.new, rows[0])
+            rows = ctx.cache.mla.read(kv_layer, ctx.kv_slots.all)[None]
+        keep = self._causal(ctx.start, t, rows.shape[1], x.device)
+        index_scores = None
+        if self.indexer is not None:
+            training = indexer_losses is not None
+            idx_x = x.detach() if training else x
+            idx_q = q_resid.detach() if training else q_resid
+            keys = self.indexer.keys(idx_x, ctx.cos, ctx.sin)
+            if ctx.cache is not None:
+                ctx.cache.indexer.write(idx_layer, ctx.idx_slots.new, keys[0])
+                keys = ctx.cache.indexer.read(idx_layer, ctx.idx_slots.all)[None]
+            index_scores = self.indexer.scores(idx_x, idx_q, keys, ctx.cos, ctx.sin).masked_fill(~keep, float("-inf"))
+            topk = index_scores.topk(min(self.indexer.topk, rows.shape[1]), dim=-1).indices
+        else:
+            topk = prev_topk
+        selected = torch.zeros(topk.shape[:2] + keep.shape[-1:], dtype=torch.bool, device=x.device)
+        selected.scatter_(-1, topk, True)
+        want_dense = index_scores is not None and indexer_losses is not None
+        out, probs_dense = self._attend(q_abs, qr, rows, keep & selected, keep, want_dense)
+        if probs_dense is not None:
+            indexer_losses.append(_indexer_kl(probs_dense, index_scores, keep))
+        return torch.einsum("gthc,hvc->gthv", out, w_uv), topk
 
     @staticmethod
     def _causal(start: int, t: int, length: int, device) -> torch.Tensor:
@@ -146,22 +164,22 @@ class MLAttention(nn.Module):
         return torch.arange(length, device=device)[None, :] <= q_pos[:, None]
 
     def _attend(self, q_abs, q_rope, rows, mask, causal, want_dense: bool):
-        """Absorbed attention of T queries over L cached rows. Returns out latent [T, heads, kv_lora]."""
-        c, kr = rows[:, : self.kv_lora], rows[:, self.kv_lora:]
-        c = c.to(q_abs.dtype)
-        kr = kr.to(q_abs.dtype)
-        s = (torch.einsum("thc,lc->thl", q_abs, c) + torch.einsum("thr,lr->thl", q_rope, kr)) * self.scale
+        """Absorbed attention of G x T queries over L rows each: out latent [G, T, heads, kv_lora].
+
+        mask [G, T, L] (causal and selected); causal [T, L]."""
+        c, kr = rows[..., : self.kv_lora].to(q_abs.dtype), rows[..., self.kv_lora:].to(q_abs.dtype)
+        s = (torch.einsum("gthc,glc->gthl", q_abs, c) + torch.einsum("gthr,glr->gthl", q_rope, kr)) * self.scale
         s = s.float()
         dense = None
         if want_dense:
-            dense = s.detach().masked_fill(~causal[:, None, :], float("-inf")).softmax(-1)
-        p = s.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1).to(q_abs.dtype)
-        return torch.einsum("thl,lc->thc", p, c), dense
+            dense = s.detach().masked_fill(~causal[None, :, None, :], float("-inf")).softmax(-1)
+        p = s.masked_fill(~mask[:, :, None, :], float("-inf")).softmax(-1).to(q_abs.dtype)
+        return torch.einsum("gthl,glc->gthc", p, c), dense
 
 
 def _indexer_kl(attn_probs: torch.Tensor, index_scores: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
     """KL(target || indexer): the target is the dense attention summed over heads (DSA warm-up loss)."""
-    target = attn_probs.sum(1)
+    target = attn_probs.sum(2)  # [G, T, L]
     target = target / target.sum(-1, keepdim=True)
     logp = index_scores.masked_fill(~causal, float("-inf")).log_softmax(-1)
     logp = logp.masked_fill(~causal, 0.0)
