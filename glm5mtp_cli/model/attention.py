@@ -19,12 +19,28 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import RMSNorm, apply_rope_interleaved
+from .layers import RMSNorm
 
 
 def rope_gt(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved rope of x [G, T, ..., D] with the T positions' cos/sin [T, D/2]."""
-    return apply_rope_interleaved(x.transpose(0, 1), cos, sin).transpose(0, 1)
+    """Interleaved rope of x [G, T, ..., D] with each sequence's positions' cos/sin [G, T, D/2]
+    (the same arithmetic as layers.apply_rope_interleaved, element for element)."""
+    shape = cos.shape[:2] + (1,) * (x.dim() - 3) + cos.shape[-1:]
+    cos = cos.view(shape).to(x.dtype)
+    sin = sin.view(shape).to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
+def _write_read(ctxs, component: str, layer: int, new_rows: torch.Tensor) -> torch.Tensor:
+    """Append each sequence's new rows to its cache, then read every sequence's rows 0..L-1,
+    padded to the longest with the sequence's own row 0 (masked by the caller). -> [G, Lmax, W]."""
+    paged = [getattr(c.cache, component) for c in ctxs]
+    slots = [c.kv_slots if component == "mla" else c.idx_slots for c in ctxs]
+    paged[0].write(layer, torch.cat([s.new for s in slots]), new_rows.reshape(-1, new_rows.shape[-1]))
+    longest = max(s.all.shape[0] for s in slots)
+    table = torch.stack([torch.cat([s.all, s.all[:1].expand(longest - s.all.shape[0])]) for s in slots])
+    return paged[0].read(layer, table.reshape(-1)).view(len(ctxs), longest, -1)
 
 
 @dataclass
@@ -96,7 +112,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctxs: list[AttnContext], kv_layer: int, idx_layer: int | None,
                 prev_topk: list[torch.Tensor] | None, indexer_losses: list | None = None):
-        """x: [B, T, H] -> (out [B, T, H], the top-k selection of each group of sequences).
+        """x: [B, T, H] -> (out [B, T, H], the top-k selection [B, T, K]).
 
         kv_layer / idx_layer: this layer's index in the MLA and indexer pools.
         """
@@ -110,48 +126,43 @@ class MLAttention(nn.Module):
         w_uk = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)[:, : self.nope]
         q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # q_nope folded into latent space
 
-        # Cache-free (training) forwards start every sequence at 0: one batched pass. Cached
-        # sequences each have their own length, so each is its own group of one. topks holds one
-        # [G, T, K] selection per group, which the next `shared` layer reuses group by group.
-        cache_free = all(ctx.cache is None for ctx in ctxs)
-        spans = [(0, b)] if cache_free else [(i, i + 1) for i in range(b)]
-        outs, topks = [], []
-        for n, (i, j) in enumerate(spans):
-            out, topk = self._group(ctxs[i], q_resid[i:j], q_abs[i:j], q_rope[i:j], latent[i:j], k_rope[i:j],
-                                    x[i:j], kv_layer, idx_layer, None if prev_topk is None else prev_topk[n],
-                                    indexer_losses, t)
-            outs.append(out)
-            topks.append(topk)
-        out = self.o_proj(torch.cat(outs).reshape(b, t, self.n_heads * self.v_dim))
+        # All sequences of a forward append the same number of rows, so they run as one group:
+        # cache-free (training) ones all start at 0; cached ones read their own rows through padded
+        # slot tables. topk is that group's [B, T, K] selection, reused by the next shared layer.
+        out, topk = self._group(ctxs, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
+                                indexer_losses, t)
+        out = self.o_proj(out.reshape(b, t, self.n_heads * self.v_dim))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
-        return out, topks
+        return out, topk
 
-    def _group(self, ctx, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
+    def _group(self, ctxs, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
                indexer_losses, t):
-        """Attention for G sequences sharing start and cache-ness (G = 1 whenever a cache is used)."""
+        """Attention for G sequences at once. Cached sequences of different lengths are read
+        through slot tables padded to the longest; padded keys are masked out like future ones."""
         w_uv = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)[:, self.nope:]
-        qr = rope_gt(q_rope, ctx.cos, ctx.sin)
-        rows = torch.cat([latent, rope_gt(k_rope, ctx.cos, ctx.sin)], dim=-1)  # [G, T, C+R]
-        if ctx.cache is not None:
-            ctx.cache.mla.write(kv_layer, ctx.kv_slots.new, rows[0])
-            rows = ctx.cache.mla.read(kv_layer, ctx.kv_slots.all)[None]
-        keep = self._causal(ctx.start, t, rows.shape[1], x.device)
+        cos = torch.stack([c.cos for c in ctxs])
+        sin = torch.stack([c.sin for c in ctxs])
+        cached = ctxs[0].cache is not None
+        qr = rope_gt(q_rope, cos, sin)
+        rows = torch.cat([latent, rope_gt(k_rope, cos, sin)], dim=-1)  # [G, T, C+R]
+        if cached:
+            rows = _write_read(ctxs, "mla", kv_layer, rows)
+        starts = torch.tensor([c.start for c in ctxs], device=x.device)
+        keep = self._causal(starts, t, rows.shape[1], x.device)  # [G, T, L]
         index_scores = None
         if self.indexer is not None:
             training = indexer_losses is not None
             idx_x = x.detach() if training else x
             idx_q = q_resid.detach() if training else q_resid
-            keys = self.indexer.keys(idx_x, ctx.cos, ctx.sin)
-            if ctx.cache is not None:
-                ctx.cache.indexer.write(idx_layer, ctx.idx_slots.new, keys[0])
-                keys = ctx.cache.indexer.read(idx_layer, ctx.idx_slots.all)[None]
-            index_scores = self.indexer.scores(idx_x, idx_q, keys, ctx.cos, ctx.sin).masked_fill(~keep, float("-inf"))
+            keys = self.indexer.keys(idx_x, cos, sin)
+            if cached:
+                keys = _write_read(ctxs, "indexer", idx_layer, keys)
+            index_scores = self.indexer.scores(idx_x, idx_q, keys, cos, sin).masked_fill(~keep, float("-inf"))
             topk = index_scores.topk(min(self.indexer.topk, rows.shape[1]), dim=-1).indices
         else:
             topk = prev_topk
-        selected = torch.zeros(topk.shape[:2] + keep.shape[-1:], dtype=torch.bool, device=x.device)
-        selected.scatter_(-1, topk, True)
+        selected = torch.zeros_like(keep).scatter_(-1, topk, True)
         want_dense = index_scores is not None and indexer_losses is not None
         out, probs_dense = self._attend(q_abs, qr, rows, keep & selected, keep, want_dense)
         if probs_dense is not None:
@@ -159,20 +170,21 @@ class MLAttention(nn.Module):
         return torch.einsum("gthc,hvc->gthv", out, w_uv), topk
 
     @staticmethod
-    def _causal(start: int, t: int, length: int, device) -> torch.Tensor:
-        q_pos = torch.arange(start, start + t, device=device)
-        return torch.arange(length, device=device)[None, :] <= q_pos[:, None]
+    def _causal(starts: torch.Tensor, t: int, length: int, device) -> torch.Tensor:
+        """keep[g, s, l]: key l is visible to query s of sequence g (at position starts[g] + s)."""
+        q_pos = starts[:, None] + torch.arange(t, device=device)
+        return torch.arange(length, device=device)[None, None, :] <= q_pos[:, :, None]
 
     def _attend(self, q_abs, q_rope, rows, mask, causal, want_dense: bool):
         """Absorbed attention of G x T queries over L rows each: out latent [G, T, heads, kv_lora].
 
-        mask [G, T, L] (causal and selected); causal [T, L]."""
+        mask [G, T, L] (causal and selected); causal [G, T, L]."""
         c, kr = rows[..., : self.kv_lora].to(q_abs.dtype), rows[..., self.kv_lora:].to(q_abs.dtype)
         s = (torch.einsum("gthc,glc->gthl", q_abs, c) + torch.einsum("gthr,glr->gthl", q_rope, kr)) * self.scale
         s = s.float()
         dense = None
         if want_dense:
-            dense = s.detach().masked_fill(~causal[None, :, None, :], float("-inf")).softmax(-1)
+            dense = s.detach().masked_fill(~causal[:, :, None, :], float("-inf")).softmax(-1)
         p = s.masked_fill(~mask[:, :, None, :], float("-inf")).softmax(-1).to(q_abs.dtype)
         return torch.einsum("gthl,glc->gthc", p, c), dense
 
