@@ -175,7 +175,11 @@ def _hub_file(repo: str, filename: str, revision: str | None, token: str | None,
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub_errors
 
+    from huggingface_hub.utils import logging as hub_logging
+
     offline = hub_offline()
+    # The client logs each retry of an unreachable Hub; the user gets one line from us instead.
+    hub_logging.set_verbosity_error()
     try:
         return Path(hf_hub_download(repo, filename, revision=revision, token=token,
                                     cache_dir=hub_cache_dir(), local_files_only=offline))
