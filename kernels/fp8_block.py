@@ -15,7 +15,7 @@ which real weights never contain), so no manual uint8 decoding is needed.
 
 import torch
 
-from ._triton import alloc, interpreting, jit, next_pow2, tl, triton, use_triton
+from ._triton import alloc, interpreting, jit, tl, triton, use_triton
 
 
 def _expand_scale(scale_inv: torch.Tensor, m: int, n: int, block: int) -> torch.Tensor:

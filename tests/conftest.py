@@ -29,3 +29,13 @@ def spec_ckpt(tmp_path_factory):
     model = hf_model(seed=2, output_scale=0.02)
     folder = write_with_mtp(model, tmp_path_factory.mktemp("spec_ckpt"), mtp_seed=3, mirror=0.03)
     return folder, model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random-weight glm5-tiny checkpoint written by init-random (fp32), as a folder path."""
+    from glm5mtp_cli.writer import init_random
+
+    out = tmp_path_factory.mktemp("tiny")
+    init_random("glm5-tiny", out, seed=1, dtype=torch.float32)
+    return str(out)

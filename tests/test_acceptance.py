@@ -7,22 +7,11 @@ import json
 import sys
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from glm5mtp_cli.cli import app
 
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small-matrix decoding gains nothing from a second thread on a shared 2-core machine, and loses much
-    when the cores are busy; restore the session's setting afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_json_document_on_default_model(tmp_path):

@@ -5,20 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.writer import init_random
-
-CACHES = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    init_random("glm5-tiny", out, seed=1, dtype=torch.float32)
-    return str(out)
+from glm5mtp_cli.cache import COMPONENTS as CACHES
 
 
 def _run(*args):
