@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import launch
 from .bench import (BenchConfig, add_ratios, copy_bandwidth, draft_step_bytes, random_drafter, run_glm5mtp,
                     run_transformers, time_draft_step)
 from .checkpoint import resolve_config
@@ -69,14 +70,23 @@ def bench_cmd(
     random_weights: Annotated[bool, typer.Option(help="Draft step only, with random weights of the model's "
                                                       "config built on the device (e.g. --model glm5).")] = False,
     draft_vocab_sizes: Annotated[str, typer.Option(help="Draft-step vocabularies to time; 0 is the full vocabulary.")] = "0",
+    tp: launch.TpOpt = 1,
 ) -> None:
     """Tokens/s, TPOT and speedups of speculation against gamma 0 and transformers; draft step vs its floor."""
+    kwargs = dict(locals())
     c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
                     transformers)
     if max_new_tokens < 2 or repeats < 1 or draft_context < 1:
         raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
-    out = Console(stderr=json_out)
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
+    if tp > 1 and random_weights:
+        raise UserError("--random-weights times one device's draft step; drop --tp")
+    if launch.maybe_spawn(tp, device, model, bench_cmd, kwargs):
+        return
+    comm = launch.rank_comm(tp, device)
+    if comm is not None:
+        c.with_transformers = False  # transformers' generate runs on one device: not a tp baseline
+    out = Console(stderr=json_out)
     rows = []
     if random_weights:
         dev = pick_device(device)
@@ -85,7 +95,7 @@ def bench_cmd(
         mtp, embed, head = random_drafter(cfg, dev, dt)
         folder = None
     else:
-        rt = load_runtime(model, device, dtype, layers, progress=not json_out)
+        rt = load_runtime(model, device, dtype, layers, progress=not json_out, comm=comm)
         cfg, dev, dt, folder = rt.cfg, rt.device, rt.dtype, rt.resolved.folder
         mtp, embed, head = rt.mtp, rt.target.model.embed_tokens, rt.target.lm_head
         ids = _prompts(rt, prompts, max(c.batch_sizes))
@@ -99,7 +109,8 @@ def bench_cmd(
     add_ratios(rows)
     bw = copy_bandwidth(dev)
     drafts = [_draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw) for k in sizes]
-    doc = {"model": model, "device": str(dev), "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
+    doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1,
+           "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
            "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows, "draft_step": drafts[0],
            "draft_steps": drafts}
     if json_out:

@@ -53,3 +53,16 @@ def test_bench_random_weights_draft_step_only():
     assert doc["rows"] == [] and [d["draft_vocab"] for d in doc["draft_steps"]] == [None, 64]
     full, sub = doc["draft_steps"]
     assert sub["bytes"]["lm_head"] == full["bytes"]["lm_head"] * 64 // 256
+
+
+def test_bench_tp2_on_gloo(tiny):
+    """Spawned ranks run in a subprocess (as a user runs them), not inside the test process."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", "bench", "--model", tiny, "--gammas", "0,2",
+                        "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1", "--draft-context", "16",
+                        "--device", "cpu", "--tp", "2", "--json"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert doc["tp"] == 2 and [row["system"] for row in doc["rows"]] == ["gamma 0", "gamma 2"]
