@@ -47,8 +47,9 @@ def _write_read(ctxs, component: str, layer: int, new_rows: torch.Tensor) -> tor
 class AttnContext:
     """Per-sequence inputs of one forward, shared by every layer.
 
-    kv / idx: (read_rows(layer_slot) -> rows, write_rows(layer_slot, rows)) closures or None for
-    a cache-free (training) forward; `start` is the number of rows cached before this forward.
+    start: rows cached before this forward (0 without a cache); cos/sin: rope of this forward's
+    positions; cache / kv_slots / idx_slots: the sequence's SequenceCache and the slots of its new
+    and of all its rows, or None for a cache-free (training) forward.
     """
 
     start: int
