@@ -91,6 +91,7 @@ class _Seq:
     t0: object
     all_tokens: list[int] = field(default_factory=list)  # prompt + every accepted token (untruncated)
     last: int = 0  # t[n]: newest accepted token, not yet in the target cache
+    last_dev: torch.Tensor | None = None  # the same token as a [1] device tensor (next verify input)
     pend_tokens: torch.Tensor | None = None
     pend_hidden: torch.Tensor | None = None
     done: str | None = None
@@ -211,6 +212,7 @@ class SpecEngine:
         logits, hiddens = self.prefill(prompt[start.target_start:], seq.cache)
         first, _ = choose(logits[None], self.sampling, self.gen)
         seq.last = int(first.item())
+        seq.last_dev = first.reshape(1)
         t1 = self.clock.now()
         d = 0
         if seq.state is not None:
@@ -297,7 +299,7 @@ class SpecEngine:
                 for s in active:
                     assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
         v0 = self.clock.now()
-        last = torch.tensor([s.last for s in active], dtype=torch.long, device=self.device)
+        last = torch.cat([s.last_dev for s in active])  # already on the device: no copy from the host
         if chains:
             drafts = torch.stack([c.tokens for c in chains])
             ids = torch.cat([last[:, None], drafts], dim=1)
@@ -310,15 +312,17 @@ class SpecEngine:
                 raise InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
         out = self.target(ids, [s.cache for s in active], rows="all")
         counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
-        accepted, nxt, draft_ids = self._accept(drafts, chains, out.logits, counts)
+        accepted, nxt, draft_ids, nxt_dev = self._accept(drafts, chains, out.logits, counts)
         v1 = self.clock.now()
         for i, s in enumerate(active):
             a = accepted[i]
             new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
             s.cache.truncate(starts[i] + a + 1)
+            s.last_dev = nxt_dev[i:i + 1]
             if s.state is not None:
                 self.head.after_verify(a, s.state)
-                s.pend_tokens = torch.tensor(new, dtype=torch.long, device=self.device)
+                # the accepted drafts and the target's token, from device tensors (no host copy)
+                s.pend_tokens = torch.cat([drafts[i, :a], s.last_dev]) if a else s.last_dev
                 s.pend_hidden = out.hidden_all[i, : a + 1]
             s.acc.record(counts[i], a)
             s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], len(new)))
@@ -332,18 +336,21 @@ class SpecEngine:
                 self.on_tokens(s.req.request_id, s.out[before:])
 
     def _accept(self, drafts, chains, logits, counts):
-        """(accepted, next token, draft ids) per sequence, with one host sync per step for greedy."""
+        """(accepted, next token, draft ids) per sequence on the host, and the next tokens on the
+        device; greedy reads the device once per step."""
         if self.sampling.greedy:
             target_tokens = logits.argmax(-1)  # [B, g+1]
             if drafts is None:
-                return [0] * logits.shape[0], target_tokens[:, 0].tolist(), None
-            n = torch.tensor(counts, device=logits.device)
-            pos = torch.arange(drafts.shape[1], device=logits.device)
-            match = ((target_tokens[:, :-1] == drafts) & (pos[None, :] < n[:, None])).int()
+                nxt = target_tokens[:, 0]
+                return [0] * logits.shape[0], nxt.tolist(), None, nxt
+            match = (target_tokens[:, :-1] == drafts).int()
+            if min(counts) < drafts.shape[1]:  # a confidence stop proposed fewer drafts somewhere
+                n = torch.tensor(counts, device=logits.device)
+                match = match * (torch.arange(drafts.shape[1], device=logits.device)[None, :] < n[:, None])
             acc = match.cumprod(1).sum(1)
             nxt = target_tokens.gather(1, acc[:, None])[:, 0]
             host = torch.cat([acc[:, None], nxt[:, None], drafts], dim=1).tolist()  # the one sync
-            return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
+            return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt
         acc, nxt = [], []
         for i in range(logits.shape[0]):
             if drafts is None:
@@ -353,7 +360,8 @@ class SpecEngine:
                 a, t = accept_rejection(drafts[i], chains[i].probs, logits[i], counts[i], self.sampling, self.gen)
             acc.append(a)
             nxt.append(t)
-        return acc, nxt, None if drafts is None else drafts.tolist()
+        nxt_dev = torch.tensor(nxt, dtype=torch.long, device=logits.device)
+        return acc, nxt, None if drafts is None else drafts.tolist(), nxt_dev
 
     def _maybe_finish(self, s: _Seq) -> None:
         req = s.req
