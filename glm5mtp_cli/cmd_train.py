@@ -68,6 +68,8 @@ def train_cmd(
     corpus_files: Annotated[Optional[int], typer.Option(help="Use only the first N files of each split (smoke runs).")] = None,
     chat_samples: Annotated[bool, typer.Option("--chat-samples/--no-chat-samples",
                                                help="Add chat-formatted docstring->function samples.")] = True,
+    corpus_packages: Annotated[str, typer.Option(help="Comma-separated installed packages whose .py sources join the "
+                                                 "train split (e.g. torch,numpy); held-out stays the stdlib's.")] = "",
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard.")] = "2GB",
     force: Annotated[bool, typer.Option("--force", help="Overwrite a folder that already holds a checkpoint.")] = False,
 ) -> None:
@@ -78,6 +80,7 @@ def train_cmd(
         device=device, dtype=dtype, mtp_weight=mtp_weight, indexer_weight=indexer_weight, mtp_only=mtp_only,
         init=init, time_budget=time_budget, eval_every=eval_every, eval_tokens=eval_tokens, warmup=warmup,
         cache_dir=cache_dir, tokenizer=tokenizer, corpus_files=corpus_files, chat_samples=chat_samples,
+        corpus_packages=tuple(p.strip() for p in corpus_packages.split(",") if p.strip()),
         max_shard_size=max_shard_size, force=force,
         command="glm5mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )

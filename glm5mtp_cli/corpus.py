@@ -9,6 +9,11 @@ path falls in one bucket of `HELDOUT_EVERY`, so the split does not move when oth
 disappear. Same Python minor version -> same corpus, byte for byte; `build_corpus` records the
 Python version and a sha256 per split in `manifest.json` so two machines can compare.
 
+`packages` adds the `.py` sources of installed packages (for example glm5mtp's own dependencies,
+`torch,numpy`) to the TRAIN split only, under `<package>/<relative path>`; the held-out split stays
+the stdlib's, so held-out losses compare across runs. Package versions differ between machines, so
+the manifest records each package's version.
+
 Besides plain files, `iter_chat_samples` derives chat-formatted examples from the same files
 (user: a function's docstring summary, assistant: the function's source), so a model trained on
 the corpus has seen the chat template it is prompted with.
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -81,13 +88,32 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-def iter_files(split: str, root: Path | None = None, max_files: int | None = None) -> Iterator[tuple[str, str]]:
-    """(relative path, text) of each file of `split`, in sorted order; `max_files` caps the count."""
-    _check_split(split)
-    root = Path(root) if root is not None else stdlib_root()
+def package_root(name: str) -> Path:
+    """The folder of an installed package; ValueError naming it when it is missing or a lone module."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ValueError(f"no installed package named '{name}' (corpus packages must be folders of .py files)")
+    return Path(locations[0]).resolve()
+
+
+def package_versions(packages: tuple[str, ...]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _files_under(root: Path, prefix: str, keep, max_files: int | None) -> Iterator[tuple[str, str]]:
     n = 0
     for rel in list_files(root):
-        if split_of(rel) != split:
+        if not keep(rel):
             continue
         if max_files is not None and n >= max_files:
             return
@@ -95,12 +121,25 @@ def iter_files(split: str, root: Path | None = None, max_files: int | None = Non
         if not text.strip():
             continue
         n += 1
-        yield rel, text
+        yield prefix + rel, text
 
 
-def iter_texts(split: str, root: Path | None = None, max_files: int | None = None) -> Iterator[str]:
+def iter_files(split: str, root: Path | None = None, max_files: int | None = None,
+               packages: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
+    """(relative path, text) of each file of `split`, in sorted order: the stdlib's, then (train
+    split only) each of `packages` in the order given. `max_files` caps the count per source."""
+    _check_split(split)
+    root = Path(root) if root is not None else stdlib_root()
+    yield from _files_under(root, "", lambda rel: split_of(rel) == split, max_files)
+    if split == "train":
+        for name in packages:
+            yield from _files_under(package_root(name), f"{name}/", lambda rel: True, max_files)
+
+
+def iter_texts(split: str, root: Path | None = None, max_files: int | None = None,
+               packages: tuple[str, ...] = ()) -> Iterator[str]:
     """The texts of `split` ('train' or 'heldout'), one per file, in sorted file order."""
-    for _, text in iter_files(split, root, max_files):
+    for _, text in iter_files(split, root, max_files, packages):
         yield text
 
 
@@ -135,9 +174,10 @@ def chat_samples_of(text: str, max_chars: int = 2000) -> list[str]:
     return out
 
 
-def iter_chat_samples(split: str, root: Path | None = None, max_files: int | None = None) -> Iterator[str]:
+def iter_chat_samples(split: str, root: Path | None = None, max_files: int | None = None,
+                      packages: tuple[str, ...] = ()) -> Iterator[str]:
     """Chat samples (see `chat_samples_of`) of every file of `split`, in order."""
-    for text in iter_texts(split, root, max_files):
+    for text in iter_texts(split, root, max_files, packages):
         yield from chat_samples_of(text)
 
 

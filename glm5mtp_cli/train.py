@@ -93,6 +93,7 @@ class TrainOptions:
     tokenizer: Path | None = None          # an existing tokenizer folder instead of training one
     corpus_files: int | None = None        # use only the first N files of each split (tests, smoke runs)
     chat_samples: bool = True              # add chat-formatted docstring->function samples to training
+    corpus_packages: tuple[str, ...] = ()  # installed packages whose sources join the train split
     max_shard_size: str = "2GB"
     force: bool = False
     command: str | None = None             # the command line, for the report
@@ -405,8 +406,12 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
     if hp["seq_len"] > cfg.max_position_embeddings:
         raise UserError(f"--seq-len {hp['seq_len']} exceeds max_position_embeddings {cfg.max_position_embeddings}")
 
-    manifest = _corpus_manifest(opts, cache)
-    log(f"corpus: Python {manifest['python_version']} stdlib, {manifest['splits']['train']['files']} train / "
+    try:
+        manifest = _corpus_manifest(opts, cache)
+    except ValueError as e:
+        raise UserError(f"--corpus-packages: {e}") from None
+    extra = "".join(f" + {k} {v}" for k, v in manifest["packages"].items())
+    log(f"corpus: Python {manifest['python_version']} stdlib{extra}, {manifest['splits']['train']['files']} train / "
         f"{manifest['splits']['heldout']['files']} held-out files, sha256 {manifest['sha256'][:16]}")
     tok_dir = prepare_tokenizer(opts, cfg.vocab_size, cache, manifest, log)
     train_ids = tokenize_split(tok_dir, "train", cache, manifest, opts, log)

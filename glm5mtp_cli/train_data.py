@@ -52,7 +52,7 @@ def _corpus_manifest(opts: TrainOptions, cache: Path) -> dict:
     h = {s: hashlib.sha256() for s in corpus.SPLITS}
     counts = {s: [0, 0] for s in corpus.SPLITS}
     for split in corpus.SPLITS:
-        for rel, text in corpus.iter_files(split, max_files=opts.corpus_files):
+        for rel, text in corpus.iter_files(split, max_files=opts.corpus_files, packages=opts.corpus_packages):
             data = text.encode("utf-8")
             for part in (rel.encode("utf-8"), b"\0", data, b"\0"):
                 h[split].update(part)
@@ -65,6 +65,7 @@ def _corpus_manifest(opts: TrainOptions, cache: Path) -> dict:
         "corpus_version": corpus.CORPUS_VERSION,
         "python_version": platform.python_version(),
         "corpus_files_limit": opts.corpus_files,
+        "packages": corpus.package_versions(opts.corpus_packages),
         "splits": {s: {"files": counts[s][0], "bytes": counts[s][1], "sha256": h[s].hexdigest()}
                    for s in corpus.SPLITS},
         "sha256": whole.hexdigest(),
@@ -81,9 +82,9 @@ def tokenize_split(tok_dir: Path, split: str, cache: Path, manifest: dict, opts:
         return np.load(path)
     t0 = time.time()
     tok = tt.load_tokenizer(tok_dir)
-    docs = list(corpus.iter_texts(split, max_files=opts.corpus_files))
+    docs = list(corpus.iter_texts(split, max_files=opts.corpus_files, packages=opts.corpus_packages))
     if chat:
-        docs += list(corpus.iter_chat_samples(split, max_files=opts.corpus_files))
+        docs += list(corpus.iter_chat_samples(split, max_files=opts.corpus_files, packages=opts.corpus_packages))
     ids: list[int] = []
     for enc in tok.encode_batch(docs):
         ids.extend(enc.ids)

@@ -39,6 +39,18 @@ def test_corpus_split_is_deterministic_and_disjoint():
     assert a == list(corpus.iter_texts("heldout", max_files=3)) and all(a)
 
 
+def test_corpus_packages_join_the_train_split_only():
+    stdlib_train = [rel for rel, _ in corpus.iter_files("train", max_files=3)]
+    with_pkg = [rel for rel, _ in corpus.iter_files("train", max_files=3, packages=("typer",))]
+    assert with_pkg[:3] == stdlib_train and len(with_pkg) == 6
+    assert all(rel.startswith("typer/") and rel.endswith(".py") for rel in with_pkg[3:])
+    held = [rel for rel, _ in corpus.iter_files("heldout", max_files=3, packages=("typer",))]
+    assert held == [rel for rel, _ in corpus.iter_files("heldout", max_files=3)]
+    assert corpus.package_versions(("typer",))["typer"]
+    with pytest.raises(ValueError, match="no installed package named 'no_such_pkg'"):
+        list(corpus.iter_files("train", max_files=1, packages=("no_such_pkg",)))
+
+
 def test_build_corpus_manifest(tmp_path):
     m1 = corpus.build_corpus(tmp_path / "a", max_files=5)
     m2 = corpus.build_corpus(tmp_path / "b", max_files=5)
