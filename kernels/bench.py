@@ -19,6 +19,7 @@ from . import _triton
 from .fp8_block import fp8_block_dequant_ref, fp8_block_dequant_triton, fp8_block_matmul_ref, fp8_block_matmul_triton
 from .indexer import indexer_scores_ref, indexer_scores_triton
 from .mla_decode import mla_decode_attention_ref, mla_decode_attention_triton
+from .moe import moe_experts_ref, moe_experts_triton
 from .rmsnorm import rmsnorm_ref, rmsnorm_triton
 from .rope import rope_interleaved_ref, rope_interleaved_triton
 
@@ -91,6 +92,21 @@ def _cases(dev):
            lambda: mla_decode_attention_triton(qn, qp, cache, idx, t_ctx - s_dec, scale),
            lambda: mla_decode_attention_ref(qn, qp, cache, idx, t_ctx - s_dec, scale),
            _nbytes(qn, qp, idx) + s_dec * 2048 * 576 * 2 + _nbytes(qn), 1e-2)
+
+    # routed experts (bf16): H 6144, I 2048, top-8 of 64 stacked experts (GLM-5 has 256 per layer; 64 of
+    # them keep the tensors at 4.8 GB); the floor reads each distinct chosen expert's gate, up and down once
+    n_exp, hid, inter, top = 64, 6144, 2048, 8
+    gate, up = rnd(n_exp, inter, hid, scale=hid ** -0.5), rnd(n_exp, inter, hid, scale=hid ** -0.5)
+    down = rnd(n_exp, hid, inter, scale=inter ** -0.5)
+    for n_tok in (1, s_dec):
+        xe = rnd(n_tok, hid)
+        ids = torch.stack([torch.randperm(n_exp, device=dev, generator=g)[:top] for _ in range(n_tok)])
+        wts = torch.softmax(rnd(n_tok, top, dtype=torch.float32), -1)
+        distinct = ids.unique().numel()
+        yield (f"moe_experts[{n_tok}x{hid}, top-{top}: {distinct} experts]",
+               lambda xe=xe, wts=wts, ids=ids: moe_experts_triton(xe, gate, up, down, wts, ids),
+               lambda xe=xe, wts=wts, ids=ids: moe_experts_ref(xe, gate, up, down, wts, ids),
+               distinct * 3 * hid * inter * 2 + _nbytes(xe, wts, ids) + _nbytes(xe), 1e-2)
 
 
 def _check(got, want, rel: float) -> tuple[bool, float]:

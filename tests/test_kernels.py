@@ -28,6 +28,7 @@ from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_blo
                                fp8_block_matmul_ref, fp8_block_matmul_triton)
 from kernels.indexer import indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
 from kernels.mla_decode import mla_decode_attention, mla_decode_attention_ref  # noqa: E402
+from kernels.moe import moe_experts, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
 
@@ -200,6 +201,41 @@ def case_mla_indexed_bf16(device, big):
             mla_decode_attention_ref(qn, qr, kv, idx, t - 2, scale))
 
 
+def _moe_inputs(device, dtype, n, k, e, hid, inter, id_dtype=torch.int64):
+    """x, gate, up, down, weights, ids with O(1) activations; expert e-1 (the last) picked twice."""
+    x = _rand(n, hid, device=device, dtype=dtype)
+    gate = _rand(e, inter, hid, device=device, dtype=dtype, scale=hid ** -0.5)
+    up = _rand(e, inter, hid, device=device, dtype=dtype, scale=hid ** -0.5)
+    down = _rand(e, hid, inter, device=device, dtype=dtype, scale=inter ** -0.5)
+    ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(n)])
+    ids[0, 0] = e - 1
+    if n > 1:
+        ids[1, -1] = e - 1  # the same expert for a second token
+    weights = torch.rand(n, k, device=device) + 0.1
+    return x, gate, up, down, weights / weights.sum(-1, keepdim=True), ids.to(id_dtype)
+
+
+def case_moe_fp32(device, big):
+    n, k, e, hid, inter = (3, 4, 8, 1000, 700) if big else (3, 2, 5, 48, 40)
+    args = _moe_inputs(device, torch.float32, n, k, e, hid, inter)
+    args[-1][2, :2] = 1  # one expert twice in a token
+    return moe_experts(*args, force_triton=True), moe_experts_ref(*args)
+
+
+def case_moe_bf16(device, big):
+    n, k, e, hid, inter = (4, 8, 16, 6144, 2048) if big else (3, 2, 5, 48, 40)  # big: GLM-5's dims
+    args = _moe_inputs(device, BF16, n, k, e, hid, inter)
+    args[-1][2, :2] = 3  # one expert twice in a token
+    return moe_experts(*args, force_triton=True), moe_experts_ref(*args)
+
+
+def case_moe_bf16_several_tiles_int32_ids(device, big):
+    # H and I past one 256-wide tile, neither a power of two; int32 ids; one token (a decode step)
+    n, k, e, hid, inter = (1, 8, 12, 6144, 2048) if big else (2, 3, 4, 300, 272)
+    args = _moe_inputs(device, BF16, n, k, e, hid, inter, id_dtype=torch.int32)
+    return moe_experts(*args, force_triton=True), moe_experts_ref(*args)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -280,6 +316,7 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     import kernels.fp8_block as f
     import kernels.indexer as i
     import kernels.mla_decode as m
+    import kernels.moe as e
     import kernels.rmsnorm as r
     import kernels.rope as p
 
@@ -288,7 +325,7 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
 
     for mod, name in [(r, "rmsnorm_triton"), (p, "rope_interleaved_triton"), (f, "fp8_block_dequant_triton"),
                       (f, "fp8_block_matmul_triton"), (i, "indexer_scores_triton"),
-                      (m, "mla_decode_attention_triton")]:
+                      (m, "mla_decode_attention_triton"), (e, "moe_experts_triton")]:
         monkeypatch.setattr(mod, name, boom)
     x, w = torch.randn(3, 16), torch.randn(16)
     assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
@@ -302,6 +339,8 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     qn, qr, kv = torch.randn(2, 4, 8), torch.randn(2, 4, 4), torch.randn(6, 12)
     assert torch.equal(mla_decode_attention(qn, qr, kv, None, 4, 0.3),
                        mla_decode_attention_ref(qn, qr, kv, None, 4, 0.3))
+    me = _moe_inputs("cpu", torch.float32, 2, 2, 3, 16, 8)
+    assert torch.equal(moe_experts(*me), moe_experts_ref(*me))
 
 
 def test_force_triton_without_interpreter_raises(monkeypatch):
@@ -315,7 +354,7 @@ def test_kernels_import_without_triton():
             "import torch, kernels\n"
             "from kernels.rmsnorm import rmsnorm\n"
             "from kernels.mla_decode import mla_decode_attention\n"
-            "import kernels.fp8_block, kernels.indexer, kernels.rope\n"
+            "import kernels.fp8_block, kernels.indexer, kernels.moe, kernels.rope\n"
             "assert kernels.HAVE_TRITON is False and not hasattr(kernels, '__version__')\n"
             "print(rmsnorm(torch.ones(2, 4), torch.ones(4), 1e-5).sum().item())\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -400,6 +439,22 @@ def test_mla_ref_matches_naive_loop():
     torch.testing.assert_close(mla_decode_attention_ref(qn, qr, kv, full, off, scale),
                                mla_decode_attention_ref(qn, qr, kv, None, off, scale))
     assert (mla_decode_attention_ref(qn, qr, kv, None, -1, scale)[0] == 0).all()
+
+
+def test_moe_ref_matches_naive_loop():
+    x, gate, up, down, weights, ids = _moe_inputs("cpu", torch.float64, 3, 2, 4, 12, 10)
+    ids[2] = torch.tensor([1, 1])
+    out = moe_experts_ref(x, gate, up, down, weights, ids)
+    for n in range(3):
+        want = torch.zeros(12, dtype=torch.float64)
+        for k in range(2):
+            e = int(ids[n, k])
+            h = torch.nn.functional.silu(gate[e] @ x[n]) * (up[e] @ x[n])
+            want += weights[n, k].double() * (down[e] @ h)
+        torch.testing.assert_close(out[n], want)
+    assert out.dtype == torch.float64
+    xb, gb, ub, db = (t.to(BF16) for t in (x, gate, up, down))
+    assert moe_experts_ref(xb, gb, ub, db, weights, ids).dtype == BF16  # fp32 routing weights keep x's dtype
 
 
 if __name__ == "__main__":  # the interpreter worker (see the module docstring)
