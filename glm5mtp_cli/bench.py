@@ -30,6 +30,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 3
     with_transformers: bool = True
+    graphs: str = "eager"  # the engine's forward mode (runtime.graph_mode)
 
 
 def _sync(device: torch.device) -> None:
@@ -43,11 +44,11 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
         _, acc, lat, _, _ = run_generate(rt, prompts[:batch], gamma=gamma, max_new_tokens=c.max_new_tokens,
                                          sampling=SamplingParams(), batch_size=batch,
                                          max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
-                                         draft_conf_tau=None, ignore_eos=True)
+                                         draft_conf_tau=None, ignore_eos=True, graphs=c.graphs)
         if i:  # the first run warms caches, allocator and kernels up
             runs.append((acc, lat))
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
-    return {"system": f"gamma {gamma}", "gamma": gamma, "batch": batch,
+    return {"system": f"gamma {gamma}", "gamma": gamma, "batch": batch, "graphs": c.graphs,
             "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
             "tpot_ms_p50": med("tpot_ms_p50"),
             "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,
@@ -113,44 +114,96 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
     return nbytes / statistics.median(times)
 
 
-def draft_step_bytes(cfg: ModelConfig, dtype_bytes: int, context: int, draft_vocab: int | None = None) -> dict:
-    """Bytes one chained draft step reads at batch 1 (the floor's numerator)."""
-    shapes = layout.tensor_shapes(cfg, cfg.num_hidden_layers)
-    weights = 0
-    for name, shape in shapes.items():
+def _weight_bytes(cfg: ModelConfig, layer: int | None, dtype_bytes: int) -> int:
+    """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts."""
+    total = 0
+    for name, shape in layout.tensor_shapes(cfg, layer).items():
         n = math.prod(shape)
         if ".mlp.experts." in name:
-            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts  # only the chosen experts are read
-        weights += n * (4 if layout.keeps_fp32(name) else dtype_bytes)
+            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += n * (4 if layout.keeps_fp32(name) else dtype_bytes)
+    return total
+
+
+def _cache_bytes(cfg: ModelConfig, layer: int, dtype_bytes: int, context: int) -> int:
+    """Cache bytes one query reads in a layer: every indexer key (a full layer), the selected latents."""
+    keys = context * cfg.index_head_dim if cfg.has_indexer(layer) else 0
+    return (keys + min(context, cfg.index_topk) * cfg.kv_cache_width) * dtype_bytes
+
+
+def draft_step_bytes(cfg: ModelConfig, dtype_bytes: int, context: int, draft_vocab: int | None = None) -> dict:
+    """Bytes one chained draft step reads at batch 1 (the floor's numerator)."""
+    weights = _weight_bytes(cfg, cfg.mtp_layer_index, dtype_bytes)
     head = (draft_vocab or cfg.vocab_size) * cfg.hidden_size * dtype_bytes
-    selected = min(context, cfg.index_topk)
-    cache = context * cfg.index_head_dim * dtype_bytes + selected * cfg.kv_cache_width * dtype_bytes
+    cache = _cache_bytes(cfg, cfg.mtp_layer_index, dtype_bytes, context)
     return {"mtp_weights": weights, "lm_head": head, "cache": cache, "total": weights + head + cache}
 
 
+def target_step_bytes(cfg: ModelConfig, dtype_bytes: int, context: int) -> dict:
+    """Bytes one batch-1 decode step of the (truncated) target reads: its layers' active weights,
+    one embedding row, the final norm and the head, and each layer's cache reads."""
+    layers = sum(_weight_bytes(cfg, i, dtype_bytes) for i in range(cfg.num_hidden_layers))
+    h = cfg.hidden_size
+    top = (h + cfg.vocab_size * h) * dtype_bytes + h * dtype_bytes
+    cache = sum(_cache_bytes(cfg, i, dtype_bytes, context) for i in range(cfg.num_hidden_layers))
+    return {"layer_weights": layers, "embed_norm_head": top, "cache": cache, "total": layers + top + cache}
+
+
+def _replay_seconds(run, repeats: int) -> float:
+    """Median device time of one call of `run` (CUDA events around each; after 3 warm-ups)."""
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _fill_random(pools) -> None:
+    for pool in pools.pools.values():
+        pool.data.normal_(0, 1)
+
+
 def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, context: int,
-                    draft_ids: torch.Tensor | None = None, repeats: int = 20) -> float:
-    """Median seconds of one chained draft step (batch 1) at a context of `context` drafter rows,
-    host-timed around a synchronised forward (what an eager decode loop pays, launches included)."""
+                    draft_ids: torch.Tensor | None = None, repeats: int = 20, graphs: bool = True) -> float:
+    """Median seconds of one chained draft step (batch 1) at a context of `context` drafter rows.
+    On CUDA with `graphs`: the forward captured as a CUDA graph (what the engine replays), timed
+    with device events; else host-timed around a synchronised eager forward."""
     from .cache import CachePools
+    from .graphs import sequence_forward
     from .mtp import Glm5MtpHead
 
     cfg = mtp.cfg
     pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device)
     head_ = Glm5MtpHead(mtp, embed, head, pools, context + 8, draft_ids=draft_ids)
     state = head_.alloc_state_for(context + 8)
+    out_head = head_.draft_head or head
     try:
-        for pool in pools.pools.values():
-            if pool.name.startswith("drafter"):
-                pool.data.normal_(0, 1)
+        _fill_random(pools)
         state.cache.length = state.real_rows = context
         hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
         token = torch.tensor([1], device=device)
+        if graphs and device.type == "cuda":
+            f = sequence_forward(cfg, lambda ids, h, ctx, rows: mtp.forward_batch(ids, h, ctx, embed, out_head, rows),
+                                 state.cache, 1, device, (cfg.hidden_size, dtype))
+            f.ids.fill_(1)
+            f.hidden.copy_(hidden[None])
+            f.set_starts([context])
+            f.capture(torch.cuda.graph_pool_handle())
+            try:
+                return _replay_seconds(f.run, repeats)
+            finally:
+                f.close()
         times = []
         for i in range(repeats + 3):
             _sync(device)
             t0 = time.perf_counter()
-            mtp(token[None], hidden[None], [state.cache], embed, head_.draft_head or head, rows="last")
+            mtp(token[None], hidden[None], [state.cache], embed, out_head, rows="last")
             _sync(device)
             state.cache.truncate(context)
             if i >= 3:
@@ -158,6 +211,53 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
         return statistics.median(times)
     finally:
         head_.free_state(state)
+
+
+def time_target_step(target, device: torch.device, dtype: torch.dtype, context: int, repeats: int = 20) -> float:
+    """Median device seconds of one batch-1 decode step of `target` at `context` cached rows,
+    replayed as a CUDA graph (CUDA only)."""
+    from .cache import CachePools
+    from .graphs import sequence_forward
+
+    cfg = target.cfg
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, with_drafter=False)
+    cache = pools.target_cache()
+    cache.reserve(context + 8)
+    try:
+        _fill_random(pools)
+        f = sequence_forward(cfg, lambda ids, h, ctx, rows: target.forward_batch(ids, ctx, "last"), cache, 1, device)
+        f.ids.fill_(1)
+        f.set_starts([context])
+        f.capture(torch.cuda.graph_pool_handle())
+        try:
+            return _replay_seconds(f.run, repeats)
+        finally:
+            f.close()
+    finally:
+        cache.release()
+
+
+def _init_random(modules, device: torch.device, dtype: torch.dtype) -> None:
+    for m in modules:
+        m.to_empty(device=device)
+        for name, p in m.named_parameters():
+            keep32 = layout.keeps_fp32(name)
+            p.data = p.data.to(torch.float32 if keep32 else dtype)
+            with torch.no_grad():
+                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        for name, b in m.named_buffers():
+            b.zero_()
+
+
+def random_target(cfg: ModelConfig, layers: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The target truncated to `layers` layers with random weights built on the device."""
+    from .model import Glm5ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        target = Glm5ForCausalLM(cfg.with_layers(layers))
+    _init_random([target], device, dtype)
+    return target.eval()
 
 
 def random_drafter(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -172,13 +272,5 @@ def random_drafter(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, s
         mtp = Glm5MtpLayer(cfg)
         embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    for m in (mtp, embed, head):
-        m.to_empty(device=device)
-        for name, p in m.named_parameters():
-            keep32 = layout.keeps_fp32(name)
-            p.data = p.data.to(torch.float32 if keep32 else dtype)
-            with torch.no_grad():
-                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-        for name, b in m.named_buffers():
-            b.zero_()
+    _init_random([mtp, embed, head], device, dtype)
     return mtp.eval(), embed, head

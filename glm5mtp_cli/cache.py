@@ -88,16 +88,12 @@ class PagedRows:
             self.blocks += self.pool.take(need)
             self.table = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.data.device)
 
-    def slots(self, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end, device=self.table.device)
-        bs = self.pool.block_size
-        return self.table[pos // bs] * bs + pos % bs
-
-    def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self.pool.data[layer].index_copy_(0, slots, rows.to(self.pool.dtype))
-
-    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.pool.data[layer].index_select(0, slots)
+    def padded_table(self, num_blocks: int) -> torch.Tensor:
+        """The first num_blocks block ids, padded with block 0's id (reads there are masked)."""
+        have = self.table.shape[0]
+        if have >= num_blocks:
+            return self.table[:num_blocks]
+        return torch.cat([self.table, self.table[:1].expand(num_blocks - have)])
 
     def release(self) -> None:
         if self.blocks:
@@ -106,13 +102,31 @@ class PagedRows:
         self.table = self.table[:0]
 
 
-@dataclass
-class StepSlots:
-    """Slots of one forward over one sequence: where the new rows go, and all rows to read."""
+def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """Host ints as a long tensor on `device` without a host sync: on CUDA the copy goes through
+    pinned memory asynchronously (a plain copy from pageable memory waits for the stream)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
-    start: int
-    new: torch.Tensor
-    all: torch.Tensor
+
+def table_slots(table: torch.Tensor, block_size: int, starts: torch.Tensor, num_new: int,
+                scratch_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of a batch's rows from its block tables [B, NB] and cached lengths [B], on the device.
+
+    Returns (slots of the num_new rows each sequence appends at starts[b].. [B * num_new],
+    slots of rows 0..NB*block_size-1 of each sequence [B, NB * block_size]). A new row past the
+    table's capacity (padding rows of a captured forward) goes to `scratch_block` when given.
+    """
+    pos = starts[:, None] + torch.arange(num_new, device=table.device)
+    nb = table.shape[1]
+    block = pos // block_size
+    new = table.gather(1, block.clamp(max=nb - 1)) * block_size + pos % block_size
+    if scratch_block is not None:
+        new = torch.where(block < nb, new, scratch_block * block_size + pos % block_size)
+    j = torch.arange(nb * block_size, device=table.device)
+    return new.reshape(-1), table[:, j // block_size] * block_size + j % block_size
 
 
 class SequenceCache:
@@ -133,16 +147,11 @@ class SequenceCache:
         if self.indexer is not None:
             self.indexer.reserve(tokens)
 
-    def begin(self, num_new: int) -> StepSlots:
-        """Slots for appending num_new rows; grows the reservation only if the budget was exceeded."""
+    def prepare(self, num_new: int) -> None:
+        """Room for num_new more rows; grows the reservation only if the budget was exceeded."""
         end = self.length + num_new
         if end > self.capacity:
             self.reserve(end)
-        return StepSlots(self.length, self.mla.slots(self.length, end), self.mla.slots(0, end))
-
-    def indexer_slots(self, step: StepSlots, num_new: int) -> StepSlots:
-        end = step.start + num_new
-        return StepSlots(step.start, self.indexer.slots(step.start, end), self.indexer.slots(0, end))
 
     def truncate(self, length: int) -> None:
         """Drop rows past `length` (they are overwritten by the next append)."""

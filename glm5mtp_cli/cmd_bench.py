@@ -14,15 +14,15 @@ from rich.console import Console
 from rich.table import Table
 
 from . import launch
-from .bench import (BenchConfig, add_ratios, copy_bandwidth, draft_step_bytes, random_drafter, run_glm5mtp,
-                    run_transformers, time_draft_step)
+from .bench import (BenchConfig, add_ratios, copy_bandwidth, draft_step_bytes, random_drafter, random_target,
+                    run_glm5mtp, run_transformers, target_step_bytes, time_draft_step, time_target_step)
 from .checkpoint import resolve_config
 from .draft_vocab import load_draft_ids
 from .runtime import pick_device, pick_dtype
 from .cmd_generate import read_prompts
 from .config import profile_path
 from .errors import UserError
-from .runtime import DEFAULT_MODEL, load_runtime
+from .runtime import DEFAULT_MODEL, graph_mode, load_runtime
 
 
 def _ints(text: str, flag: str, low: int) -> list[int]:
@@ -70,6 +70,10 @@ def bench_cmd(
     random_weights: Annotated[bool, typer.Option(help="Draft step only, with random weights of the model's "
                                                       "config built on the device (e.g. --model glm5).")] = False,
     draft_vocab_sizes: Annotated[str, typer.Option(help="Draft-step vocabularies to time; 0 is the full vocabulary.")] = "0",
+    target_layers: Annotated[int, typer.Option(help="With --random-weights on CUDA: also time one decode step of the "
+                                                    "target truncated to this many layers (0: skip).")] = 0,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs",
+                                              help="On CUDA, replay the engine's forwards and the timed steps as CUDA graphs.")] = True,
     tp: launch.TpOpt = 1,
 ) -> None:
     """Tokens/s, TPOT and speedups of speculation against gamma 0 and transformers; draft step vs its floor."""
@@ -81,6 +85,8 @@ def bench_cmd(
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
     if tp > 1 and random_weights:
         raise UserError("--random-weights times one device's draft step; drop --tp")
+    if target_layers < 0:
+        raise UserError(f"--target-layers must be >= 0, got {target_layers}")
     if launch.maybe_spawn(tp, device, model, bench_cmd, kwargs):
         return
     comm = launch.rank_comm(tp, device)
@@ -96,6 +102,7 @@ def bench_cmd(
         folder = None
     else:
         rt = load_runtime(model, device, dtype, layers, progress=not json_out, comm=comm)
+        c.graphs = graph_mode(rt, cuda_graphs)
         cfg, dev, dt, folder = rt.cfg, rt.device, rt.dtype, rt.resolved.folder
         mtp, embed, head = rt.mtp, rt.target.model.embed_tokens, rt.target.lm_head
         ids = _prompts(rt, prompts, max(c.batch_sizes))
@@ -108,8 +115,14 @@ def bench_cmd(
             rows.append(run_glm5mtp(rt, ids, g, batch, c))
     add_ratios(rows)
     bw = copy_bandwidth(dev)
-    drafts = [_draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw) for k in sizes]
-    doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1,
+    drafts = [_draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs) for k in sizes]
+    target_step = None
+    if random_weights and target_layers and dev.type == "cuda":
+        del mtp, embed, head
+        torch.cuda.empty_cache()
+        target_step = _target_step(cfg, target_layers, dev, dt, draft_context, bw)
+    doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1, "graphs": c.graphs,
+           "target_step": target_step,
            "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
            "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows, "draft_step": drafts[0],
            "draft_steps": drafts}
@@ -130,16 +143,30 @@ def bench_cmd(
         floor = f"floor {d['floor_ms']:.3f} ms ({d['ratio_to_floor']:.2f}x)" if bw else "no floor on the CPU"
         out.print(f"one draft step, vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} drafter rows: "
                   f"{d['step_ms']:.3f} ms, reads {d['bytes']['total'] / 1e9:.3f} GB; {floor}")
+    if target_step:
+        out.print(f"one target decode step, {target_step['layers']} layers, {draft_context} cached rows: "
+                  f"{target_step['step_ms']:.3f} ms, reads {target_step['bytes']['total'] / 1e9:.3f} GB; "
+                  f"floor {target_step['floor_ms']:.3f} ms ({target_step['ratio_to_floor']:.2f}x)")
     print(json.dumps(doc))  # the closing JSON line
 
 
-def _draft_step(mtp, embed, head, cfg, dev, dt, context, k, folder, bw) -> dict:
+def _target_step(cfg, layers, dev, dt, context, bw) -> dict:
+    target = random_target(cfg, layers, dev, dt)
+    step_s = time_target_step(target, dev, dt, context)
+    nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=dt).element_size(), context)
+    del target
+    torch.cuda.empty_cache()
+    return {"layers": layers, "context": context, "step_ms": step_s * 1e3, "bytes": nbytes,
+            "floor_ms": nbytes["total"] / bw * 1e3, "ratio_to_floor": step_s / (nbytes["total"] / bw)}
+
+
+def _draft_step(mtp, embed, head, cfg, dev, dt, context, k, folder, bw, graphs) -> dict:
     ids = None
     if k:
         # a checkpoint drafts over its most frequent tokens; random weights have no counts: first k ids
         ids = (load_draft_ids(folder, k, cfg.vocab_size, dev) if folder is not None
                else torch.arange(min(k, cfg.vocab_size), device=dev))
-    step_s = time_draft_step(mtp, embed, head, dev, dt, context, ids)
+    step_s = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs)
     nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=dt).element_size(), context, k or None)
     return {"draft_vocab": k or None, "context": context, "step_ms": step_s * 1e3, "bytes": nbytes,
             "copy_bandwidth_bytes_per_s": bw, "floor_ms": nbytes["total"] / bw * 1e3 if bw else None,

@@ -19,7 +19,7 @@ from .launch import TpOpt
 from .draft_vocab import load_draft_ids
 from .conversation import read_conversations, run_conversations
 from .report import conversation_table, print_tables, summarize
-from .runtime import DEFAULT_MODEL, Runtime, load_runtime
+from .runtime import DEFAULT_MODEL, Runtime, graph_mode, load_runtime
 from .sampling import SamplingParams
 from .speculate import Request, SpecEngine, reserve_tokens
 
@@ -82,7 +82,7 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
                  batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
-                 on_tokens=None, draft_vocab: int | None = None):
+                 on_tokens=None, draft_vocab: int | None = None, graphs: str = "eager"):
     """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes)."""
     draft_ids = None
     if draft_vocab is not None and gamma > 0:
@@ -92,7 +92,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
     pools = rt.make_pools(per_seq, min(batch_size, len(requests)))
     engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
-                        device=rt.device, draft_ids=draft_ids)
+                        device=rt.device, draft_ids=draft_ids, graphs=graphs)
     engine.on_tokens = on_tokens
     results = engine.generate(requests, batch_size=batch_size)
     acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s)
@@ -130,6 +130,8 @@ def generate_cmd(
     carry: Annotated[str, typer.Option(help="With --conversation: keep caches between turns: all (target + drafter), drafter, none.")] = "none",
     carry_budget: Annotated[Optional[int], typer.Option(help="Bytes of held carries; least recently used are freed past it.")] = None,
     draft_vocab: Annotated[Optional[int], typer.Option(help="Draft over the K most frequent tokens (token_counts.json beside the checkpoint).")] = None,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs",
+                                              help="On CUDA, replay decode, verify and draft forwards as CUDA graphs.")] = True,
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
     kwargs = dict(locals())
@@ -160,13 +162,15 @@ def generate_cmd(
     if rt.tokenizer is not None and not json_out and len(token_lists) == 1:
         stream = _Streamer(rt, out)
     kwargs = dict(max_new_tokens=max_new_tokens, sampling=sampling, batch_size=batch_size, max_seq_len=seq_cap,
-                  alloc=alloc, draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos, draft_vocab=draft_vocab)
+                  alloc=alloc, draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos, draft_vocab=draft_vocab,
+                  graphs=graph_mode(rt, cuda_graphs))
     results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, gamma=gamma, on_tokens=stream, **kwargs)
     if stream:
         stream.end()
     peak, peak_src = peak_memory(rt.device)
     doc = {
         "model": model, "device": str(rt.device), "tp": rt.comm.world if rt.comm else 1, "dtype": str(rt.dtype).replace("torch.", ""), "gamma": gamma,
+        "graphs": kwargs["graphs"],
         "requests": [{"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
                       "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None,
                       "finish_reason": r.finish_reason} for r in results],

@@ -14,7 +14,7 @@ from . import launch
 from .cache import COMPONENTS
 from .errors import UserError
 from .leakcheck import LeakCheckConfig, check_flags, run_leakcheck
-from .runtime import DEFAULT_MODEL, load_runtime
+from .runtime import DEFAULT_MODEL, graph_mode, load_runtime
 
 _SHORT = {"target_mla": "tgt mla", "target_indexer": "tgt idx", "drafter_mla": "drf mla", "drafter_indexer": "drf idx"}
 
@@ -45,6 +45,8 @@ def leakcheck_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
     layers: Annotated[Optional[int], typer.Option(help="Use only the first K target layers.")] = None,
     tp: launch.TpOpt = 1,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs",
+                                              help="On CUDA, run the engine with CUDA graphs (their slot reuse is checked too).")] = True,
 ) -> None:
     """Run sequences to every end (length, EOS, cancel, error) and check the cache pools for leaks."""
     kwargs = dict(locals())
@@ -58,6 +60,7 @@ def leakcheck_cmd(
     if max_seq_len > rt.cfg.max_position_embeddings:
         raise UserError(f"--max-seq-len {max_seq_len} is over the model's max_position_embeddings "
                         f"{rt.cfg.max_position_embeddings}")
+    cfg.graphs = graph_mode(rt, cuda_graphs)
     with out.status("running sequences...", spinner="dots") if not json_out else _Null():
         doc = run_leakcheck(rt, cfg)
     leaked = doc["leaked_bytes_per_sequence"]

@@ -35,6 +35,7 @@ class LeakCheckConfig:
     max_seq_len: int = 256
     inject_leak: str | None = None
     seed: int = 0
+    graphs: str = "eager"  # engine forward mode (runtime.graph_mode): CUDA graphs are checked too
 
 
 def check_flags(c: LeakCheckConfig, vocab_size: int | None = None) -> None:
@@ -92,7 +93,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     lives = c.sequences + c.sequences // len(LIFECYCLES) + 3  # + EOS probes + warm-up
     pools = rt.make_pools(per_seq, lives)
     engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=c.gamma, sampling=SamplingParams(seed=c.seed),
-                        max_seq_len=c.max_seq_len, alloc=c.alloc, eos_ids=[], device=rt.device,
+                        max_seq_len=c.max_seq_len, alloc=c.alloc, eos_ids=[], device=rt.device, graphs=c.graphs,
                         check_invariants=True, inject_leak=c.inject_leak)
 
     def live(req: Request, eos: set[int]) -> tuple[str, int]:
@@ -144,7 +145,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     return {
         "model": rt.resolved.spec, "device": str(rt.device), "dtype": str(rt.dtype).replace("torch.", ""),
         "gamma": c.gamma, "alloc": c.alloc, "max_seq_len": c.max_seq_len, "max_new_tokens": c.max_new_tokens,
-        "inject_leak": c.inject_leak, "judged_on": "ledger+cuda_allocated" if rt.device.type == "cuda" else "ledger",
+        "inject_leak": c.inject_leak, "graphs": c.graphs, "judged_on": "ledger+cuda_allocated" if rt.device.type == "cuda" else "ledger",
         "baseline": {"blocks_held": base["blocks_held"], "bytes_held": base["bytes_held"], "rss_bytes": base["rss"],
                      **({"cuda_allocated_bytes": base["cuda_allocated"]} if "cuda_allocated" in base else {})},
         "lifecycles_seen": sorted({r["finish_reason"] for r in rows}),

@@ -17,6 +17,7 @@ from torch import nn
 from .cache import CachePools
 from .draft_vocab import SubsetHead
 from .errors import UserError
+from .graphs import load_rows
 from .model import Glm5MtpLayer
 from .proposer import CatchupMisaligned, DraftChain, DrafterKV, ProposerState
 from .sampling import SamplingParams, choose
@@ -102,36 +103,33 @@ class Glm5MtpHead:
         return self.batch_max
 
     def propose_batch(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], positions: list[int],
-                      num_drafts: int, states: list[ProposerState]) -> list[DraftChain]:
+                      num_drafts: int, states: list[ProposerState], graphs=None, slots=None) -> list[DraftChain]:
         """Drafts for many sequences. tokens[b]/hiddens[b]: the pending real rows of sequence b
         (at least one: the newest accepted token and the target hidden before it), starting at
         drafter row positions[b]. Chain steps run batched, so each weight is read once per draft
-        position for the whole batch."""
+        position for the whole batch. With `graphs` (a graphs.BatchGraphs) the forwards replay its
+        static catch-up and chain forwards; `slots` = (slot of each sequence, the same on the device)."""
         if len(states) > self.batch_max:
             raise ValueError(f"propose_batch takes at most {self.batch_max} sequences")
         b = len(states)
-        logits = [None] * b
-        carried = [None] * b
-        # Catch-up forwards, sequences grouped by how many rows they append.
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, (tok, st, pos) in enumerate(zip(tokens, states, positions)):
+        for pos, st in zip(positions, states):
             self._check_aligned(pos, st)
-            groups[tok.shape[0]].append(i)
-        for k, members in groups.items():
-            out = self.layer(torch.stack([tokens[i] for i in members]), torch.stack([hiddens[i] for i in members]),
-                             [states[i].cache for i in members], self.embed, self.draft_head or self.head,
-                             rows="last")
-            for j, i in enumerate(members):
-                logits[i] = out.logits[j, -1]
-                carried[i] = (out.hidden if self.carry_normed else out.prenorm)[j, -1]
-                self._mark_real(states[i], tokens[i])
-        logits_t = torch.stack(logits)
-        hidden_t = torch.stack(carried)
-        caches = [st.cache for st in states]
+        if graphs is None:
+            logits_t, hidden_t = self._catchup_eager(tokens, hiddens, states)
+            caches = [st.cache for st in states]
+
+            def step(d, h):
+                out = self.layer(d[:, None], h[:, None], caches, self.embed, self.draft_head or self.head, rows="last")
+                return out.logits[:, -1], self._carried(out)[:, -1]
+        else:
+            logits_t, hidden_t = self._catchup_static(graphs.catchup, slots, tokens, hiddens, states)
+
+            def step(d, h):
+                return self._chain_static(graphs.chain, slots, d, h, states)
         drafts, probs, confs = [], [], []
         active = [True] * b
         counts = [0] * b
-        for step in range(num_drafts):
+        for i_step in range(num_drafts):
             d, q = choose(logits_t, self.sampling, self.gen)
             if self.draft_head is not None:
                 d = self.draft_head.to_full(d)
@@ -143,16 +141,13 @@ class Glm5MtpHead:
                 confs.append(top1)
                 low = (top1 < self.tau).tolist()  # host sync: only with --draft-conf-tau
                 for i in range(b):
-                    if active[i] and step > 0 and low[i]:
+                    if active[i] and i_step > 0 and low[i]:
                         active[i] = False
             for i in range(b):
                 counts[i] += active[i]
-            if step == num_drafts - 1 or not any(active):
+            if i_step == num_drafts - 1 or not any(active):
                 break
-            out = self.layer(d[:, None], hidden_t[:, None], caches, self.embed, self.draft_head or self.head,
-                             rows="last")
-            logits_t = out.logits[:, -1]
-            hidden_t = (out.hidden if self.carry_normed else out.prenorm)[:, -1]
+            logits_t, hidden_t = step(d, hidden_t)
         chains = []
         dev = logits_t.device
         for i in range(b):
@@ -163,6 +158,57 @@ class Glm5MtpHead:
             states[i].last_chain = chain
             chains.append(chain)
         return chains
+
+    def _carried(self, out) -> torch.Tensor:
+        return out.hidden if self.carry_normed else out.prenorm
+
+    def _catchup_eager(self, tokens, hiddens, states):
+        """Catch-up forwards, sequences grouped by how many rows they append; -> the logits and
+        carried hidden at each sequence's last real row."""
+        logits = [None] * len(states)
+        carried = [None] * len(states)
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, tok in enumerate(tokens):
+            groups[tok.shape[0]].append(i)
+        for k, members in groups.items():
+            out = self.layer(torch.stack([tokens[i] for i in members]), torch.stack([hiddens[i] for i in members]),
+                             [states[i].cache for i in members], self.embed, self.draft_head or self.head,
+                             rows="last")
+            for j, i in enumerate(members):
+                logits[i] = out.logits[j, -1]
+                carried[i] = self._carried(out)[j, -1]
+                self._mark_real(states[i], tokens[i])
+        return torch.stack(logits), torch.stack(carried)
+
+    def _catchup_static(self, f, slots, tokens, hiddens, states):
+        """One padded catch-up forward over every slot (graphs.StaticForward, T = gamma + 1)."""
+        slot_list, slots_dev = slots
+        load_rows(f.ids, slots_dev, slot_list, tokens)
+        load_rows(f.hidden, slots_dev, slot_list, hiddens)
+        starts, rows = [0] * f.b, [0] * f.b
+        for slot, st, tok in zip(slot_list, states, tokens):
+            if st.cache.length + tok.shape[0] > st.cache.capacity:
+                raise RuntimeError("drafter catch-up past the reservation its graph was built for")
+            starts[slot], rows[slot] = st.cache.length, tok.shape[0] - 1
+        f.set_starts(starts)
+        f.set_rows(rows)
+        out = f.run()
+        for st, tok in zip(states, tokens):
+            st.cache.length += tok.shape[0]
+            self._mark_real(st, tok)
+        return _take(out.logits, slots_dev, f.b)[:, 0], _take(self._carried(out), slots_dev, f.b)[:, 0]
+
+    def _chain_static(self, f, slots, d, h, states):
+        slot_list, slots_dev = slots
+        load_rows(f.ids, slots_dev, slot_list, d[:, None])
+        load_rows(f.hidden, slots_dev, slot_list, h[:, None])
+        starts = [0] * f.b
+        for slot, st in zip(slot_list, states):
+            starts[slot] = st.cache.length
+            st.cache.length += 1
+        f.set_starts(starts)
+        out = f.run()
+        return _take(out.logits, slots_dev, f.b)[:, -1], _take(self._carried(out), slots_dev, f.b)[:, -1]
 
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         """Drop the chain's speculative rows. Accepted drafts get real rows (built from the target's
@@ -212,6 +258,11 @@ class Glm5MtpHead:
         if kv.cache is not None:
             kv.cache.release()
             kv.cache = None
+
+
+def _take(t: torch.Tensor, slots: torch.Tensor, b: int) -> torch.Tensor:
+    """The active slots' rows of a static output (a copy, so the next replay cannot change them)."""
+    return t.index_select(0, slots)
 
 
 def _host_tokens(chunks: list) -> list[int]:

@@ -111,9 +111,18 @@ class Runtime:
                 "mtp_layer": size(self.mtp)}
 
     def make_pools(self, tokens_per_seq: int, concurrent: int, block_size: int = 16) -> CachePools:
-        blocks = concurrent * math.ceil(tokens_per_seq / block_size)
+        # + 1: the scratch block a batch's static forwards send padding and retired rows to (graphs.py)
+        blocks = concurrent * math.ceil(tokens_per_seq / block_size) + 1
         return CachePools.create(self.cfg, blocks, block_size, self.dtype, self.device,
                                  with_drafter=self.mtp is not None)
+
+
+def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:
+    """The engine's forward mode: CUDA graphs on one CUDA device unless switched off; eager on the
+    CPU and under --tp (whose collectives run outside graphs)."""
+    if cuda_graphs and rt.device.type == "cuda" and rt.comm is None:
+        return "cuda"
+    return "eager"
 
 
 def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: int | None = None,

@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CachePools, SequenceCache
+from .cache import to_device
 from .carry import Carry, CarryPlan, plan
 from .config import ModelConfig
 from .errors import UserError
+from .graphs import BatchGraphs, load_rows
 from .metrics import Acceptance
+from .model.decoder import ForwardOut
 from .mtp import Glm5MtpHead
 from .proposer import ProposerState
 from .sampling import SamplingParams, accept_rejection, choose
@@ -98,6 +101,7 @@ class _Seq:
     steps: int = 0
     res: SeqResult | None = None
     marks: list = field(default_factory=list)  # (propose start, verify start, verify end, drafts)
+    slot: int | None = None  # row of the batch's static buffers (graph modes)
 
 
 class SpecEngine:
@@ -105,9 +109,13 @@ class SpecEngine:
                  sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
                  draft_conf_tau: float | None = None, eos_ids: list[int] | None = None,
                  prefill_chunk: int = 1024, device: torch.device | str = "cpu", check_invariants: bool = False,
-                 inject_leak: str | None = None, draft_ids: torch.Tensor | None = None):
+                 inject_leak: str | None = None, draft_ids: torch.Tensor | None = None, graphs: str = "eager"):
         if gamma < 0:
             raise UserError(f"--gamma must be >= 0, got {gamma}")
+        if graphs not in ("eager", "static", "cuda"):
+            raise UserError(f"graphs must be eager, static or cuda, got {graphs!r}")
+        if graphs == "cuda" and torch.device(device).type != "cuda":
+            raise UserError("CUDA graphs need --device cuda")
         if alloc not in ("budget", "ceiling"):
             raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
         self.cfg = cfg
@@ -127,6 +135,11 @@ class SpecEngine:
         self.wall_prefill_s = 0.0
         self.wall_decode_s = 0.0
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
+        # eager: every forward from the caches; static: decode forwards over one batch's static
+        # buffers (graphs.BatchGraphs), run eagerly; cuda: the same, captured and replayed as CUDA graphs
+        self.graph_mode = graphs
+        self.graphs: BatchGraphs | None = None
+        self._slot_index: dict[tuple, torch.Tensor] = {}
         self.head = None
         if gamma > 0:
             self.head = Glm5MtpHead(mtp_layer, target.model.embed_tokens, target.lm_head, pools, max_seq_len,
@@ -168,6 +181,8 @@ class SpecEngine:
             t0 = self._wall()
             for req in requests:
                 seqs.append(self._start(req))
+            if self.graph_mode != "eager" and any(s.done is None for s in seqs):
+                self._build_graphs(seqs)
             t1 = self._wall()
             while True:
                 active = [s for s in seqs if s.done is None]
@@ -179,8 +194,34 @@ class SpecEngine:
             self.wall_decode_s += t2 - t1
             return [s.res for s in seqs]
         finally:
+            self._close_graphs()  # graphs go before any block they could name is freed
             for s in seqs:
                 self._release(s)
+
+    def _build_graphs(self, seqs: list[_Seq]) -> None:
+        for i, s in enumerate(seqs):
+            s.slot = i
+        drafter = None
+        if self.head is not None:
+            drafter = [s.state.cache if s.state is not None else None for s in seqs]
+        self.graphs = BatchGraphs(self.cfg, self.target, self.head, self.pools,
+                                  [None if s.cache.released else s.cache for s in seqs], drafter, self.gamma,
+                                  self.device, capture=self.graph_mode == "cuda")
+        self.graphs.capture_all([s.cache.length for s in seqs],
+                                [c.length if c is not None else 0 for c in drafter] if drafter else None)
+
+    def _close_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self._slot_index = {}
+
+    def _slots(self, active: list[_Seq]) -> tuple[list[int], torch.Tensor]:
+        slot_list = [s.slot for s in active]
+        key = tuple(slot_list)
+        if key not in self._slot_index:
+            self._slot_index[key] = to_device(slot_list, self.device)
+        return slot_list, self._slot_index[key]
 
     def _wall(self) -> float:
         """Host time after the device caught up: read only at batch boundaries, never inside a step."""
@@ -292,9 +333,11 @@ class SpecEngine:
         g = self.gamma
         p0 = self.clock.now()
         chains = None
+        slots = self._slots(active) if self.graphs is not None else None
         if g > 0:
             chains = self.head.propose_batch([s.pend_tokens for s in active], [s.pend_hidden for s in active],
-                                             [s.state.real_rows for s in active], g, [s.state for s in active])
+                                             [s.state.real_rows for s in active], g, [s.state for s in active],
+                                             graphs=self.graphs, slots=slots)
             if self.check:
                 for s in active:
                     assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
@@ -310,7 +353,7 @@ class SpecEngine:
         for s in active:
             if s.req.fail_at_step is not None and s.steps == s.req.fail_at_step:
                 raise InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
-        out = self.target(ids, [s.cache for s in active], rows="all")
+        out = self._verify(ids, active, slots)
         counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
         accepted, nxt, draft_ids, nxt_dev = self._accept(drafts, chains, out.logits, counts)
         v1 = self.clock.now()
@@ -334,6 +377,25 @@ class SpecEngine:
             self._maybe_finish(s)
             if self.on_tokens is not None and len(s.out) > before:
                 self.on_tokens(s.req.request_id, s.out[before:])
+
+    def _verify(self, ids: torch.Tensor, active: list[_Seq], slots) -> ForwardOut:
+        """The target forward over [t_n, d1..dg] of every active sequence."""
+        if self.graphs is None:
+            return self.target(ids, [s.cache for s in active], rows="all")
+        f = self.graphs.verify
+        slot_list, slots_dev = slots
+        load_rows(f.ids, slots_dev, slot_list, ids)
+        starts = [0] * f.b
+        for s in active:
+            if s.cache.length + f.t > s.cache.capacity:
+                raise RuntimeError("verify past the reservation its graph was built for")
+            starts[s.slot] = s.cache.length
+        f.set_starts(starts)
+        out = f.run()
+        for s in active:
+            s.cache.length += f.t
+        return ForwardOut(out.logits.index_select(0, slots_dev), None,
+                          hidden_all=out.hidden_all.index_select(0, slots_dev))
 
     def _accept(self, drafts, chains, logits, counts):
         """(accepted, next token, draft ids) per sequence on the host, and the next tokens on the
@@ -412,6 +474,8 @@ class SpecEngine:
 
         inject_leak (leak-check's self-test) names one component whose blocks are not given back.
         """
+        if self.graphs is not None and s.slot is not None:
+            self.graphs.retire(s.slot)  # before the blocks its tables name go back
         self._release_cache(s.cache, "target")
         if s.state is not None and self.head is not None:
             if s.state.cache is not None:

@@ -32,32 +32,38 @@ def rope_gt(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
-def _write_read(ctxs, component: str, layer: int, new_rows: torch.Tensor) -> torch.Tensor:
-    """Append each sequence's new rows to its cache, then read every sequence's rows 0..L-1,
-    padded to the longest with the sequence's own row 0 (masked by the caller). -> [G, Lmax, W]."""
-    paged = [getattr(c.cache, component) for c in ctxs]
-    slots = [c.kv_slots if component == "mla" else c.idx_slots for c in ctxs]
-    paged[0].write(layer, torch.cat([s.new for s in slots]), new_rows.reshape(-1, new_rows.shape[-1]))
-    longest = max(s.all.shape[0] for s in slots)
-    table = torch.stack([torch.cat([s.all, s.all[:1].expand(longest - s.all.shape[0])]) for s in slots])
-    return paged[0].read(layer, table.reshape(-1)).view(len(ctxs), longest, -1)
+@dataclass
+class CachedRows:
+    """One component's (MLA latent or indexer keys) side of a cached forward: the pool, the slots
+    the B x T new rows go to [B*T], and the slots of every sequence's rows 0..L-1 [B, L] (past a
+    sequence's own length they point anywhere; the caller masks those keys like future ones)."""
+
+    data: torch.Tensor  # the pool's [layers, slots, width]
+    new: torch.Tensor
+    all: torch.Tensor
+
+    def write_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Append rows [B, T, W] at the new slots, then read rows 0..L-1 of each sequence: [B, L, W]."""
+        data = self.data[layer]
+        data.index_copy_(0, self.new, rows.reshape(-1, rows.shape[-1]).to(data.dtype))
+        return data.index_select(0, self.all.reshape(-1)).view(*self.all.shape, -1)
 
 
 @dataclass
-class AttnContext:
-    """Per-sequence inputs of one forward, shared by every layer.
+class BatchContext:
+    """What every layer of one forward shares: B sequences appending T rows each.
 
-    start: rows cached before this forward (0 without a cache); cos/sin: rope of this forward's
-    positions; cache / kv_slots / idx_slots: the sequence's SequenceCache and the slots of its new
-    and of all its rows, or None for a cache-free (training) forward.
+    starts [B]: rows each sequence had cached before this forward (0 without a cache), on the
+    device; cos/sin [B, T, rope/2]: rope of this forward's positions; mla / indexer: the cached
+    rows, or None for a cache-free (training) forward. Everything is a device tensor, so a forward
+    built from one can be captured in a CUDA graph and replayed with new contents.
     """
 
-    start: int
-    cos: torch.Tensor  # [T, rope/2]
+    starts: torch.Tensor
+    cos: torch.Tensor
     sin: torch.Tensor
-    cache: object | None = None  # SequenceCache
-    kv_slots: object | None = None  # StepSlots
-    idx_slots: object | None = None
+    mla: CachedRows | None = None
+    indexer: CachedRows | None = None
 
 
 class Indexer(nn.Module):
@@ -111,7 +117,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=False)
         self.indexer = Indexer(cfg) if has_indexer else None
 
-    def forward(self, x: torch.Tensor, ctxs: list[AttnContext], kv_layer: int, idx_layer: int | None,
+    def forward(self, x: torch.Tensor, bc: BatchContext, kv_layer: int, idx_layer: int | None,
                 prev_topk: list[torch.Tensor] | None, indexer_losses: list | None = None):
         """x: [B, T, H] -> (out [B, T, H], the top-k selection [B, T, K]).
 
@@ -130,35 +136,32 @@ class MLAttention(nn.Module):
         # All sequences of a forward append the same number of rows, so they run as one group:
         # cache-free (training) ones all start at 0; cached ones read their own rows through padded
         # slot tables. topk is that group's [B, T, K] selection, reused by the next shared layer.
-        out, topk = self._group(ctxs, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
+        out, topk = self._group(bc, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
                                 indexer_losses, t)
         out = self.o_proj(out.reshape(b, t, self.n_heads * self.v_dim))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
         return out, topk
 
-    def _group(self, ctxs, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
+    def _group(self, bc: BatchContext, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
                indexer_losses, t):
         """Attention for G sequences at once. Cached sequences of different lengths are read
         through slot tables padded to the longest; padded keys are masked out like future ones."""
         w_uv = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)[:, self.nope:]
-        cos = torch.stack([c.cos for c in ctxs])
-        sin = torch.stack([c.sin for c in ctxs])
-        cached = ctxs[0].cache is not None
+        cos, sin = bc.cos, bc.sin
         qr = rope_gt(q_rope, cos, sin)
         rows = torch.cat([latent, rope_gt(k_rope, cos, sin)], dim=-1)  # [G, T, C+R]
-        if cached:
-            rows = _write_read(ctxs, "mla", kv_layer, rows)
-        starts = torch.tensor([c.start for c in ctxs], device=x.device)
-        keep = self._causal(starts, t, rows.shape[1], x.device)  # [G, T, L]
+        if bc.mla is not None:
+            rows = bc.mla.write_read(kv_layer, rows)
+        keep = self._causal(bc.starts, t, rows.shape[1], x.device)  # [G, T, L]
         index_scores = None
         if self.indexer is not None:
             training = indexer_losses is not None
             idx_x = x.detach() if training else x
             idx_q = q_resid.detach() if training else q_resid
             keys = self.indexer.keys(idx_x, cos, sin)
-            if cached:
-                keys = _write_read(ctxs, "indexer", idx_layer, keys)
+            if bc.indexer is not None:
+                keys = bc.indexer.write_read(idx_layer, keys)
             index_scores = self.indexer.scores(idx_x, idx_q, keys, cos, sin).masked_fill(~keep, float("-inf"))
             topk = index_scores.topk(min(self.indexer.topk, rows.shape[1]), dim=-1).indices
         else:

@@ -8,13 +8,15 @@ of tokens, each at its own cached length.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..cache import table_slots, to_device
 from ..config import ModelConfig
-from .attention import AttnContext, MLAttention
+from .attention import BatchContext, CachedRows, MLAttention
 from .layers import MLP, MoE, RMSNorm, rope_cos_sin
 
 
@@ -41,32 +43,44 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, ctxs, kv_layer, idx_layer, prev_topk, indexer_losses=None):
-        a, topk = self.self_attn(self.input_layernorm(h), ctxs, kv_layer, idx_layer, prev_topk, indexer_losses)
+    def forward(self, h, bc, kv_layer, idx_layer, prev_topk, indexer_losses=None):
+        a, topk = self.self_attn(self.input_layernorm(h), bc, kv_layer, idx_layer, prev_topk, indexer_losses)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), topk
 
 
-def _contexts(cfg: ModelConfig, caches, t: int, device) -> list[AttnContext]:
-    """Reserve slots in each sequence's cache for t new rows and build the per-sequence contexts."""
-    ctxs = []
+def rope_context(cfg: ModelConfig, starts: torch.Tensor, t: int, mla=None, indexer=None) -> BatchContext:
+    pos = starts[:, None] + torch.arange(t, device=starts.device)
+    cos, sin = rope_cos_sin(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
+    return BatchContext(starts, cos, sin, mla, indexer)
+
+
+def batch_context(cfg: ModelConfig, caches: list, t: int, device) -> BatchContext:
+    """The context of a forward appending t rows to each of `caches` (None: cache-free), reading
+    each sequence's rows through its block table padded to the batch's longest."""
+    if caches[0] is None:
+        return rope_context(cfg, torch.zeros(len(caches), dtype=torch.long, device=device), t)
     for cache in caches:
-        if cache is None:
-            start, kv, idx = 0, None, None
-        else:
-            start = cache.length
-            kv = cache.begin(t)
-            idx = cache.indexer_slots(kv, t)
-        pos = torch.arange(start, start + t, device=device)
-        cos, sin = rope_cos_sin(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
-        ctxs.append(AttnContext(start, cos, sin, cache, kv, idx))
-    return ctxs
+        cache.prepare(t)
+    lengths = [c.length for c in caches]
+    starts = to_device(lengths, device)
+
+    def rows(component: str) -> CachedRows:
+        paged = [getattr(c, component) for c in caches]
+        bs = paged[0].pool.block_size
+        blocks = math.ceil((max(lengths) + t) / bs)
+        table = torch.stack([p.padded_table(blocks) for p in paged])
+        new, all_ = table_slots(table, bs, starts, t)
+        return CachedRows(paged[0].pool.data, new, all_)
+
+    return rope_context(cfg, starts, t, rows("mla"), rows("indexer") if caches[0].indexer is not None else None)
 
 
 def _rows(h: torch.Tensor, rows: str | torch.Tensor) -> torch.Tensor:
+    """'all', 'last', or a [B] tensor: row rows[b] of sequence b (-> [B, 1, H])."""
     if isinstance(rows, str):
         return h if rows == "all" else h[:, -1:]
-    return h[:, rows]
+    return h.gather(1, rows.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))
 
 
 class _Body(nn.Module):
@@ -89,29 +103,36 @@ class Glm5ForCausalLM(nn.Module):
             if cfg.has_indexer(i):
                 self.idx_layer[i] = len(self.idx_layer)
 
-    def _run(self, input_ids, caches, indexer_losses=None):
-        b, t = input_ids.shape
-        ctxs = _contexts(self.cfg, caches, t, input_ids.device)
+    def _run(self, input_ids, bc: BatchContext, indexer_losses=None):
         h = self.model.embed_tokens(input_ids)
         topk = None
         for i, layer in enumerate(self.model.layers):
-            h, topk = layer(h, ctxs, i, self.idx_layer.get(i), topk, indexer_losses)
-        for cache in caches:
-            if cache is not None:
-                cache.length += t
+            h, topk = layer(h, bc, i, self.idx_layer.get(i), topk, indexer_losses)
         return self.model.norm(h)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all") -> ForwardOut:
         """Append input_ids [B, T] to each sequence's cache; logits and normed hiddens for `rows`."""
-        h_all = self._run(input_ids, caches)
+        bc = batch_context(self.cfg, caches, input_ids.shape[1], input_ids.device)
+        out = self.forward_batch(input_ids, bc, rows)
+        for cache in caches:
+            if cache is not None:
+                cache.length += input_ids.shape[1]
+        return out
+
+    @torch.no_grad()
+    def forward_batch(self, input_ids: torch.Tensor, bc: BatchContext, rows: str | torch.Tensor = "all") -> ForwardOut:
+        """The forward as a function of device tensors alone (what a CUDA graph captures); the
+        caller keeps the caches' lengths."""
+        h_all = self._run(input_ids, bc)
         h = _rows(h_all, rows)
         return ForwardOut(self.lm_head(h), h, hidden_all=h_all)
 
     def forward_train(self, input_ids: torch.Tensor) -> TrainOut:
         """Cache-free forward over whole sequences, with the DSA indexer's KL loss."""
         losses: list[torch.Tensor] = []
-        h = self._run(input_ids, [None] * input_ids.shape[0], losses)
+        bc = batch_context(self.cfg, [None] * input_ids.shape[0], input_ids.shape[1], input_ids.device)
+        h = self._run(input_ids, bc, losses)
         aux = torch.stack(losses).sum() if losses else h.new_zeros(())
         return TrainOut(self.lm_head(h), h, aux)
 
@@ -133,33 +154,40 @@ class Glm5MtpLayer(nn.Module):
         self.register_state_dict_post_hook(_unnest_block)
         self.register_load_state_dict_pre_hook(_nest_block)
 
-    def _run(self, token_ids, hidden, caches, embed: nn.Embedding, indexer_losses=None):
-        b, t = token_ids.shape
-        ctxs = _contexts(self.cfg, caches, t, token_ids.device)
+    def _run(self, token_ids, hidden, bc: BatchContext, embed: nn.Embedding, indexer_losses=None):
+        t = token_ids.shape[1]
         e = embed(token_ids)
         # Row i sits at position i; the embedding of the row at position 0 is zeroed (vLLM, SGLang).
-        starts = torch.tensor([c.start for c in ctxs], device=token_ids.device)
-        pos = starts[:, None] + torch.arange(t, device=token_ids.device)
+        pos = bc.starts[:, None] + torch.arange(t, device=token_ids.device)
         e = e.masked_fill((pos == 0)[..., None], 0.0)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], dim=-1))
-        y, _ = self.block(x, ctxs, 0, 0, None, indexer_losses)
-        for cache in caches:
-            if cache is not None:
-                cache.length += t
+        y, _ = self.block(x, bc, 0, 0, None, indexer_losses)
         return y
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, caches: list, embed: nn.Embedding,
                 head: nn.Linear, rows: str | torch.Tensor = "all") -> ForwardOut:
         """Append drafter rows: token_ids [B, T] (t[i+1]) paired with hidden [B, T, H] (h[i])."""
-        y = _rows(self._run(token_ids, hidden, caches, embed), rows)
+        bc = batch_context(self.cfg, caches, token_ids.shape[1], token_ids.device)
+        out = self.forward_batch(token_ids, hidden, bc, embed, head, rows)
+        for cache in caches:
+            if cache is not None:
+                cache.length += token_ids.shape[1]
+        return out
+
+    @torch.no_grad()
+    def forward_batch(self, token_ids: torch.Tensor, hidden: torch.Tensor, bc: BatchContext, embed: nn.Embedding,
+                      head: nn.Linear, rows: str | torch.Tensor = "all") -> ForwardOut:
+        """The forward as a function of device tensors alone (what a CUDA graph captures)."""
+        y = _rows(self._run(token_ids, hidden, bc, embed), rows)
         g = self.shared_head.norm(y)
         return ForwardOut(head(g), g, y)
 
     def forward_train(self, hidden: torch.Tensor, next_ids: torch.Tensor, embed_tokens: nn.Embedding,
                       lm_head: nn.Linear) -> TrainOut:
         losses: list[torch.Tensor] = []
-        y = self._run(next_ids, hidden, [None] * next_ids.shape[0], embed_tokens, losses)
+        bc = batch_context(self.cfg, [None] * next_ids.shape[0], next_ids.shape[1], next_ids.device)
+        y = self._run(next_ids, hidden, bc, embed_tokens, losses)
         g = self.shared_head.norm(y)
         aux = torch.stack(losses).sum() if losses else g.new_zeros(())
         return TrainOut(lm_head(g), g, aux)

@@ -7,9 +7,13 @@ bias but weighted without it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.moe import moe_experts
 
 from ..config import ModelConfig
 
@@ -115,9 +119,13 @@ class Experts(nn.Module):
         self.register_state_dict_post_hook(_split_experts)
         self.register_load_state_dict_pre_hook(_stack_experts)
 
+    # True inside a captured (or capturable) forward: never take the looped path, whose per-expert
+    # token counts are read on the host.
+    sync_free = False
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
-        if n * k <= self.GATHER_MAX_PAIRS:
+        if n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
             return self._gathered(x, weights, ids)
         return self._looped(x, weights, ids)
 
@@ -126,12 +134,15 @@ class Experts(nn.Module):
         local = ids - self.offset
         mine = (local >= 0) & (local < self.n_experts)
         n, k = ids.shape
-        if n * k <= self.GATHER_MAX_PAIRS:
+        if n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
             # Other ranks' pairs point at a clamped local expert with weight 0 (no host sync).
             return self._gathered(x, weights * mine, local.clamp(0, self.n_experts - 1))
         return self._looped(x, weights, torch.where(mine, local, self.n_experts))
 
     def _gathered(self, x, weights, ids):
+        if x.is_cuda and x.dtype == self.gate.dtype:
+            # kernels/moe.py reads each chosen expert in place (the gather below copies it first)
+            return moe_experts(x.contiguous(), self.gate, self.up, self.down, weights, ids)
         gate, up, down = self.gate[ids], self.up[ids], self.down[ids]  # [N, k, ...]
         h = F.silu(torch.einsum("nh,nkih->nki", x, gate)) * torch.einsum("nh,nkih->nki", x, up)
         out = torch.einsum("nki,nkhi->nkh", h, down)
@@ -157,6 +168,16 @@ class Experts(nn.Module):
             ye = (h @ self.down[e].t()) * weights.reshape(-1)[sel].unsqueeze(-1).to(x.dtype)
             out.index_add_(0, tok, ye)
         return out
+
+
+@contextlib.contextmanager
+def sync_free():
+    """Forwards run inside take only paths with no host reads (CUDA-graph capturable)."""
+    before, Experts.sync_free = Experts.sync_free, True
+    try:
+        yield
+    finally:
+        Experts.sync_free = before
 
 
 def _split_experts(module: Experts, state_dict: dict, prefix: str, local_metadata) -> None:

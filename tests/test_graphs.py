@@ -1,0 +1,110 @@
+"""Static decode forwards (graphs.py): the buffers a CUDA graph replays, run eagerly on the CPU,
+give exactly the eager engine's tokens and acceptance, and keep the slot-reuse invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm5mtp_cli.checkpoint import load_models, resolve_model
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.graphs import BatchGraphs
+from glm5mtp_cli.runtime import Runtime
+from glm5mtp_cli.sampling import SamplingParams
+from glm5mtp_cli.speculate import Request, SpecEngine
+
+
+@pytest.fixture(scope="module")
+def rt(spec_ckpt):
+    folder, _ = spec_ckpt
+    resolved = resolve_model(str(folder), progress=False)
+    target, mtp, _ = load_models(resolved, "cpu", torch.float32)
+    return Runtime(resolved, resolved.config, target.eval(), mtp.eval(), None, torch.device("cpu"), torch.float32)
+
+
+# Different lengths, one over index_topk (8), and budgets that end at different steps.
+REQUESTS = [([3, 17, 99, 4, 250], 20), (list(range(10, 40)), 13), ([7] * 3 + list(range(60, 81)), 24)]
+
+
+def _run(rt, gamma, mode, batch, sampling=SamplingParams(), eos=(), alloc="budget"):
+    pools = rt.make_pools(128, batch, block_size=4)
+    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling, max_seq_len=128,
+                        alloc=alloc, eos_ids=list(eos), check_invariants=True, graphs=mode)
+    res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=batch)
+    assert not any(pools.blocks_held().values()), "a block stayed held after the batch"
+    assert engine.graphs is None
+    return res
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 3])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_forwards_equal_eager(rt, gamma, batch):
+    eager = _run(rt, gamma, "eager", batch)
+    static = _run(rt, gamma, "static", batch)
+    assert [r.tokens for r in static] == [r.tokens for r in eager]
+    assert [(r.acceptance.proposed, r.acceptance.accepted) for r in static] == \
+        [(r.acceptance.proposed, r.acceptance.accepted) for r in eager]
+    if gamma:
+        acc = sum(r.acceptance.accepted for r in static)
+        assert 0 < acc < sum(r.acceptance.proposed for r in static)  # accepted and rejected paths ran
+
+
+def test_static_sampling_and_ceiling_equal_eager(rt):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    eager = _run(rt, 2, "eager", 3, params, alloc="ceiling")
+    static = _run(rt, 2, "static", 3, params, alloc="ceiling")
+    assert [r.tokens for r in static] == [r.tokens for r in eager]
+
+
+def test_sequences_finishing_early_are_retired_to_scratch(rt):
+    """A sequence that ends (EOS) while others run: its table rows point at the scratch block
+    before its blocks are freed, and the other sequences' tokens do not change."""
+    eos_tok = _run(rt, 2, "eager", 1)[1].tokens[3]  # request 1 emits this early
+    eager = _run(rt, 2, "eager", 3, eos=[eos_tok])
+    pools = rt.make_pools(128, 3, block_size=4)
+    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=2, max_seq_len=128, eos_ids=[eos_tok],
+                        check_invariants=True, graphs="static")
+    retired = []
+    real_retire = BatchGraphs.retire
+
+    def spy(self, slot):
+        held = {n: set(p._held) for n, p in pools.pools.items()}
+        real_retire(self, slot)
+        for t in list(self.target_tables.values()) + list(self.drafter_tables.values()):
+            assert bool((t.table[slot] == t.scratch).all())
+        retired.append((slot, held))
+
+    BatchGraphs.retire = spy
+    try:
+        res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=3)
+    finally:
+        BatchGraphs.retire = real_retire
+    assert [r.tokens for r in res] == [r.tokens for r in eager]
+    assert any(r.finish_reason == "eos" for r in res)
+    assert retired and not any(pools.blocks_held().values())
+    # retire ran while the sequence still held its blocks (so before they were freed)
+    slot, held = retired[0]
+    assert any(held.values())
+
+
+def test_cuda_graphs_need_cuda(rt):
+    pools = rt.make_pools(64, 1, block_size=4)
+    with pytest.raises(UserError, match="CUDA graphs need --device cuda"):
+        SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=1, max_seq_len=64, graphs="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
+    folder, _ = spec_ckpt
+    resolved = resolve_model(str(folder), progress=False)
+    target, mtp, _ = load_models(resolved, "cuda", torch.float32)
+    grt = Runtime(resolved, resolved.config, target.eval(), mtp.eval(), None, torch.device("cuda"), torch.float32)
+    for gamma in (0, 3):
+        def run(mode):
+            pools = grt.make_pools(128, 3, block_size=4)
+            e = SpecEngine(grt.cfg, grt.target, grt.mtp, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
+                           device="cuda", graphs=mode)
+            out = e.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=3)
+            assert not any(pools.blocks_held().values())
+            return [r.tokens for r in out]
+        assert run("cuda") == run("eager")
