@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 
+from . import layout
 from .config import ModelConfig, list_profiles, profile_path
 from .errors import UserError
 from .layout import keeps_fp32
@@ -504,8 +506,46 @@ def _check_no_meta(module: torch.nn.Module, what: str) -> None:
         raise RuntimeError(f"{what}: tensors left unloaded on the meta device: {left[:5]}")
 
 
+class RandomReader:
+    """Stands in for a CheckpointReader: every tensor of the config's layout, random, built on the
+    device it is asked for, so GLM-5's real dimensions run without 1.5 TB on disk. Values are
+    seeded by tensor name and drawn whole before any slicing, so the ranks of --tp hold exactly
+    the slices of what one device would hold. Matrices ~ N(0, 0.02); norms 1; biases 0."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        self.folder = Path(f"<random weights: {cfg.source}>")
+        self.seed = seed
+        self.bytes_read = 0
+        self.shapes = dict(layout.all_tensor_shapes(cfg))
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.shapes[name])
+
+    def file_of(self, name: str) -> str:
+        return "random"
+
+    def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            t = torch.zeros(shape, device=device) if name.endswith("bias") else torch.ones(shape, device=device)
+        else:
+            gen = torch.Generator(device=device).manual_seed(self.seed ^ zlib.crc32(name.encode()))
+            t = torch.randn(shape, generator=gen, device=device).mul_(0.02)
+        return t.to(dtype) if dtype is not None else t
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype | None = None,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+        return self.get(name, dtype, device).narrow(dim, start, stop - start)
+
+    def close(self) -> None:
+        pass
+
+
 def load_models(resolved: ResolvedModel, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                comm=None, stats: dict | None = None):
+                comm=None, stats: dict | None = None, random_weights: bool = False):
     """Build and load the target and the MTP layer. Returns (target, mtp, extras).
 
     target is None when resolved with need='mtp'; mtp is None with need='target'. The MTP layer is
@@ -514,14 +554,18 @@ def load_models(resolved: ResolvedModel, device: str | torch.device = "cpu", dty
     them (DeepSeek style; GLM-5 has none and shares the target's).
     comm (parallel.Comm, world > 1): build this rank's shard only and read only its slices.
     stats: when given, gets 'bytes_read' (bytes copied out of the shards).
+    random_weights: random tensors of the config's shapes instead of the checkpoint's (RandomReader).
     """
     from .model import Glm5ForCausalLM, Glm5MtpLayer
 
-    if not resolved.has_weights:
+    if not resolved.has_weights and not random_weights:
         raise UserError(f"model '{resolved.spec}' has no weights (config only); "
                         f"make some with `glm5mtp init-random {resolved.spec} DIR`")
     cfg = resolved.config
-    reader = CheckpointReader(resolved.folder, resolved.weight_map, block=cfg.fp8_block)
+    if random_weights:
+        reader = RandomReader(resolved.source_config or cfg)
+    else:
+        reader = CheckpointReader(resolved.folder, resolved.weight_map, block=cfg.fp8_block)
     mtp_prefix = f"model.layers.{resolved.mtp_index}."
     wants_target = resolved.need in ("all", "target")
     wants_mtp = resolved.need in ("all", "mtp")

@@ -132,6 +132,8 @@ def generate_cmd(
     draft_vocab: Annotated[Optional[int], typer.Option(help="Draft over the K most frequent tokens (token_counts.json beside the checkpoint).")] = None,
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs",
                                               help="On CUDA, replay decode, verify and draft forwards as CUDA graphs.")] = True,
+    random_weights: Annotated[bool, typer.Option(help="Random weights of the model's config, built on the device "
+                                                      "(real dimensions without a checkpoint, e.g. --model glm5 --layers 4).")] = False,
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
     kwargs = dict(locals())
@@ -142,7 +144,7 @@ def generate_cmd(
         return
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, layers, revision, with_mtp=gamma > 0 or compare, progress=not json_out,
-                      comm=launch.rank_comm(tp, device))
+                      comm=launch.rank_comm(tp, device), random_weights=random_weights)
     seq_cap = max_seq_len or rt.cfg.max_position_embeddings
     if seq_cap < 2:
         raise UserError(f"--max-seq-len must be >= 2, got {seq_cap}")

@@ -126,8 +126,10 @@ def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:
 
 
 def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: int | None = None,
-                 revision: str | None = None, with_mtp: bool = True, progress: bool = True, comm=None) -> Runtime:
-    """comm (parallel.Comm): this rank's shard on its own GPU (cuda:local_rank) or the CPU."""
+                 revision: str | None = None, with_mtp: bool = True, progress: bool = True, comm=None,
+                 random_weights: bool = False) -> Runtime:
+    """comm (parallel.Comm): this rank's shard on its own GPU (cuda:local_rank) or the CPU.
+    random_weights: the model's config with random tensors (checkpoint.RandomReader)."""
     dev = pick_device(device)
     if comm is not None and dev.type == "cuda":
         dev = torch.device("cuda", comm.local_rank)
@@ -139,7 +141,7 @@ def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: 
         from .parallel import check_tp
 
         check_tp(resolved.config, comm.world)
-    target, mtp, extras = load_models(resolved, device=dev, dtype=dt, comm=comm)
+    target, mtp, extras = load_models(resolved, device=dev, dtype=dt, comm=comm, random_weights=random_weights)
     if extras:
         # DeepSeek-style checkpoints carry the MTP layer's own head/embeddings; GLM-5's share the target's.
         raise UserError(f"{resolved.folder}: the MTP layer has its own {', '.join(sorted(extras))}; "

@@ -234,3 +234,61 @@ def test_torchrun_env_mismatch_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(UserError, match="WORLD_SIZE=4"):
         launch.rank_comm(2, "cpu")
+
+
+def _trained_drafter_without_reductions(report_path: str) -> None:
+    """Runs on each of 2 ranks: the shipped trained model at tp 2, with the drafter's all-reduces
+    present, then removed (the head run as if it were unsharded)."""
+    import torch.distributed as dist
+
+    from glm5mtp_cli.parallel import strip_comm
+    from glm5mtp_cli.runtime import load_runtime
+    from glm5mtp_cli.speculate import Request
+
+    comm = launch.rank_comm(2, "cpu")
+    rt = load_runtime("glm5-nano", "cpu", "fp32", progress=False, comm=comm)
+    prompts = [rt.tokenizer.encode(p) for p in ("def binary_search(items, target):\n",
+                                                 "import os\n\n\ndef read_lines(path):\n")]
+
+    def run():
+        res = _engine(rt, 3).generate([Request(p, 32, i) for i, p in enumerate(prompts)])
+        acc = sum(r.acceptance.accepted for r in res)
+        steps = sum(r.acceptance.steps for r in res)
+        return [r.tokens for r in res], 1 + acc / steps
+
+    good_tokens, good_mal = run()
+    stripped = strip_comm(rt.mtp)
+    bad_tokens, bad_mal = run()
+    if comm.rank == 0:
+        with open(report_path, "w") as f:
+            json.dump({"stripped": stripped, "good_mal": good_mal, "bad_mal": bad_mal,
+                       "same_tokens": good_tokens == bad_tokens}, f)
+    dist.barrier()
+
+
+def test_missing_drafter_all_reduce_only_lowers_acceptance(tmp_path):
+    """The silent failure of a sharded drafter run without its reductions, on the trained model:
+    the output is still the target's, but the mean acceptance length drops."""
+    out = tmp_path / "report.json"
+    launch.spawn(2, "gloo", _trained_drafter_without_reductions, {"report_path": str(out)})
+    report = json.loads(out.read_text())
+    print(report)
+    assert report["stripped"] == 2 and report["same_tokens"]
+    assert report["good_mal"] > 2.5, report  # the trained drafter, correctly reduced
+    assert report["bad_mal"] < 0.85 * report["good_mal"], report  # measured: 3.05 -> 2.24
+
+
+def test_random_weights_tp2_equals_tp1():
+    """--random-weights (real dimensions without a checkpoint) seeds each tensor by name, so the
+    ranks hold slices of the very weights one device holds: the same tokens at tp 1 and tp 2."""
+    args = ["generate", "--model", "glm5-tiny", "--random-weights", "--prompt-ids", "3,17,99,4,250,6,7,8,9,10",
+            "--gamma", "2", "--max-new-tokens", "8", "--json", "--device", "cpu"]
+    one = CliRunner().invoke(app, args)
+    assert one.exit_code == 0, one.output
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    two = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *args, "--tp", "2"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert two.returncode == 0, two.stderr
+    d1, d2 = json.loads(one.stdout), json.loads(two.stdout)
+    assert d2["requests"][0]["tokens"] == d1["requests"][0]["tokens"]
+    assert d2["memory"]["weights_bytes"]["target"] < 0.7 * d1["memory"]["weights_bytes"]["target"]
