@@ -189,7 +189,7 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
         hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
         token = torch.tensor([1], device=device)
         if graphs and device.type == "cuda":
-            f = sequence_forward(cfg, lambda ids, h, ctx, rows: mtp.forward_batch(ids, h, ctx, embed, out_head, rows),
+            f = sequence_forward(cfg, lambda f: mtp.forward_batch(f.ids, f.hidden, f.context(f.starts, 1), embed, out_head, "last"),
                                  state.cache, 1, device, (cfg.hidden_size, dtype))
             f.ids.fill_(1)
             f.hidden.copy_(hidden[None])
@@ -225,7 +225,7 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     cache.reserve(context + 8)
     try:
         _fill_random(pools)
-        f = sequence_forward(cfg, lambda ids, h, ctx, rows: target.forward_batch(ids, ctx, "last"), cache, 1, device)
+        f = sequence_forward(cfg, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"), cache, 1, device)
         f.ids.fill_(1)
         f.set_starts([context])
         f.capture(torch.cuda.graph_pool_handle())

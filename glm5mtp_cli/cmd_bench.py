@@ -100,6 +100,7 @@ def bench_cmd(
         cfg, _ = resolve_config(model)
         mtp, embed, head = random_drafter(cfg, dev, dt)
         folder = None
+        c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" else "eager"  # how the steps are timed
     else:
         rt = load_runtime(model, device, dtype, layers, progress=not json_out, comm=comm)
         c.graphs = graph_mode(rt, cuda_graphs)

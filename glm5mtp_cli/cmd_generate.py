@@ -95,7 +95,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
                         device=rt.device, draft_ids=draft_ids, graphs=graphs)
     engine.on_tokens = on_tokens
     results = engine.generate(requests, batch_size=batch_size)
-    acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s)
+    acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s, engine.wall_capture_s)
     leftover = pools.blocks_held()
     if any(leftover.values()):
         raise RuntimeError(f"cache blocks still held after generate: {leftover}")

@@ -33,6 +33,17 @@ from .model.decoder import rope_context
 from .model.layers import sync_free
 
 
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for every capture's warm-up: cuBLAS keeps a workspace per stream
+    it ever ran on (never freed), so a fresh stream per capture grew the allocator each batch."""
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
+
+
 @dataclass
 class _Table:
     """One cache component's block tables for the batch's slots."""
@@ -53,7 +64,7 @@ class StaticForward:
     def __init__(self, cfg, fn, b: int, t: int, tables: dict[str, _Table], device: torch.device,
                  hidden: tuple[int, torch.dtype] | None = None, pick_row: bool = False):
         self.cfg = cfg
-        self.fn = fn  # fn(ids, hidden, context, rows) -> ForwardOut
+        self.fn = fn  # fn(this StaticForward) -> its outputs, from the buffers alone
         self.b, self.t = b, t
         self.tables = tables
         self.device = device
@@ -64,16 +75,19 @@ class StaticForward:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out = None
 
+    def context(self, starts: torch.Tensor, t: int):
+        """The BatchContext of a forward appending t rows at `starts` (device) to every slot."""
+        idx = self.tables["indexer"].rows(starts, t) if "indexer" in self.tables else None
+        return rope_context(self.cfg, starts, t, self.tables["mla"].rows(starts, t), idx)
+
     def _forward(self):
-        ctx = rope_context(self.cfg, self.starts, self.t, self.tables["mla"].rows(self.starts, self.t),
-                           self.tables["indexer"].rows(self.starts, self.t) if "indexer" in self.tables else None)
         with sync_free():
-            return self.fn(self.ids, self.hidden, ctx, self.rows if self.rows is not None else "last")
+            return self.fn(self)
 
     def capture(self, mempool) -> None:
         """Warm up on a side stream (allocator, cuBLAS workspaces, Triton compiles), then capture.
         The warm-up writes rows at each slot's current length: past its valid rows, so harmless."""
-        side = torch.cuda.Stream(self.device)
+        side = _warmup_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -100,11 +114,33 @@ class StaticForward:
         self.out = None
 
 
+def draft_chain_greedy(f: StaticForward, head, out_head, gamma: int) -> torch.Tensor:
+    """Greedy drafts [B, gamma] of every slot in one pass: the catch-up forward (f.t = gamma + 1
+    rows, the real ones first; row f.rows[b] is slot b's last real row) drafts d1, then each
+    further draft feeds the previous one with the drafter's carried hidden, one row at a time."""
+    out = head.layer.forward_batch(f.ids, f.hidden, f.context(f.starts, f.t), head.embed, out_head, f.rows)
+    drafts = [_full_ids(head, out.logits[:, -1].argmax(-1))]
+    carried = head._carried(out)[:, -1]
+    starts = f.starts + f.rows + 1  # each slot's first chain row: right after its real rows
+    for _ in range(gamma - 1):
+        out = head.layer.forward_batch(drafts[-1][:, None], carried[:, None], f.context(starts, 1), head.embed,
+                                       out_head, "last")
+        drafts.append(_full_ids(head, out.logits[:, -1].argmax(-1)))
+        carried = head._carried(out)[:, -1]
+        starts = starts + 1
+    return torch.stack(drafts, dim=1)
+
+
+def _full_ids(head, local: torch.Tensor) -> torch.Tensor:
+    return head.draft_head.to_full(local) if head.draft_head is not None else local
+
+
 class BatchGraphs:
-    """The static forwards of one batch: target step, and with a drafter its catch-up and chain."""
+    """The static forwards of one batch: the target step; with a drafter, either the whole greedy
+    draft chain as one forward, or (sampling) its catch-up and chain step."""
 
     def __init__(self, cfg, target, head, pools: CachePools, target_caches: list, drafter_caches: list | None,
-                 gamma: int, device: torch.device, capture: bool):
+                 gamma: int, device: torch.device, capture: bool, greedy: bool = False):
         self.b = len(target_caches)
         self.device = device
         self.capture = capture
@@ -112,7 +148,7 @@ class BatchGraphs:
         self.scratch: dict[str, list[int]] = {}
         self.forwards: list[StaticForward] = []
         try:
-            self._build(cfg, target, head, target_caches, drafter_caches, gamma)
+            self._build(cfg, target, head, target_caches, drafter_caches, gamma, greedy)
         except BaseException:
             self.close()
             raise
@@ -139,28 +175,39 @@ class BatchGraphs:
             out[component] = _Table(pool, torch.stack(rows), scratch)
         return out
 
-    def _build(self, cfg, target, head, target_caches, drafter_caches, gamma):
+    def _build(self, cfg, target, head, target_caches, drafter_caches, gamma, greedy):
         dev = self.device
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.target_tables = self._tables("target", target_caches)
-        self.verify = StaticForward(cfg, lambda ids, h, ctx, rows: target.forward_batch(ids, ctx, "all"),
+        self.verify = StaticForward(cfg, lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t), "all"),
                                     self.b, gamma + 1, self.target_tables, dev)
         self.forwards.append(self.verify)
-        self.catchup = self.chain = None
+        self.catchup = self.chain = self.draft = None
         if head is not None:
             self.drafter_tables = self._tables("drafter", drafter_caches)
             layer = head.layer
             out_head = head.draft_head or head.head
             hidden = (cfg.hidden_size, target.model.embed_tokens.weight.dtype)
 
-            def drafter(ids, h, ctx, rows):
-                return layer.forward_batch(ids, h, ctx, head.embed, out_head, rows)
+            def drafter(f):
+                rows = f.rows if f.rows is not None else "last"
+                return layer.forward_batch(f.ids, f.hidden, f.context(f.starts, f.t), head.embed, out_head, rows)
 
-            self.catchup = StaticForward(cfg, drafter, self.b, gamma + 1, self.drafter_tables, dev, hidden, pick_row=True)
-            self.forwards.append(self.catchup)
-            if gamma > 1:
-                self.chain = StaticForward(cfg, drafter, self.b, 1, self.drafter_tables, dev, hidden)
-                self.forwards.append(self.chain)
+            def greedy_chain(f):
+                return draft_chain_greedy(f, head, out_head, gamma)
+
+            if greedy:
+                # the whole chain in one graph: catch-up, then gamma - 1 chained steps, argmax inside
+                self.draft = StaticForward(cfg, greedy_chain, self.b, gamma + 1, self.drafter_tables, dev, hidden,
+                                           pick_row=True)
+                self.forwards.append(self.draft)
+            else:
+                self.catchup = StaticForward(cfg, drafter, self.b, gamma + 1, self.drafter_tables, dev, hidden,
+                                             pick_row=True)
+                self.forwards.append(self.catchup)
+                if gamma > 1:
+                    self.chain = StaticForward(cfg, drafter, self.b, 1, self.drafter_tables, dev, hidden)
+                    self.forwards.append(self.chain)
 
     def capture_all(self, target_lengths: list[int], drafter_lengths: list[int] | None) -> None:
         """Capture every forward (CUDA only), starting each slot at its current length."""

@@ -114,6 +114,8 @@ class Glm5MtpHead:
         b = len(states)
         for pos, st in zip(positions, states):
             self._check_aligned(pos, st)
+        if graphs is not None and graphs.draft is not None:
+            return self._propose_fused(graphs.draft, slots, tokens, hiddens, num_drafts, states)
         if graphs is None:
             logits_t, hidden_t = self._catchup_eager(tokens, hiddens, states)
             caches = [st.cache for st in states]
@@ -197,6 +199,30 @@ class Glm5MtpHead:
             st.cache.length += tok.shape[0]
             self._mark_real(st, tok)
         return _take(out.logits, slots_dev, f.b)[:, 0], _take(self._carried(out), slots_dev, f.b)[:, 0]
+
+    def _propose_fused(self, f, slots, tokens, hiddens, num_drafts, states) -> list[DraftChain]:
+        """Greedy: the whole chain is one static forward (graphs.draft_chain_greedy)."""
+        if num_drafts != f.t - 1:
+            raise ValueError(f"the fused draft forward was built for {f.t - 1} drafts, asked for {num_drafts}")
+        slot_list, slots_dev = slots
+        load_rows(f.ids, slots_dev, slot_list, tokens)
+        load_rows(f.hidden, slots_dev, slot_list, hiddens)
+        starts, rows = [0] * f.b, [0] * f.b
+        for slot, st, tok in zip(slot_list, states, tokens):
+            if st.cache.length + tok.shape[0] + num_drafts - 1 > st.cache.capacity:
+                raise RuntimeError("draft chain past the reservation its graph was built for")
+            starts[slot], rows[slot] = st.cache.length, tok.shape[0] - 1
+        f.set_starts(starts)
+        f.set_rows(rows)
+        drafts = _take(f.run(), slots_dev, f.b)  # [A, gamma]
+        chains = []
+        for i, (st, tok) in enumerate(zip(states, tokens)):
+            st.cache.length += tok.shape[0]
+            self._mark_real(st, tok)
+            st.cache.length += num_drafts - 1  # the chain's speculative rows
+            st.last_chain = DraftChain(drafts[i], None, num_drafts, None)
+            chains.append(st.last_chain)
+        return chains
 
     def _chain_static(self, f, slots, d, h, states):
         slot_list, slots_dev = slots

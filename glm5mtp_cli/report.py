@@ -9,7 +9,10 @@ from .metrics import Acceptance, Latency
 from .speculate import SeqResult
 
 
-def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_decode_s: float) -> tuple[Acceptance, Latency]:
+def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_decode_s: float,
+              wall_capture_s: float = 0.0) -> tuple[Acceptance, Latency]:
+    """End to end = prefill + decode; CUDA-graph capture is one-time setup (as in vLLM and SGLang,
+    which capture at start-up), reported on its own."""
     acc = Acceptance(gamma)
     lat = Latency()
     for r in results:
@@ -25,6 +28,7 @@ def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_
     lat.decode_tokens = lat.total_tokens - len(results)
     lat.decode_seconds = wall_decode_s
     lat.total_seconds = wall_prefill_s + wall_decode_s
+    lat.capture_seconds = wall_capture_s
     return acc, lat
 
 

@@ -134,6 +134,7 @@ class SpecEngine:
         self.clock = _Clock(self.device)
         self.wall_prefill_s = 0.0
         self.wall_decode_s = 0.0
+        self.wall_capture_s = 0.0  # building and capturing the batches' CUDA graphs (one-time setup, outside both)
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
         # eager: every forward from the caches; static: decode forwards over one batch's static
         # buffers (graphs.BatchGraphs), run eagerly; cuda: the same, captured and replayed as CUDA graphs
@@ -181,6 +182,7 @@ class SpecEngine:
             t0 = self._wall()
             for req in requests:
                 seqs.append(self._start(req))
+            tc = self._wall()
             if self.graph_mode != "eager" and any(s.done is None for s in seqs):
                 self._build_graphs(seqs)
             t1 = self._wall()
@@ -190,7 +192,8 @@ class SpecEngine:
                     break
                 self._step(active)
             t2 = self._wall()
-            self.wall_prefill_s += t1 - t0
+            self.wall_prefill_s += tc - t0
+            self.wall_capture_s += t1 - tc
             self.wall_decode_s += t2 - t1
             return [s.res for s in seqs]
         finally:
@@ -206,7 +209,8 @@ class SpecEngine:
             drafter = [s.state.cache if s.state is not None else None for s in seqs]
         self.graphs = BatchGraphs(self.cfg, self.target, self.head, self.pools,
                                   [None if s.cache.released else s.cache for s in seqs], drafter, self.gamma,
-                                  self.device, capture=self.graph_mode == "cuda")
+                                  self.device, capture=self.graph_mode == "cuda",
+                                  greedy=self.sampling.greedy and (self.head is None or self.head.tau is None))
         self.graphs.capture_all([s.cache.length for s in seqs],
                                 [c.length if c is not None else 0 for c in drafter] if drafter else None)
 
