@@ -102,6 +102,20 @@ def scratch_bytes(cfg: ModelConfig, dtype: torch.dtype, context: int, gamma: int
     return attn + t * cfg.vocab_size * max(d, 4) + 4 * t * cfg.hidden_size * d
 
 
+def graph_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int, block_size: int, gamma: int) -> int:
+    """What one batch slot's CUDA graphs keep allocated between replays (graphs.BatchGraphs): the
+    static inputs (ids, lengths, block tables of each cache component, drafter hiddens) and the
+    outputs the graphs own (the verify's logits and hiddens; the greedy chain's drafts). Their
+    intermediates live in the graphs' private pool, the same peak as `scratch`."""
+    d, t = _dsize(dtype), gamma + 1
+    tables = 8 * math.ceil(tokens / block_size)
+    verify = t * 8 + 8 + 2 * tables + t * cfg.vocab_size * d + t * cfg.hidden_size * d
+    if gamma == 0:
+        return verify
+    draft = t * 8 + 8 + 8 + 2 * tables + t * cfg.hidden_size * d + gamma * 8
+    return verify + draft
+
+
 def predicted_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int, block_size: int, gamma: int,
                     scratch_context: int) -> dict[str, int]:
     bpt = bytes_per_token(cfg, dtype)
@@ -110,7 +124,7 @@ def predicted_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int, block_siz
     if gamma == 0:
         out["drafter_mla"] = out["drafter_indexer"] = 0
     out["scratch"] = scratch_bytes(cfg, dtype, scratch_context, gamma)
-    out["cuda_graphs"] = 0  # no CUDA graphs are captured yet (graphs.py does not exist)
+    out["cuda_graphs"] = graph_bytes(cfg, dtype, tokens, block_size, gamma)
     out["total"] = sum(out.values())
     return out
 
@@ -275,7 +289,8 @@ def run_profile(cfg: ModelConfig, dtype: torch.dtype, c: ProfileConfig, rt: Runt
             "weights_bytes_measured": weights_meas, "rows": rows,
             "notes": {"scratch": "verify activations of gamma+1 rows at the row's longest context, peak of one "
                                  "layer of the PyTorch path (see profile.scratch_bytes)",
-                      "cuda_graphs": "0: no CUDA graphs are captured yet",
+                      "cuda_graphs": "per batch slot on CUDA: static inputs and the outputs the graphs own "
+                                     "(profile.graph_bytes); their intermediates share the scratch peak",
                       "latency": "context filled with random rows (no prefill of L tokens); prefill = "
                                  f"{PREFILL_TOKENS} tokens appended at that context; medians of --repeats runs",
                       "max_concurrent_sequences": "(gpu_mem - weights) // predicted per-sequence total"}}

@@ -108,3 +108,33 @@ def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
             assert not any(pools.blocks_held().values())
             return [r.tokens for r in out]
         assert run("cuda") == run("eager")
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
+    """profile's cuda_graphs component: what one slot's graphs keep allocated (static inputs and
+    the outputs a capture owns), predicted from the config, equals the buffers BatchGraphs builds."""
+    from glm5mtp_cli.profile import graph_bytes
+
+    pools = rt.make_pools(128, 1, block_size=4)
+    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
+                        graphs="static")
+    req = Request(list(range(10, 40)), 20)
+    seq = engine._start(req)
+    try:
+        engine._build_graphs([seq])
+        g = engine.graphs
+        held = 0
+        for f in g.forwards:
+            held += sum(t.nbytes for t in (f.ids, f.hidden, f.starts, f.rows) if t is not None)
+        tables = list(g.target_tables.values()) + list(getattr(g, "drafter_tables", {}).values())
+        held += sum(t.table.nbytes for t in tables)
+        out = g.verify.run()
+        held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
+        if gamma:
+            held += g.draft.run().nbytes
+        assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma)
+    finally:
+        engine._close_graphs()
+        engine._release(seq)
+    assert not any(pools.blocks_held().values())
