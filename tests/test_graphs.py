@@ -138,3 +138,21 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         engine._close_graphs()
         engine._release(seq)
     assert not any(pools.blocks_held().values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernels_in_the_model_match_the_cpu_reference(rt, spec_ckpt):
+    """On CUDA the forward takes the Triton RMSNorm, rope and MoE kernels; in fp32 its logits equal
+    the CPU (pure PyTorch) forward's."""
+    from glm5mtp_cli.cache import CachePools
+
+    folder, _ = spec_ckpt
+    resolved = resolve_model(str(folder), progress=False)
+    target, _, _ = load_models(resolved, "cuda", torch.float32)
+    ids = torch.tensor([REQUESTS[2][0]])
+    outs = []
+    for model, dev in ((rt.target, "cpu"), (target.eval(), "cuda")):
+        pools = CachePools.create(rt.cfg, 16, 4, torch.float32, dev, with_drafter=False)
+        outs.append(model(ids.to(dev), [pools.target_cache()]).logits.cpu())
+    rel = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+    assert rel < 1e-4, rel
