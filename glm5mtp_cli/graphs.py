@@ -1,5 +1,6 @@
-"""Static decode forwards, captured as CUDA graphs: the target's verify (or gamma-0 decode) step,
-the drafter's catch-up and the drafter's chain step, for one batch of sequences.
+"""Static decode forwards, captured as CUDA graphs, for one batch of sequences: the target's
+verify (or gamma-0 decode) step, and the drafter's whole greedy chain in one forward (sampling:
+its catch-up and its chain step apart, the draws made outside the graphs).
 
 Each forward is a function of static device buffers alone: token ids (and drafter hiddens), each
 slot's cached length, and each slot's block table per cache component. A replay reads whatever

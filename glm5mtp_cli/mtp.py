@@ -198,7 +198,7 @@ class Glm5MtpHead:
         for st, tok in zip(states, tokens):
             st.cache.length += tok.shape[0]
             self._mark_real(st, tok)
-        return _take(out.logits, slots_dev, f.b)[:, 0], _take(self._carried(out), slots_dev, f.b)[:, 0]
+        return _take(out.logits, slots_dev)[:, 0], _take(self._carried(out), slots_dev)[:, 0]
 
     def _propose_fused(self, f, slots, tokens, hiddens, num_drafts, states) -> list[DraftChain]:
         """Greedy: the whole chain is one static forward (graphs.draft_chain_greedy)."""
@@ -214,7 +214,7 @@ class Glm5MtpHead:
             starts[slot], rows[slot] = st.cache.length, tok.shape[0] - 1
         f.set_starts(starts)
         f.set_rows(rows)
-        drafts = _take(f.run(), slots_dev, f.b)  # [A, gamma]
+        drafts = _take(f.run(), slots_dev)  # [A, gamma]
         chains = []
         for i, (st, tok) in enumerate(zip(states, tokens)):
             st.cache.length += tok.shape[0]
@@ -234,7 +234,7 @@ class Glm5MtpHead:
             st.cache.length += 1
         f.set_starts(starts)
         out = f.run()
-        return _take(out.logits, slots_dev, f.b)[:, -1], _take(self._carried(out), slots_dev, f.b)[:, -1]
+        return _take(out.logits, slots_dev)[:, -1], _take(self._carried(out), slots_dev)[:, -1]
 
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         """Drop the chain's speculative rows. Accepted drafts get real rows (built from the target's
@@ -286,7 +286,7 @@ class Glm5MtpHead:
             kv.cache = None
 
 
-def _take(t: torch.Tensor, slots: torch.Tensor, b: int) -> torch.Tensor:
+def _take(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The active slots' rows of a static output (a copy, so the next replay cannot change them)."""
     return t.index_select(0, slots)
 

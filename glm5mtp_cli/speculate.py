@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CachePools, SequenceCache
-from .cache import to_device
+from .cache import CachePools, SequenceCache, to_device
 from .carry import Carry, CarryPlan, plan
 from .config import ModelConfig
 from .errors import UserError
