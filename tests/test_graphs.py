@@ -156,3 +156,19 @@ def test_cuda_kernels_in_the_model_match_the_cpu_reference(rt, spec_ckpt):
         outs.append(model(ids.to(dev), [pools.target_cache()]).logits.cpu())
     rel = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
     assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_paged_kernel_path_equals_the_torch_path(rt, gamma, monkeypatch):
+    """The CUDA attention path (kernels/paged.py: indexer scores and MLA attention read the pools
+    in place), taken on the CPU through the kernels' PyTorch references: same tokens, and drafts
+    accepted alike, as the gathered torch path (prompts longer than index_topk: selection active)."""
+    from glm5mtp_cli.model.attention import MLAttention
+
+    want = _run(rt, gamma, "eager", 3)
+    monkeypatch.setattr(MLAttention, "use_paged_kernels", staticmethod(lambda x: not torch.is_grad_enabled()))
+    got = _run(rt, gamma, "eager", 3)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.acceptance.accepted for r in got] == [r.acceptance.accepted for r in want]
+    static = _run(rt, gamma, "static", 3)
+    assert [r.tokens for r in static] == [r.tokens for r in want]

@@ -28,6 +28,8 @@ from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_blo
                                fp8_block_matmul_ref, fp8_block_matmul_triton)
 from kernels.indexer import indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
 from kernels.mla_decode import mla_decode_attention, mla_decode_attention_ref  # noqa: E402
+from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
+                           mla_attention_paged_ref)
 from kernels.moe import moe_experts, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
@@ -236,6 +238,71 @@ def case_moe_bf16_several_tiles_int32_ids(device, big):
     return moe_experts(*args, force_triton=True), moe_experts_ref(*args)
 
 
+def _paged(device, g, nl, width, dtype, pool_rows=None):
+    """A pool of rows and each sequence's slot table: shuffled rows (paging), the last row of a
+    table padded with sequence 0's first slot, as the engine pads past a sequence's blocks."""
+    pool_rows = pool_rows or g * nl + 17
+    pool = _rand(pool_rows, width, device=device, dtype=dtype)
+    slots = torch.randperm(pool_rows, device=device)[: g * nl].view(g, nl).clone()
+    slots[-1, -1] = slots[0, 0]
+    return pool, slots
+
+
+def case_indexer_paged(device, big):
+    g, t, hi, d, nl = (3, 4, 32, 128, 4096) if big else (3, 2, 5, 24, 40)
+    pool, slots = _paged(device, g, nl, d, torch.float32)
+    starts = torch.tensor([nl - t, 5, 0], device=device)  # full, short, empty before this forward
+    q, w = _rand(g, t, hi, d, device=device), _rand(g, t, hi, device=device)
+    return (indexer_scores_paged(q, pool, slots, starts, w, d ** -0.5, force_triton=True),
+            indexer_scores_paged_ref(q, pool, slots, starts, w, d ** -0.5))
+
+
+def case_indexer_paged_bf16(device, big):
+    g, t, hi, d, nl = (2, 1, 32, 128, 8192) if big else (2, 3, 4, 16, 70)
+    pool, slots = _paged(device, g, nl, d, BF16)
+    starts = torch.tensor([nl - t, nl // 3], device=device)
+    q, w = _rand(g, t, hi, d, device=device, dtype=BF16), _rand(g, t, hi, device=device)
+    return (indexer_scores_paged(q, pool, slots, starts, w, 0.1, force_triton=True),
+            indexer_scores_paged_ref(q, pool, slots, starts, w, 0.1))
+
+
+def _mla_paged_inputs(device, big, dtype, g, t):
+    h, lkv, r, nl = (64, 512, 64, 4096) if big else (20, 40, 8, 48)
+    pool, slots = _paged(device, g, nl, lkv + r, dtype)
+    qn = _rand(g, t, h, lkv, device=device, dtype=dtype, scale=0.5)
+    qr = _rand(g, t, h, r, device=device, dtype=dtype, scale=0.5)
+    return qn, qr, pool, slots, nl, (lkv + r) ** -0.5
+
+
+def case_mla_paged_dense(device, big):
+    qn, qr, pool, slots, nl, scale = _mla_paged_inputs(device, big, torch.float32, 3, 2)
+    starts = torch.tensor([nl - 2, 7, 0], device=device)
+    return (mla_attention_paged(qn, qr, pool, slots, starts, None, scale, force_triton=True),
+            mla_attention_paged_ref(qn, qr, pool, slots, starts, None, scale))
+
+
+def case_mla_paged_indexed(device, big):
+    g, t = 2, 4
+    qn, qr, pool, slots, nl, scale = _mla_paged_inputs(device, big, torch.float32, g, t)
+    starts = torch.tensor([nl - t, nl // 2], device=device)
+    k = 2048 if big else 30
+    idx = torch.stack([torch.stack([torch.randperm(nl, device=device)[:k] for _ in range(t)]) for _ in range(g)])
+    idx[:, :, -3:] = -1  # padding
+    idx[1, 0, 0] = nl // 2 + 3  # a future position for query 0 of sequence 1 (masked)
+    return (mla_attention_paged(qn, qr, pool, slots, starts, idx, scale, force_triton=True),
+            mla_attention_paged_ref(qn, qr, pool, slots, starts, idx, scale))
+
+
+def case_mla_paged_indexed_bf16(device, big):
+    g, t = 2, 1
+    qn, qr, pool, slots, nl, scale = _mla_paged_inputs(device, big, BF16, g, t)
+    starts = torch.tensor([nl - 1, 10], device=device)
+    k = 2048 if big else 33
+    idx = torch.stack([torch.randperm(nl, device=device)[:k] for _ in range(g)])[:, None, :].contiguous()
+    return (mla_attention_paged(qn, qr, pool, slots, starts, idx, scale, force_triton=True),
+            mla_attention_paged_ref(qn, qr, pool, slots, starts, idx, scale))
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -317,6 +384,7 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     import kernels.indexer as i
     import kernels.mla_decode as m
     import kernels.moe as e
+    import kernels.paged as pg
     import kernels.rmsnorm as r
     import kernels.rope as p
 
@@ -325,7 +393,8 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
 
     for mod, name in [(r, "rmsnorm_triton"), (p, "rope_interleaved_triton"), (f, "fp8_block_dequant_triton"),
                       (f, "fp8_block_matmul_triton"), (i, "indexer_scores_triton"),
-                      (m, "mla_decode_attention_triton"), (e, "moe_experts_triton")]:
+                      (m, "mla_decode_attention_triton"), (e, "moe_experts_triton"),
+                      (pg, "indexer_scores_paged_triton"), (pg, "mla_attention_paged_triton")]:
         monkeypatch.setattr(mod, name, boom)
     x, w = torch.randn(3, 16), torch.randn(16)
     assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
@@ -341,6 +410,12 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
                        mla_decode_attention_ref(qn, qr, kv, None, 4, 0.3))
     me = _moe_inputs("cpu", torch.float32, 2, 2, 3, 16, 8)
     assert torch.equal(moe_experts(*me), moe_experts_ref(*me))
+    pool, slots, st = torch.randn(9, 12), torch.tensor([[3, 1, 4, 0]]), torch.tensor([2])
+    pq, pw = torch.randn(1, 2, 3, 12), torch.randn(1, 2, 3)
+    assert torch.equal(indexer_scores_paged(pq, pool, slots, st, pw, 0.5),
+                       indexer_scores_paged_ref(pq, pool, slots, st, pw, 0.5))
+    assert torch.equal(mla_attention_paged(qn[None, :2], qr[None, :2], kv, slots, st, None, 0.3),
+                       mla_attention_paged_ref(qn[None, :2], qr[None, :2], kv, slots, st, None, 0.3))
 
 
 def test_force_triton_without_interpreter_raises(monkeypatch):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.paged import indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
 
 from ..config import ModelConfig
@@ -49,11 +50,15 @@ class CachedRows:
     new: torch.Tensor
     all: torch.Tensor
 
-    def write_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """Append rows [B, T, W] at the new slots, then read rows 0..L-1 of each sequence: [B, L, W]."""
+    def write(self, layer: int, rows: torch.Tensor) -> None:
+        """Append rows [B, T, W] at the new slots."""
         data = self.data[layer]
         data.index_copy_(0, self.new, rows.reshape(-1, rows.shape[-1]).to(data.dtype))
-        return data.index_select(0, self.all.reshape(-1)).view(*self.all.shape, -1)
+
+    def write_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Append rows [B, T, W] at the new slots, then read rows 0..L-1 of each sequence: [B, L, W]."""
+        self.write(layer, rows)
+        return self.data[layer].index_select(0, self.all.reshape(-1)).view(*self.all.shape, -1)
 
 
 @dataclass
@@ -93,12 +98,17 @@ class Indexer(nn.Module):
         """x: [G, T, H] -> roped, normed keys [G, T, D]."""
         return self._rope_first(self.k_norm(self.wk(x)), cos, sin)
 
-    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos, sin) -> torch.Tensor:
-        """Index scores [G, T, L] in fp32 (not yet masked); keys [G, L, D]."""
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """(roped queries [G, T, heads, D], fp32 head weights [G, T, heads] scaled by heads^-0.5)."""
         g, t = x.shape[:2]
         q = self._rope_first(self.wq_b(q_resid).view(g, t, self.n_heads, self.head_dim), cos, sin)
-        s = torch.einsum("gthd,gld->gthl", q.float(), keys.float()).relu() * self.head_dim ** -0.5
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        return q, w
+
+    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Index scores [G, T, L] in fp32 (not yet masked); keys [G, L, D]."""
+        q, w = self.queries(x, q_resid, cos, sin)
+        s = torch.einsum("gthd,gld->gthl", q.float(), keys.float()).relu() * self.head_dim ** -0.5
         return torch.einsum("gth,gthl->gtl", w, s)
 
 
@@ -158,6 +168,8 @@ class MLAttention(nn.Module):
         cos, sin = bc.cos, bc.sin
         qr = rope_gt(q_rope, cos, sin)
         rows = torch.cat([latent, rope_gt(k_rope, cos, sin)], dim=-1)  # [G, T, C+R]
+        if bc.mla is not None and indexer_losses is None and self.use_paged_kernels(x):
+            return self._group_paged(bc, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, w_uv)
         if bc.mla is not None:
             rows = bc.mla.write_read(kv_layer, rows)
         keep = self._causal(bc.starts, t, rows.shape[1], x.device)  # [G, T, L]
@@ -178,6 +190,26 @@ class MLAttention(nn.Module):
         out, probs_dense = self._attend(q_abs, qr, rows, keep & selected, keep, want_dense)
         if probs_dense is not None:
             indexer_losses.append(_indexer_kl(probs_dense, index_scores, keep))
+        return torch.einsum("gthc,hvc->gthv", out, w_uv), topk
+
+    @staticmethod
+    def use_paged_kernels(x: torch.Tensor) -> bool:
+        """Cached inference on CUDA reads the pools through kernels/paged.py."""
+        return x.is_cuda and not torch.is_grad_enabled()
+
+    def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, w_uv):
+        """The cached path on CUDA: kernels/paged.py score the indexer keys and attend over the
+        selected latent rows in place in the pools (no gathered copy, no [G, T, H, L] scores)."""
+        bc.mla.write(kv_layer, rows)
+        topk = prev_topk
+        if self.indexer is not None:
+            bc.indexer.write(idx_layer, self.indexer.keys(x, bc.cos, bc.sin))
+            q, w = self.indexer.queries(x, q_resid, bc.cos, bc.sin)
+            scores = indexer_scores_paged(q, bc.indexer.data[idx_layer], bc.indexer.all, bc.starts, w,
+                                          self.indexer.head_dim ** -0.5)
+            topk = scores.topk(min(self.indexer.topk, scores.shape[-1]), dim=-1).indices
+        out = mla_attention_paged(q_abs.contiguous(), qr, bc.mla.data[kv_layer], bc.mla.all, bc.starts, topk,
+                                  self.scale)
         return torch.einsum("gthc,hvc->gthv", out, w_uv), topk
 
     @staticmethod

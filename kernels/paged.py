@@ -1,0 +1,234 @@
+"""DSA indexer scores and absorbed-MLA attention over the PAGED caches, for a batch of sequences.
+
+The engine keeps every sequence's cache rows in block pools: row l of sequence g lives at pool row
+``slots[g, l]`` (slots [G, NL], past a sequence's length they point anywhere). Each of the G
+sequences appends T query rows at its own cached length ``starts[g]`` (a device tensor, so a CUDA
+graph replays with new lengths); query s of sequence g sits at position ``starts[g] + s`` and sees
+keys l <= starts[g] + s.
+
+- :func:`indexer_scores_paged`: ``scale * sum_h w[g, s, h] * relu(q[g, s, h] . k[l])`` [G, T, NL]
+  in fp32, -inf past the causal limit (the per-sequence :func:`kernels.indexer.indexer_scores`).
+- :func:`mla_attention_paged`: softmax attention of the absorbed queries over the latent rows,
+  restricted to the indexer's picks ``index`` [G, T, K] (positions, -1 or masked ones ignored),
+  or over every visible row without an index (the per-sequence
+  :func:`kernels.mla_decode.mla_decode_attention`). Output [G, T, H, Lkv], still latent.
+
+Both read the pool rows in place: no gathered copy of the cache, no [G, T, H, NL] score tensor.
+"""
+
+import torch
+
+from ._triton import alloc, interpreting, jit, next_pow2, tl, triton, use_triton
+from .indexer import indexer_scores_ref
+from .mla_decode import mla_decode_attention_ref
+
+
+def indexer_scores_paged_ref(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                             w: torch.Tensor, scale: float) -> torch.Tensor:
+    """PyTorch reference: q [G, T, Hi, D], pool [N, D], slots [G, NL], starts [G], w [G, T, Hi]."""
+    return torch.stack([indexer_scores_ref(q[g], pool[slots[g]], w[g], int(starts[g]), scale)
+                        for g in range(q.shape[0])])
+
+
+def mla_attention_paged_ref(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
+                            slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None,
+                            scale: float) -> torch.Tensor:
+    """PyTorch reference: q_nope_absorbed [G, T, H, Lkv], q_rope [G, T, H, R], pool [N, Lkv + R]."""
+    return torch.stack([mla_decode_attention_ref(q_nope_absorbed[g], q_rope[g], pool[slots[g]],
+                                                 None if index is None else index[g], int(starts[g]), scale)
+                        for g in range(q_nope_absorbed.shape[0])])
+
+
+@jit
+def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T, HI, D, NL, scale,
+                         stride_qg, stride_qs, stride_qh, stride_kt, stride_wg, stride_ws, stride_sg,
+                         BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DOT_BF16: tl.constexpr):
+    # Grid (key blocks, sequences): a program reads its block of keys once (through the slot
+    # table), then loops over the sequence's T queries and over head blocks.
+    pid_l = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_h = tl.arange(0, BLOCK_H)
+    lmask = offs_l < NL
+    dmask = offs_d < D
+    start = tl.load(starts_ptr + g)
+    slot = tl.load(slots_ptr + g * stride_sg + offs_l, mask=lmask, other=0).to(tl.int64)
+    kt = tl.load(k_ptr + offs_d[:, None] + slot[None, :] * stride_kt,
+                 mask=dmask[:, None] & lmask[None, :], other=0.0)  # [BLOCK_D, BLOCK_L] = k^T
+    if not DOT_BF16:
+        kt = kt.to(tl.float32)
+    for s in range(0, T):
+        q_row = q_ptr + g * stride_qg + s * stride_qs
+        w_row = w_ptr + g * stride_wg + s * stride_ws
+        acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
+        for h0 in range(0, HI, BLOCK_H):
+            hmask = (h0 + offs_h) < HI
+            qb = tl.load(q_row + (h0 + offs_h)[:, None] * stride_qh + offs_d[None, :],
+                         mask=hmask[:, None] & dmask[None, :], other=0.0)
+            if DOT_BF16:
+                logits = tl.dot(qb, kt)
+            else:
+                logits = tl.dot(qb.to(tl.float32), kt, input_precision="ieee")
+            wv = tl.load(w_row + h0 + offs_h, mask=hmask, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.maximum(logits, 0.0) * wv[:, None], axis=0)
+        res = tl.where(offs_l <= start + s, acc * scale, float("-inf"))
+        tl.store(out_ptr + (g * T + s) * NL + offs_l, res, mask=lmask)
+
+
+def indexer_scores_paged_triton(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                                w: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton version of :func:`indexer_scores_paged_ref`; grid (key blocks of 64, sequences)."""
+    assert q.dim() == 4 and pool.dim() == 2 and slots.dim() == 2 and w.dim() == 3
+    g, t, hi, d = q.shape
+    nl = slots.shape[1]
+    assert pool.shape[1] == d and w.shape == (g, t, hi) and slots.shape[0] == g and starts.shape == (g,)
+    assert q.stride(-1) == 1 and pool.stride(-1) == 1 and w.stride(-1) == 1 and slots.stride(-1) == 1
+    out = alloc((g, t, nl), dtype=torch.float32, device=q.device)
+    if g and t and nl:
+        block_l = 64
+        dot_bf16 = q.dtype == pool.dtype == torch.bfloat16 and not interpreting()
+        _paged_scores_kernel[(triton.cdiv(nl, block_l), g)](
+            q, pool, w, slots, starts, out, t, hi, d, nl, scale,
+            q.stride(0), q.stride(1), q.stride(2), pool.stride(0), w.stride(0), w.stride(1), slots.stride(0),
+            BLOCK_L=block_l, BLOCK_H=min(32, next_pow2(hi)), BLOCK_D=next_pow2(d), DOT_BF16=dot_bf16,
+            num_warps=4)
+    return out
+
+
+@jit
+def _paged_mla_kernel(qn_ptr, qr_ptr, kv_ptr, slots_ptr, starts_ptr, idx_ptr, out_ptr,
+                      T, H, L, R, NL, NKEYS, scale,
+                      stride_qng, stride_qns, stride_qnh, stride_qrg, stride_qrs, stride_qrh, stride_kv,
+                      stride_sg, stride_ig, stride_is,
+                      HAS_INDEX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_T: tl.constexpr, DOT_BF16: tl.constexpr):
+    q_id = tl.program_id(0)
+    g = (q_id // T).to(tl.int64)
+    s = q_id % T
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    hmask, lmask, rmask = offs_h < H, offs_l < L, offs_r < R
+    qn = tl.load(qn_ptr + g * stride_qng + s * stride_qns + offs_h[:, None] * stride_qnh + offs_l[None, :],
+                 mask=hmask[:, None] & lmask[None, :], other=0.0)
+    qr = tl.load(qr_ptr + g * stride_qrg + s * stride_qrs + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                 mask=hmask[:, None] & rmask[None, :], other=0.0)
+    if not DOT_BF16:
+        qn = qn.to(tl.float32)
+        qr = qr.to(tl.float32)
+    limit = tl.load(starts_ptr + g) + s
+    if HAS_INDEX:
+        n_keys = NKEYS
+    else:
+        n_keys = tl.minimum(NL, limit + 1)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    for j0 in range(0, n_keys, BLOCK_T):
+        offs_j = j0 + tl.arange(0, BLOCK_T)
+        if HAS_INDEX:
+            pos = tl.load(idx_ptr + g * stride_ig + s * stride_is + offs_j, mask=offs_j < NKEYS, other=-1)
+        else:
+            pos = offs_j
+        valid = (pos >= 0) & (pos <= limit) & (pos < NL)
+        slot = tl.load(slots_ptr + g * stride_sg + tl.where(valid, pos, 0), mask=valid, other=0)
+        rows = kv_ptr + slot.to(tl.int64) * stride_kv
+        c = tl.load(rows[:, None] + offs_l[None, :], mask=valid[:, None] & lmask[None, :], other=0.0)
+        kr = tl.load(rows[:, None] + L + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
+        if DOT_BF16:
+            sc = tl.dot(qn, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
+        else:
+            c = c.to(tl.float32)
+            sc = (tl.dot(qn, tl.trans(c), input_precision="ieee")
+                  + tl.dot(qr, tl.trans(kr.to(tl.float32)), input_precision="ieee"))
+        sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # keeps exp() finite before any key
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        if DOT_BF16:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), c)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+        m = m_new
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    dst = out_ptr + (q_id.to(tl.int64) * H + offs_h[:, None]) * L + offs_l[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
+
+
+def mla_attention_paged_triton(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
+                               slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None,
+                               scale: float) -> torch.Tensor:
+    """Triton version of :func:`mla_attention_paged_ref`; grid (G * T queries, head blocks of 16)."""
+    assert q_nope_absorbed.dim() == 4 and q_rope.dim() == 4 and pool.dim() == 2 and slots.dim() == 2
+    g, t, h, lkv = q_nope_absorbed.shape
+    r = q_rope.shape[-1]
+    nl = slots.shape[1]
+    assert q_rope.shape[:3] == (g, t, h), "q_rope must be [G, T, H, R]"
+    assert pool.shape[1] == lkv + r, f"pool width {pool.shape[1]} != Lkv + R = {lkv + r}"
+    assert slots.shape[0] == g and starts.shape == (g,)
+    for name, ten in (("q_nope_absorbed", q_nope_absorbed), ("q_rope", q_rope), ("pool", pool), ("slots", slots)):
+        assert ten.stride(-1) == 1, f"{name} needs a unit stride in its last dimension"
+    if index is not None:
+        assert index.dim() == 3 and index.shape[:2] == (g, t) and index.stride(-1) == 1, "index must be [G, T, K]"
+        assert not index.dtype.is_floating_point, "index must be integer"
+    out = alloc((g, t, h, lkv), dtype=q_nope_absorbed.dtype, device=q_nope_absorbed.device)
+    if g and t and h:
+        block_h = 16
+        dot_bf16 = (q_nope_absorbed.dtype == q_rope.dtype == pool.dtype == torch.bfloat16 and not interpreting())
+        idx = index if index is not None else slots  # dummy pointer when there is no index
+        _paged_mla_kernel[(g * t, triton.cdiv(h, block_h))](
+            q_nope_absorbed, q_rope, pool, slots, starts, idx, out, t, h, lkv, r, nl,
+            index.shape[2] if index is not None else 0, scale,
+            q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_nope_absorbed.stride(2),
+            q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), pool.stride(0), slots.stride(0),
+            index.stride(0) if index is not None else 0, index.stride(1) if index is not None else 0,
+            HAS_INDEX=index is not None, BLOCK_H=block_h, BLOCK_L=next_pow2(lkv), BLOCK_R=next_pow2(r),
+            BLOCK_T=32, DOT_BF16=dot_bf16, num_warps=4, num_stages=2)
+    return out
+
+
+def indexer_scores_paged(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                         w: torch.Tensor, scale: float, force_triton: bool = False) -> torch.Tensor:
+    """Indexer scores of G sequences' T queries over their paged keys (see the module docstring).
+
+    Args:
+        q: [G, T, Hi, D] indexer queries (rope applied).
+        pool: [N, D] the indexer-key pool of this layer.
+        slots: [G, NL] pool row of each sequence's key 0..NL-1.
+        starts: [G] each sequence's cached length before this forward (query s at starts + s).
+        w: [G, T, Hi] per-head weights (fp32).
+        scale: multiplies every score.
+        force_triton: run the Triton kernel in the interpreter (tests only).
+    Returns:
+        fp32 [G, T, NL], -inf past each query's causal limit.
+    """
+    if use_triton(q, pool, w, force=force_triton):
+        return indexer_scores_paged_triton(q, pool, slots, starts, w, scale)
+    return indexer_scores_paged_ref(q, pool, slots, starts, w, scale)
+
+
+def mla_attention_paged(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
+                        slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None, scale: float,
+                        force_triton: bool = False) -> torch.Tensor:
+    """Absorbed-MLA attention of G sequences' T queries over their paged latent rows.
+
+    Args:
+        q_nope_absorbed: [G, T, H, Lkv] no-rope queries multiplied by W_UK.
+        q_rope: [G, T, H, R] rope part of the queries (rope applied).
+        pool: [N, Lkv + R] the MLA pool of this layer (rows [latent | rope key]).
+        slots: [G, NL] pool row of each sequence's row 0..NL-1.
+        starts: [G] each sequence's cached length before this forward.
+        index: [G, T, K] positions each query may attend to (the indexer's top-k), or None for all.
+        scale: softmax scale.
+        force_triton: run the Triton kernel in the interpreter (tests only).
+    Returns:
+        [G, T, H, Lkv] latent outputs in q_nope_absorbed.dtype.
+    """
+    tensors = (q_nope_absorbed, q_rope, pool) + ((index,) if index is not None else ())
+    if use_triton(*tensors, force=force_triton):
+        return mla_attention_paged_triton(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
+    return mla_attention_paged_ref(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
