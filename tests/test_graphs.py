@@ -163,10 +163,15 @@ def test_paged_kernel_path_equals_the_torch_path(rt, gamma, monkeypatch):
     """The CUDA attention path (kernels/paged.py: indexer scores and MLA attention read the pools
     in place), taken on the CPU through the kernels' PyTorch references: same tokens, and drafts
     accepted alike, as the gathered torch path (prompts longer than index_topk: selection active)."""
+    from glm5mtp_cli.checkpoint import resolve_config
     from glm5mtp_cli.model.attention import MLAttention
 
+    # which models take it on CUDA: small selections (glm5-nano, 128 keys), not GLM-5's 2048
+    limit = MLAttention.PAGED_MAX_TOPK
+    assert resolve_config("glm5")[0].index_topk > limit >= resolve_config("glm5-nano")[0].index_topk
+
     want = _run(rt, gamma, "eager", 3)
-    monkeypatch.setattr(MLAttention, "use_paged_kernels", staticmethod(lambda x: not torch.is_grad_enabled()))
+    monkeypatch.setattr(MLAttention, "use_paged_kernels", lambda self, x: not torch.is_grad_enabled())
     got = _run(rt, gamma, "eager", 3)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert [r.acceptance.accepted for r in got] == [r.acceptance.accepted for r in want]

@@ -133,6 +133,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=False)
         self.indexer = Indexer(cfg) if has_indexer else None
+        self.index_topk = cfg.index_topk
 
     def forward(self, x: torch.Tensor, bc: BatchContext, kv_layer: int, idx_layer: int | None,
                 prev_topk: list[torch.Tensor] | None, indexer_losses: list | None = None):
@@ -192,10 +193,14 @@ class MLAttention(nn.Module):
             indexer_losses.append(_indexer_kl(probs_dense, index_scores, keep))
         return torch.einsum("gthc,hvc->gthv", out, w_uv), topk
 
-    @staticmethod
-    def use_paged_kernels(x: torch.Tensor) -> bool:
-        """Cached inference on CUDA reads the pools through kernels/paged.py."""
-        return x.is_cuda and not torch.is_grad_enabled()
+    # kernels/paged.py runs one program per (query, 16 heads), each streaming its selected keys. On
+    # the H200 that won with 128 keys per query (glm5-nano decode 0.96 -> 0.68 ms) and lost with
+    # GLM-5's 2048 (4 programs at batch 1: draft step 1.24 -> 1.37 ms), so it is used up to this.
+    PAGED_MAX_TOPK = 512
+
+    def use_paged_kernels(self, x: torch.Tensor) -> bool:
+        """Cached inference on CUDA reads the pools through kernels/paged.py (small selections)."""
+        return x.is_cuda and not torch.is_grad_enabled() and self.index_topk <= self.PAGED_MAX_TOPK
 
     def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, w_uv):
         """The cached path on CUDA: kernels/paged.py score the indexer keys and attend over the
