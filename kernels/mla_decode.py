@@ -8,13 +8,14 @@ shared rope key ``k_rope`` [T, R] directly (the cache row is ``[c | k_rope]``)::
 
 Query s sits at absolute position ``causal_offset + s`` and sees keys t <= causal_offset + s.
 With ``index`` [S, K] (the indexer's picks per query, -1 padded) only the picked positions count.
-Softmax in fp32; a query that sees no key gets zeros. The Triton kernel runs one program per
-(query, block of 16 heads) and streams key blocks with an online softmax.
+Softmax in fp32; a query that sees no key gets zeros. The Triton path is kernels/paged.py's kernel
+(one program per query and block of 16 heads, key blocks streamed with an online softmax) over a
+single sequence.
 """
 
 import torch
 
-from ._triton import alloc, interpreting, jit, next_pow2, tl, triton, use_triton
+from ._triton import use_triton
 
 
 def mla_decode_attention_ref(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
@@ -43,91 +44,19 @@ def mla_decode_attention_ref(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor
     return out.to(q_nope_absorbed.dtype)
 
 
-@jit
-def _mla_kernel(qn_ptr, qr_ptr, kv_ptr, idx_ptr, out_ptr, H, L, R, T, NKEYS, causal_offset, scale,
-                stride_qns, stride_qnh, stride_qrs, stride_qrh, stride_kv, stride_idx,
-                HAS_INDEX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_T: tl.constexpr, DOT_BF16: tl.constexpr):
-    s = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_l = tl.arange(0, BLOCK_L)
-    offs_r = tl.arange(0, BLOCK_R)
-    hmask, lmask, rmask = offs_h < H, offs_l < L, offs_r < R
-    qn = tl.load(qn_ptr + s * stride_qns + offs_h[:, None] * stride_qnh + offs_l[None, :],
-                 mask=hmask[:, None] & lmask[None, :], other=0.0)
-    qr = tl.load(qr_ptr + s * stride_qrs + offs_h[:, None] * stride_qrh + offs_r[None, :],
-                 mask=hmask[:, None] & rmask[None, :], other=0.0)
-    if not DOT_BF16:
-        qn = qn.to(tl.float32)
-        qr = qr.to(tl.float32)
-    limit = causal_offset + s
-    if HAS_INDEX:
-        n_keys = NKEYS
-    else:
-        n_keys = tl.minimum(T, limit + 1)
-    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
-    for j0 in range(0, n_keys, BLOCK_T):
-        offs_j = j0 + tl.arange(0, BLOCK_T)
-        if HAS_INDEX:
-            pos = tl.load(idx_ptr + s * stride_idx + offs_j, mask=offs_j < NKEYS, other=-1)
-        else:
-            pos = offs_j
-        valid = (pos >= 0) & (pos <= limit) & (pos < T)
-        rows = kv_ptr + tl.where(valid, pos, 0).to(tl.int64) * stride_kv
-        c = tl.load(rows[:, None] + offs_l[None, :], mask=valid[:, None] & lmask[None, :], other=0.0)
-        kr = tl.load(rows[:, None] + L + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
-        if DOT_BF16:
-            sc = tl.dot(qn, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
-        else:
-            c = c.to(tl.float32)
-            sc = (tl.dot(qn, tl.trans(c), input_precision="ieee")
-                  + tl.dot(qr, tl.trans(kr.to(tl.float32)), input_precision="ieee"))
-        sc = tl.where(valid[None, :], sc * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # keeps exp() finite before any key
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        if DOT_BF16:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), c)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
-        m = m_new
-    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-    dst = out_ptr + (s * H + offs_h[:, None]).to(tl.int64) * L + offs_l[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
-
-
 def mla_decode_attention_triton(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                                 index: torch.Tensor | None, causal_offset: int, scale: float) -> torch.Tensor:
-    """Triton version of :func:`mla_decode_attention_ref`; grid (S, head blocks of 16)."""
+    """Triton version of :func:`mla_decode_attention_ref`: the paged kernel (kernels/paged.py) over
+    one sequence whose rows sit in rows 0..T-1."""
+    from .paged import mla_attention_paged_triton  # paged.py builds its reference on this module
+
     assert q_nope_absorbed.dim() == 3 and q_rope.dim() == 3 and kv_cache.dim() == 2
-    s_len, h, lkv = q_nope_absorbed.shape
-    r = q_rope.shape[-1]
-    t_len = kv_cache.shape[0]
-    assert q_rope.shape[:2] == (s_len, h), "q_rope must be [S, H, R]"
-    assert kv_cache.shape[1] == lkv + r, f"kv_cache width {kv_cache.shape[1]} != Lkv + R = {lkv + r}"
-    for name, ten in (("q_nope_absorbed", q_nope_absorbed), ("q_rope", q_rope), ("kv_cache", kv_cache)):
-        assert ten.stride(-1) == 1, f"{name} needs a unit stride in its last dimension"
     if index is not None:
-        assert index.dim() == 2 and index.shape[0] == s_len and index.stride(-1) == 1, "index must be [S, K]"
-        assert not index.dtype.is_floating_point, "index must be integer"
-    out = alloc((s_len, h, lkv), dtype=q_nope_absorbed.dtype, device=q_nope_absorbed.device)
-    if s_len and h:
-        block_h = 16
-        dot_bf16 = (q_nope_absorbed.dtype == q_rope.dtype == kv_cache.dtype == torch.bfloat16
-                    and not interpreting())
-        idx = index if index is not None else kv_cache  # dummy pointer when there is no index
-        _mla_kernel[(s_len, triton.cdiv(h, block_h))](
-            q_nope_absorbed, q_rope, kv_cache, idx, out, h, lkv, r, t_len,
-            index.shape[1] if index is not None else 0, causal_offset, scale,
-            q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_rope.stride(0), q_rope.stride(1),
-            kv_cache.stride(0), index.stride(0) if index is not None else 0,
-            HAS_INDEX=index is not None, BLOCK_H=block_h, BLOCK_L=next_pow2(lkv), BLOCK_R=next_pow2(r),
-            BLOCK_T=32, DOT_BF16=dot_bf16, num_warps=4, num_stages=2)
-    return out
+        assert index.dim() == 2 and index.shape[0] == q_nope_absorbed.shape[0], "index must be [S, K]"
+    slots = torch.arange(kv_cache.shape[0], device=kv_cache.device)[None]
+    starts = torch.tensor([causal_offset], device=kv_cache.device)
+    return mla_attention_paged_triton(q_nope_absorbed[None], q_rope[None], kv_cache, slots, starts,
+                                      None if index is None else index[None], scale)[0]
 
 
 def mla_decode_attention(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,

@@ -156,7 +156,7 @@ def case_indexer_scores(device, big):
 
 
 def case_indexer_scores_bf16_chunks(device, big):
-    s, hi, d, t = (20, 32, 128, 3000) if big else (11, 4, 16, 40)  # > 8 queries: two query chunks
+    s, hi, d, t = (20, 32, 128, 3000) if big else (11, 4, 16, 40)  # many queries per key block
     q, k = _rand(s, hi, d, device=device, dtype=BF16), _rand(t, d, device=device, dtype=BF16)
     w = _rand(s, hi, device=device, dtype=BF16)
     off = t - s
