@@ -149,6 +149,18 @@ def target_step_bytes(cfg: ModelConfig, dtype_bytes: int, context: int) -> dict:
     return {"layer_weights": layers, "embed_norm_head": top, "cache": cache, "total": layers + top + cache}
 
 
+def _graph_step_seconds(f, context: int, repeats: int) -> float:
+    """Capture a one-row static forward (graphs.StaticForward) appending at row `context` and
+    return the median device time of its replays."""
+    f.ids.fill_(1)
+    f.set_starts([context])
+    f.capture(torch.cuda.graph_pool_handle())
+    try:
+        return _replay_seconds(f.run, repeats)
+    finally:
+        f.close()
+
+
 def _replay_seconds(run, repeats: int) -> float:
     """Median device time of one call of `run` (CUDA events around each; after 3 warm-ups)."""
     for _ in range(3):
@@ -189,16 +201,11 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
         hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
         token = torch.tensor([1], device=device)
         if graphs and device.type == "cuda":
-            f = sequence_forward(cfg, lambda f: mtp.forward_batch(f.ids, f.hidden, f.context(f.starts, 1), embed, out_head, "last"),
+            f = sequence_forward(cfg, lambda f: mtp.forward_batch(f.ids, f.hidden, f.context(f.starts, 1), embed,
+                                                                  out_head, "last"),
                                  state.cache, 1, device, (cfg.hidden_size, dtype))
-            f.ids.fill_(1)
             f.hidden.copy_(hidden[None])
-            f.set_starts([context])
-            f.capture(torch.cuda.graph_pool_handle())
-            try:
-                return _replay_seconds(f.run, repeats)
-            finally:
-                f.close()
+            return _graph_step_seconds(f, context, repeats)
         times = []
         for i in range(repeats + 3):
             _sync(device)
@@ -226,13 +233,7 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     try:
         _fill_random(pools)
         f = sequence_forward(cfg, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"), cache, 1, device)
-        f.ids.fill_(1)
-        f.set_starts([context])
-        f.capture(torch.cuda.graph_pool_handle())
-        try:
-            return _replay_seconds(f.run, repeats)
-        finally:
-            f.close()
+        return _graph_step_seconds(f, context, repeats)
     finally:
         cache.release()
 

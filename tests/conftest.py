@@ -39,3 +39,15 @@ def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
     init_random("glm5-tiny", out, seed=1, dtype=torch.float32)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def spec_runtime(spec_ckpt):
+    """glm5mtp's own target and MTP layer of spec_ckpt, loaded once on the CPU in fp32 (read-only)."""
+    from glm5mtp_cli.checkpoint import load_models, resolve_model
+    from glm5mtp_cli.runtime import Runtime
+
+    folder, _ = spec_ckpt
+    resolved = resolve_model(str(folder), progress=False)
+    target, mtp, _ = load_models(resolved, "cpu", torch.float32)
+    return Runtime(resolved, resolved.config, target.eval(), mtp.eval(), None, torch.device("cpu"), torch.float32)

@@ -5,24 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
-from glm5mtp_cli.checkpoint import load_models, resolve_model
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.conversation import run_conversations
-from glm5mtp_cli.runtime import Runtime
 from glm5mtp_cli.sampling import SamplingParams
 
 CONVS = [[[5, 9, 40, 41, 42, 43, 44, 45, 46], [7, 8, 9], [100, 101]], [list(range(20, 50)), [3, 3, 3, 4]]]
 
 
 @pytest.fixture(scope="module")
-def rt(spec_ckpt):
-    folder, _ = spec_ckpt
-    resolved = resolve_model(str(folder), progress=False)
-    target, mtp, _ = load_models(resolved, "cpu", torch.float32)
-    return Runtime(resolved, resolved.config, target.eval(), mtp.eval(), None, torch.device("cpu"), torch.float32)
+def rt(spec_runtime):
+    return spec_runtime
 
 
 def _run(rt, carry, budget=None, gamma=3, sampling=SamplingParams()):

@@ -15,11 +15,8 @@ from glm5mtp_cli.speculate import Request, SpecEngine
 
 
 @pytest.fixture(scope="module")
-def rt(spec_ckpt):
-    folder, _ = spec_ckpt
-    resolved = resolve_model(str(folder), progress=False)
-    target, mtp, _ = load_models(resolved, "cpu", torch.float32)
-    return Runtime(resolved, resolved.config, target.eval(), mtp.eval(), None, torch.device("cpu"), torch.float32)
+def rt(spec_runtime):
+    return spec_runtime
 
 
 # Different lengths, one over index_topk (8), and budgets that end at different steps.

@@ -175,17 +175,22 @@ def test_tp2_equals_tp1_in_process(spec_ckpt, tmp_path):
     assert report["gamma3"]["accepted"] > 0
 
 
-def test_cli_generate_tp2_equals_tp1(spec_ckpt):
-    folder, _ = spec_ckpt
-    args = ["generate", "--model", str(folder), "--prompt-ids", "3,17,99,4,250,6,7,8", "--gamma", "3",
-            "--max-new-tokens", "12", "--ignore-eos", "--json", "--device", "cpu"]
+def _generate_tp1_and_tp2(args: list[str]) -> tuple[dict, dict]:
+    """`generate --json` in process at tp 1, and as its own command (which spawns 2 ranks) at tp 2."""
     one = CliRunner().invoke(app, args)
     assert one.exit_code == 0, one.output
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     two = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *args, "--tp", "2"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert two.returncode == 0, two.stderr
-    d1, d2 = json.loads(one.stdout), json.loads(two.stdout)
+    return json.loads(one.stdout), json.loads(two.stdout)
+
+
+def test_cli_generate_tp2_equals_tp1(spec_ckpt):
+    folder, _ = spec_ckpt
+    args = ["generate", "--model", str(folder), "--prompt-ids", "3,17,99,4,250,6,7,8", "--gamma", "3",
+            "--max-new-tokens", "12", "--ignore-eos", "--json", "--device", "cpu"]
+    d1, d2 = _generate_tp1_and_tp2(args)
     assert d2["tp"] == 2 and d1["tp"] == 1
     assert d2["requests"][0]["tokens"] == d1["requests"][0]["tokens"]
     assert d2["acceptance"]["accepted"] == d1["acceptance"]["accepted"]
@@ -283,12 +288,6 @@ def test_random_weights_tp2_equals_tp1():
     ranks hold slices of the very weights one device holds: the same tokens at tp 1 and tp 2."""
     args = ["generate", "--model", "glm5-tiny", "--random-weights", "--prompt-ids", "3,17,99,4,250,6,7,8,9,10",
             "--gamma", "2", "--max-new-tokens", "8", "--json", "--device", "cpu"]
-    one = CliRunner().invoke(app, args)
-    assert one.exit_code == 0, one.output
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    two = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *args, "--tp", "2"], capture_output=True,
-                         text=True, timeout=120, env=env)
-    assert two.returncode == 0, two.stderr
-    d1, d2 = json.loads(one.stdout), json.loads(two.stdout)
+    d1, d2 = _generate_tp1_and_tp2(args)
     assert d2["requests"][0]["tokens"] == d1["requests"][0]["tokens"]
     assert d2["memory"]["weights_bytes"]["target"] < 0.7 * d1["memory"]["weights_bytes"]["target"]
