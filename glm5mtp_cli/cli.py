@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from . import __version__
-from .errors import UserError
+from glm5mtp_cli import __version__
+from glm5mtp_cli.errors import UserError
 
 app = typer.Typer(
     name="glm5mtp",
@@ -56,8 +56,15 @@ def command(name: str, fn) -> None:
 
 def _register() -> None:
     """Commands live one module each (cmd_*.py); registering them here keeps one entry point."""
-    from . import cmd_generate, cmd_info, cmd_init, cmd_leakcheck, cmd_profile, cmd_train
-    from . import cmd_acceptance, cmd_bench, cmd_draftvocab
+    from glm5mtp_cli.commands import generate as cmd_generate
+    from glm5mtp_cli.commands import info as cmd_info
+    from glm5mtp_cli.commands import init_random as cmd_init
+    from glm5mtp_cli.commands import leak_check as cmd_leakcheck
+    from glm5mtp_cli.commands import profile as cmd_profile
+    from glm5mtp_cli.commands import train as cmd_train
+    from glm5mtp_cli.commands import acceptance as cmd_acceptance
+    from glm5mtp_cli.commands import bench as cmd_bench
+    from glm5mtp_cli.commands import draft_vocab as cmd_draftvocab
 
     command("generate", cmd_generate.generate_cmd)
     command("profile", cmd_profile.profile_cmd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import UserError
+from glm5mtp_cli.errors import UserError
 
 
 def read_jsonl(path: Path) -> list[dict]:

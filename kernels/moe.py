@@ -6,7 +6,7 @@ MLP with stacked weights ``gate[e], up[e]`` [I, H] and ``down[e]`` [H, I]::
     h[n, k]   = silu(x[n] @ gate[e]^T) * (x[n] @ up[e]^T)        e = ids[n, k]
     out[n]    = sum_k (h[n, k] @ down[e]^T) * weights[n, k]
 
-The reference is what ``Experts._gathered`` of ``glm5mtp_cli/model/layers.py`` computes: it
+The reference is what ``Experts._gathered`` of ``glm5mtp_cli/models/glm5/layers.py`` computes: it
 gathers the chosen experts' weights (a copy of K experts per token) and rounds every intermediate
 (gate and up products, silu, h, the expert output, its product with the weight) to ``x.dtype``.
 

@@ -34,7 +34,7 @@ def spec_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random-weight glm5-tiny checkpoint written by init-random (fp32), as a folder path."""
-    from glm5mtp_cli.writer import init_random
+    from glm5mtp_cli.checkpoint.write import init_random
 
     out = tmp_path_factory.mktemp("tiny")
     init_random("glm5-tiny", out, seed=1, dtype=torch.float32)
@@ -44,8 +44,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def spec_runtime(spec_ckpt):
     """glm5mtp's own target and MTP layer of spec_ckpt, loaded once on the CPU in fp32 (read-only)."""
-    from glm5mtp_cli.checkpoint import load_models, resolve_model
-    from glm5mtp_cli.runtime import Runtime
+    from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+    from glm5mtp_cli.engine.runtime import Runtime
 
     folder, _ = spec_ckpt
     resolved = resolve_model(str(folder), progress=False)

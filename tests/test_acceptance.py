@@ -43,8 +43,8 @@ def test_json_document_on_default_model(tmp_path):
 
 
 def test_repeated_share_and_repetition_split():
-    from glm5mtp_cli.acceptance import repeated_share, repetition
-    from glm5mtp_cli.metrics import Acceptance
+    from glm5mtp_cli.diagnostics.acceptance import repeated_share, repetition
+    from glm5mtp_cli.engine.metrics import Acceptance
 
     assert repeated_share([1, 2, 3, 4, 5, 6]) == 0.0
     assert repeated_share([7] * 10) == pytest.approx(6 / 7)  # 7 four-grams, all but the first repeat

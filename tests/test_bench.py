@@ -6,9 +6,9 @@ import json
 
 from typer.testing import CliRunner
 
-from glm5mtp_cli.bench import draft_step_bytes
+from glm5mtp_cli.diagnostics.bench import draft_step_bytes
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.config import ModelConfig, profile_path
+from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
 
 
 def test_bench_json_rows_and_ratios(spec_ckpt):

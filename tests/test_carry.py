@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.conversation import run_conversations
-from glm5mtp_cli.sampling import SamplingParams
+from glm5mtp_cli.engine.conversation import run_conversations
+from glm5mtp_cli.engine.sampling import SamplingParams
 
 CONVS = [[[5, 9, 40, 41, 42, 43, 44, 45, 46], [7, 8, 9], [100, 101]], [list(range(20, 50)), [3, 3, 3, 4]]]
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from glm5mtp_cli import layout
-from glm5mtp_cli.checkpoint import CheckpointReader, load_models, load_module, local_weight_map, resolve_model
+from glm5mtp_cli.models.glm5 import layout
+from glm5mtp_cli.checkpoint.load import CheckpointReader, load_models, load_module, local_weight_map, resolve_model
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.config import ModelConfig, profile_path
+from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.writer import init_random, save_checkpoint
+from glm5mtp_cli.checkpoint.write import init_random, save_checkpoint
 
 TINY = ModelConfig.from_json_file(profile_path("glm5-tiny") / "config.json")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -62,9 +62,9 @@ def mtp_stub(cfg):
 
 @pytest.fixture
 def stub_model(monkeypatch):
-    fake = types.ModuleType("glm5mtp_cli.model")
+    fake = types.ModuleType("glm5mtp_cli.models.glm5")
     fake.Glm5ForCausalLM, fake.Glm5MtpLayer = target_stub, mtp_stub
-    monkeypatch.setitem(sys.modules, "glm5mtp_cli.model", fake)
+    monkeypatch.setitem(sys.modules, "glm5mtp_cli.models.glm5", fake)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_load_models_reports_mtp_own_head(tmp_path, stub_model):
 
 
 def test_real_model_keys_match_layout(sharded):
-    model = pytest.importorskip("glm5mtp_cli.model")
+    model = pytest.importorskip("glm5mtp_cli.models.glm5")
     if not hasattr(model, "Glm5ForCausalLM"):
         pytest.skip("model not landed yet")
     target, mtp, _ = load_models(resolve_model(str(sharded)), dtype=torch.float32)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5mtp_cli.checkpoint import load_models, resolve_model
+from glm5mtp_cli.checkpoint.load import load_models, resolve_model
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.graphs import BatchGraphs
-from glm5mtp_cli.runtime import Runtime
-from glm5mtp_cli.sampling import SamplingParams
-from glm5mtp_cli.speculate import Request, SpecEngine
+from glm5mtp_cli.engine.graphs import BatchGraphs
+from glm5mtp_cli.engine.runtime import Runtime
+from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.speculate import Request, SpecEngine
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
 def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     """profile's cuda_graphs component: what one slot's graphs keep allocated (static inputs and
     the outputs a capture owns), predicted from the config, equals the buffers BatchGraphs builds."""
-    from glm5mtp_cli.profile import graph_bytes
+    from glm5mtp_cli.diagnostics.profile import graph_bytes
 
     pools = rt.make_pools(128, 1, block_size=4)
     engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
@@ -141,7 +141,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
 def test_cuda_kernels_in_the_model_match_the_cpu_reference(rt, spec_ckpt):
     """On CUDA the forward takes the Triton RMSNorm, rope and MoE kernels; in fp32 its logits equal
     the CPU (pure PyTorch) forward's."""
-    from glm5mtp_cli.cache import CachePools
+    from glm5mtp_cli.engine.cache import CachePools
 
     folder, _ = spec_ckpt
     resolved = resolve_model(str(folder), progress=False)
@@ -160,8 +160,8 @@ def test_paged_kernel_path_equals_the_torch_path(rt, gamma, monkeypatch):
     """The CUDA attention path (kernels/paged.py: indexer scores and MLA attention read the pools
     in place), taken on the CPU through the kernels' PyTorch references: same tokens, and drafts
     accepted alike, as the gathered torch path (prompts longer than index_topk: selection active)."""
-    from glm5mtp_cli.checkpoint import resolve_config
-    from glm5mtp_cli.model.attention import MLAttention
+    from glm5mtp_cli.checkpoint.load import resolve_config
+    from glm5mtp_cli.models.glm5.attention import MLAttention
 
     # which models take it on CUDA: small selections (glm5-nano, 128 keys), not GLM-5's 2048
     limit = MLAttention.PAGED_MAX_TOPK

@@ -10,11 +10,11 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from glm5mtp_cli.checkpoint import CheckpointReader, local_weight_map
+from glm5mtp_cli.checkpoint.load import CheckpointReader, local_weight_map
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.config import ModelConfig, profile_path
-from glm5mtp_cli.info import GIB, info_dict
-from glm5mtp_cli.writer import FP8_QUANT_CONFIG, init_random
+from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
+from glm5mtp_cli.diagnostics.info import GIB, info_dict
+from glm5mtp_cli.checkpoint.write import FP8_QUANT_CONFIG, init_random
 
 GLM5 = ModelConfig.from_json_file(profile_path("glm5") / "config.json")
 TINY = ModelConfig.from_json_file(profile_path("glm5-tiny") / "config.json")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from glm5mtp_cli import launch
+from glm5mtp_cli.engine import launch
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.errors import UserError
 
@@ -28,8 +28,8 @@ def _rel(a, b):
 
 
 def _engine(rt, gamma, sampling=None):
-    from glm5mtp_cli.sampling import SamplingParams
-    from glm5mtp_cli.speculate import SpecEngine
+    from glm5mtp_cli.engine.sampling import SamplingParams
+    from glm5mtp_cli.engine.speculate import SpecEngine
 
     pools = rt.make_pools(128, 1, block_size=4)
     return SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling or SamplingParams(),
@@ -37,14 +37,14 @@ def _engine(rt, gamma, sampling=None):
 
 
 def _generate(rt, gamma, sampling=None):
-    from glm5mtp_cli.speculate import Request
+    from glm5mtp_cli.engine.speculate import Request
 
     res = _engine(rt, gamma, sampling).generate([Request(p, 20, i) for i, p in enumerate(PROMPTS)])
     return [r.tokens for r in res], sum(r.acceptance.accepted for r in res), sum(r.acceptance.proposed for r in res)
 
 
 def _first_drafts(rt, prompt, gamma=3):
-    from glm5mtp_cli.speculate import Request
+    from glm5mtp_cli.engine.speculate import Request
 
     engine = _engine(rt, gamma)
     seq = engine._start(Request(prompt, 20))
@@ -61,12 +61,12 @@ def _rank_checks(folder: str, report_path: str) -> None:
     """Runs on each of 2 ranks (launch.spawn): sharded (tp 2) against unsharded (tp 1) in one process."""
     import torch.distributed as dist
 
-    from glm5mtp_cli.cache import CachePools
-    from glm5mtp_cli.checkpoint import load_models, resolve_model
-    from glm5mtp_cli.mtp import Glm5MtpHead
-    from glm5mtp_cli.parallel import strip_comm
-    from glm5mtp_cli.runtime import Runtime
-    from glm5mtp_cli.sampling import SamplingParams
+    from glm5mtp_cli.engine.cache import CachePools
+    from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+    from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
+    from glm5mtp_cli.engine.parallel import strip_comm
+    from glm5mtp_cli.engine.runtime import Runtime
+    from glm5mtp_cli.engine.sampling import SamplingParams
 
     comm = launch.rank_comm(2, "cpu")
     assert comm is not None and comm.world == 2
@@ -135,7 +135,7 @@ def _rank_checks(folder: str, report_path: str) -> None:
     assert torch.equal(both[0], both[1])
     chains = []
     engine = _engine(rt2, 3, samp)
-    from glm5mtp_cli.speculate import Request
+    from glm5mtp_cli.engine.speculate import Request
 
     seq = engine._start(Request(PROMPTS[1], 20))
     chain = engine.head.propose_batch([seq.pend_tokens], [seq.pend_hidden], [seq.state.real_rows], 3, [seq.state])[0]
@@ -246,9 +246,9 @@ def _trained_drafter_without_reductions(report_path: str) -> None:
     present, then removed (the head run as if it were unsharded)."""
     import torch.distributed as dist
 
-    from glm5mtp_cli.parallel import strip_comm
-    from glm5mtp_cli.runtime import load_runtime
-    from glm5mtp_cli.speculate import Request
+    from glm5mtp_cli.engine.parallel import strip_comm
+    from glm5mtp_cli.engine.runtime import load_runtime
+    from glm5mtp_cli.engine.speculate import Request
 
     comm = launch.rank_comm(2, "cpu")
     rt = load_runtime("glm5-nano", "cpu", "fp32", progress=False, comm=comm)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.cache import COMPONENTS as CACHES
+from glm5mtp_cli.engine.cache import COMPONENTS as CACHES
 
 
 def _run(*args):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from glm5mtp_cli.sampling import SamplingParams, accept_rejection, draw, probs_from_logits
+from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, draw, probs_from_logits
 
 V = 6
 N = 12000
@@ -83,7 +83,7 @@ def test_the_bound_rejects_broken_samplers():
 
 
 def test_greedy_acceptance_is_a_prefix_match():
-    from glm5mtp_cli.sampling import accept_greedy
+    from glm5mtp_cli.engine.sampling import accept_greedy
 
     logits = torch.full((4, V), -5.0)
     for i, t in enumerate([2, 4, 1, 3]):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5mtp_cli.checkpoint import load_models, resolve_model
-from glm5mtp_cli.proposer import CatchupMisaligned, DraftProposer
-from glm5mtp_cli.runtime import Runtime
-from glm5mtp_cli.sampling import SamplingParams
-from glm5mtp_cli.speculate import Request, SpecEngine
+from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftProposer
+from glm5mtp_cli.engine.runtime import Runtime
+from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.speculate import Request, SpecEngine
 
 
 @pytest.fixture(scope="module")

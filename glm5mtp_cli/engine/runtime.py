@@ -1,0 +1,152 @@
+"""Everything a command needs before its loop: device, dtype, loaded models, tokenizer, pools.
+
+Shared by generate, profile, leak-check and bench so they build the same thing the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glm5mtp_cli.engine.cache import CachePools
+from glm5mtp_cli.checkpoint.load import ResolvedModel, load_models, resolve_model
+from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.errors import UserError
+
+DEFAULT_MODEL = "glm5-nano"
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device (try cpu, cuda, cuda:1, auto)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {name}: only cpu and cuda are supported")
+    return dev
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 on the CPU is slow and rounds differently from the GPU; fp32 keeps CPU runs exact.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise UserError(f"--dtype {name!r}: choose one of auto, fp32, bf16, fp16")
+    return _DTYPES[name]
+
+
+class Tokenizer:
+    """tokenizer.json through the `tokenizers` library, plus the chat template of tokenizer_config.json."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer as HfTokenizer
+
+        try:
+            self.tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the library raises its own exception types
+            raise UserError(f"{folder / 'tokenizer.json'}: cannot be read ({str(e).splitlines()[0]})") from None
+        cfg_path = folder / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+
+    @classmethod
+    def maybe(cls, folder: Path) -> "Tokenizer | None":
+        return cls(folder) if (folder / "tokenizer.json").is_file() else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        template = self.config.get("chat_template")
+        if not template:
+            raise UserError("--chat: the checkpoint's tokenizer_config.json has no chat_template")
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _template_error
+        try:
+            return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                     bos_token=self.config.get("bos_token", ""),
+                                                     eos_token=self.config.get("eos_token", ""))
+        except jinja2.TemplateError as e:
+            raise UserError(f"--chat: the chat template failed: {e}") from None
+
+
+def _template_error(message: str):
+    raise UserError(f"chat template: {message}")
+
+
+@dataclass
+class Runtime:
+    resolved: ResolvedModel
+    cfg: ModelConfig
+    target: torch.nn.Module
+    mtp: torch.nn.Module | None
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+    comm: object | None = None  # parallel.Comm when sharded over ranks (weights are this rank's)
+
+    def weight_bytes(self) -> dict[str, int]:
+        def size(m):
+            return sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+
+        emb = self.target.model.embed_tokens.weight
+        head = self.target.lm_head.weight
+        return {"target": size(self.target) - emb.numel() * emb.element_size() - head.numel() * head.element_size(),
+                "embeddings": emb.numel() * emb.element_size(),
+                "lm_head": head.numel() * head.element_size(),
+                "mtp_layer": size(self.mtp)}
+
+    def make_pools(self, tokens_per_seq: int, concurrent: int, block_size: int = 16) -> CachePools:
+        # + 1: the scratch block a batch's static forwards send padding and retired rows to (graphs.py)
+        blocks = concurrent * math.ceil(tokens_per_seq / block_size) + 1
+        return CachePools.create(self.cfg, blocks, block_size, self.dtype, self.device,
+                                 with_drafter=self.mtp is not None)
+
+
+def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:
+    """The engine's forward mode: CUDA graphs on one CUDA device unless switched off; eager on the
+    CPU and under --tp (whose collectives run outside graphs)."""
+    if cuda_graphs and rt.device.type == "cuda" and rt.comm is None:
+        return "cuda"
+    return "eager"
+
+
+def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: int | None = None,
+                 revision: str | None = None, with_mtp: bool = True, progress: bool = True, comm=None,
+                 random_weights: bool = False) -> Runtime:
+    """comm (parallel.Comm): this rank's shard on its own GPU (cuda:local_rank) or the CPU.
+    random_weights: the model's config with random tensors (checkpoint.RandomReader)."""
+    dev = pick_device(device)
+    if comm is not None and dev.type == "cuda":
+        dev = torch.device("cuda", comm.local_rank)
+        torch.cuda.set_device(dev)
+    dt = pick_dtype(dtype, dev)
+    resolved = resolve_model(model, revision=revision, need="all" if with_mtp else "target", layers=layers,
+                             progress=progress)
+    if comm is not None:
+        from glm5mtp_cli.engine.parallel import check_tp
+
+        check_tp(resolved.config, comm.world)
+    target, mtp, extras = load_models(resolved, device=dev, dtype=dt, comm=comm, random_weights=random_weights)
+    if extras:
+        # DeepSeek-style checkpoints carry the MTP layer's own head/embeddings; GLM-5's share the target's.
+        raise UserError(f"{resolved.folder}: the MTP layer has its own {', '.join(sorted(extras))}; "
+                        "glm5mtp drafts with the target's embeddings and head (GLM-5 layout)")
+    target.eval()
+    if mtp is not None:
+        mtp.eval()
+    return Runtime(resolved, resolved.config, target, mtp, Tokenizer.maybe(resolved.folder), dev, dt, comm)

@@ -1,0 +1,509 @@
+"""The prefill-then-propose loop: target prefill, drafter prefill, then propose gamma drafts, verify
+gamma+1 positions in one target forward, accept, trim both caches, catch the drafter up.
+
+Per sequence the bookkeeping is: the target cache holds n rows (t[0..n-1]); t[n] is the newest
+accepted token, not yet in the cache. A step verifies [t[n], d1..dg] at positions n..n+g, keeps
+n+a+1 rows (a drafts accepted) and emits d1..da plus the target's own next token. The drafter is
+then fed the real rows (t[n+1..n+a+1], h[n..n+a]) at the start of the next propose.
+Gamma 0 runs this same loop without a drafter: the baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from glm5mtp_cli.engine.cache import CachePools, SequenceCache, to_device
+from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
+from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.graphs import BatchGraphs, load_rows
+from glm5mtp_cli.engine.metrics import Acceptance
+from glm5mtp_cli.models.glm5.decoder import ForwardOut
+from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
+from glm5mtp_cli.engine.proposer import ProposerState
+from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    request_id: int = 0
+    cancel_after_steps: int | None = None  # leak-check: stop mid-way as a client would
+    fail_at_step: int | None = None  # leak-check: raise inside a verify step
+    carry: Carry | None = None  # the previous turn's caches of this conversation (consumed)
+    carry_mode: str = "none"  # what to hand back for the next turn: none | drafter | all
+
+
+@dataclass
+class SeqResult:
+    request_id: int
+    prompt_tokens: int
+    tokens: list[int]
+    finish_reason: str
+    acceptance: Acceptance
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    propose_s: list[float] = field(default_factory=list)  # per draft, per step
+    verify_s: list[float] = field(default_factory=list)
+    trace: list[dict] = field(default_factory=list)
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    prefilled_target_rows: int = 0
+    prefilled_drafter_rows: int = 0
+    carried_target_rows: int = 0
+    carried_drafter_rows: int = 0
+    carry_out: Carry | None = None
+
+
+class InjectedFailure(RuntimeError):
+    """Raised inside a verify step by leak-check's failure injection."""
+
+
+class _Clock:
+    """Wall time that waits for the device only where a number is read (end of a request)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+@dataclass
+class _Seq:
+    req: Request
+    cache: SequenceCache
+    state: ProposerState | None
+    out: list[int]
+    acc: Acceptance
+    t0: object
+    all_tokens: list[int] = field(default_factory=list)  # prompt + every accepted token (untruncated)
+    last: int = 0  # t[n]: newest accepted token, not yet in the target cache
+    last_dev: torch.Tensor | None = None  # the same token as a [1] device tensor (next verify input)
+    pend_tokens: torch.Tensor | None = None
+    pend_hidden: torch.Tensor | None = None
+    done: str | None = None
+    steps: int = 0
+    res: SeqResult | None = None
+    marks: list = field(default_factory=list)  # (propose start, verify start, verify end, drafts)
+    slot: int | None = None  # row of the batch's static buffers (graph modes)
+
+
+class SpecEngine:
+    def __init__(self, cfg: ModelConfig, target, mtp_layer, pools: CachePools, *, gamma: int,
+                 sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
+                 draft_conf_tau: float | None = None, eos_ids: list[int] | None = None,
+                 prefill_chunk: int = 1024, device: torch.device | str = "cpu", check_invariants: bool = False,
+                 inject_leak: str | None = None, draft_ids: torch.Tensor | None = None, graphs: str = "eager"):
+        if gamma < 0:
+            raise UserError(f"--gamma must be >= 0, got {gamma}")
+        if graphs not in ("eager", "static", "cuda"):
+            raise UserError(f"graphs must be eager, static or cuda, got {graphs!r}")
+        if graphs == "cuda" and torch.device(device).type != "cuda":
+            raise UserError("CUDA graphs need --device cuda")
+        if alloc not in ("budget", "ceiling"):
+            raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
+        self.cfg = cfg
+        self.target = target
+        self.pools = pools
+        self.gamma = gamma
+        self.sampling = sampling
+        self.max_seq_len = max_seq_len
+        self.alloc = alloc
+        self.eos = set(cfg.eos_token_id if eos_ids is None else eos_ids)
+        self.prefill_chunk = prefill_chunk
+        self.device = torch.device(device)
+        self.check = check_invariants
+        self.inject_leak = inject_leak
+        self.gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.clock = _Clock(self.device)
+        self.wall_prefill_s = 0.0
+        self.wall_decode_s = 0.0
+        self.wall_capture_s = 0.0  # building and capturing the batches' CUDA graphs (one-time setup, outside both)
+        self.on_tokens = None  # callback(request_id, new token ids) for streaming
+        # eager: every forward from the caches; static: decode forwards over one batch's static
+        # buffers (graphs.BatchGraphs), run eagerly; cuda: the same, captured and replayed as CUDA graphs
+        self.graph_mode = graphs
+        self.graphs: BatchGraphs | None = None
+        self._slot_index: dict[tuple, torch.Tensor] = {}
+        self.head = None
+        if gamma > 0:
+            self.head = Glm5MtpHead(mtp_layer, target.model.embed_tokens, target.lm_head, pools, max_seq_len,
+                                    sampling, draft_conf_tau, self.gen, draft_ids=draft_ids)
+
+    # ---- sizing -----------------------------------------------------------------------------
+    def budget_tokens(self, req: Request) -> int:
+        return budget_tokens(len(req.prompt), req.max_new_tokens, self.gamma)
+
+    def reserve_tokens(self, req: Request) -> int:
+        return reserve_tokens(len(req.prompt), req.max_new_tokens, self.gamma, self.alloc, self.max_seq_len)
+
+    def check_request(self, req: Request) -> None:
+        if not req.prompt:
+            raise UserError(f"request {req.request_id}: empty prompt")
+        if req.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {req.max_new_tokens}")
+        bad = [t for t in req.prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise UserError(f"request {req.request_id}: token id {bad[0]} outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        need = self.budget_tokens(req)
+        if need > self.max_seq_len:
+            raise UserError(
+                f"request {req.request_id}: prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new + "
+                f"gamma {self.gamma} needs {need} rows, over --max-seq-len {self.max_seq_len}")
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def generate(self, requests: list[Request], batch_size: int = 1) -> list[SeqResult]:
+        for r in requests:
+            self.check_request(r)  # refuse before anything is allocated
+        results = []
+        for i in range(0, len(requests), batch_size):
+            results += self.run_batch(requests[i:i + batch_size])
+        return results
+
+    def run_batch(self, requests: list[Request]) -> list[SeqResult]:
+        seqs: list[_Seq] = []
+        try:
+            t0 = self._wall()
+            for req in requests:
+                seqs.append(self._start(req))
+            tc = self._wall()
+            if self.graph_mode != "eager" and any(s.done is None for s in seqs):
+                self._build_graphs(seqs)
+            t1 = self._wall()
+            while True:
+                active = [s for s in seqs if s.done is None]
+                if not active:
+                    break
+                self._step(active)
+            t2 = self._wall()
+            self.wall_prefill_s += tc - t0
+            self.wall_capture_s += t1 - tc
+            self.wall_decode_s += t2 - t1
+            return [s.res for s in seqs]
+        finally:
+            self._close_graphs()  # graphs go before any block they could name is freed
+            for s in seqs:
+                self._release(s)
+
+    def _build_graphs(self, seqs: list[_Seq]) -> None:
+        for i, s in enumerate(seqs):
+            s.slot = i
+        drafter = None
+        if self.head is not None:
+            drafter = [s.state.cache if s.state is not None else None for s in seqs]
+        self.graphs = BatchGraphs(self.cfg, self.target, self.head, self.pools,
+                                  [None if s.cache.released else s.cache for s in seqs], drafter, self.gamma,
+                                  self.device, capture=self.graph_mode == "cuda",
+                                  greedy=self.sampling.greedy and (self.head is None or self.head.tau is None))
+        self.graphs.capture_all([s.cache.length for s in seqs],
+                                [c.length if c is not None else 0 for c in drafter] if drafter else None)
+
+    def _close_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self._slot_index = {}
+
+    def _slots(self, active: list[_Seq]) -> tuple[list[int], torch.Tensor]:
+        slot_list = [s.slot for s in active]
+        key = tuple(slot_list)
+        if key not in self._slot_index:
+            self._slot_index[key] = to_device(slot_list, self.device)
+        return slot_list, self._slot_index[key]
+
+    def _wall(self) -> float:
+        """Host time after the device caught up: read only at batch boundaries, never inside a step."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _start(self, req: Request) -> _Seq:
+        self.check_request(req)
+        t0 = self.clock.now()
+        cache = self.pools.target_cache()
+        seq = _Seq(req, cache, None, [], Acceptance(self.gamma), t0)
+        try:
+            self._fill(seq)
+        except BaseException:
+            self._release(seq)  # a failed start leaves nothing allocated
+            raise
+        return seq
+
+    def _fill(self, seq: _Seq) -> None:
+        req = seq.req
+        start = self._install_carry(seq) if req.carry is not None else CarryPlan(0, 0)
+        seq.cache.reserve(self.reserve_tokens(req))
+        if self.head is not None and seq.state is None:
+            seq.state = self._alloc_state(req)
+        state_bytes = self._state_bytes(seq)
+        prompt = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
+        p = len(req.prompt)
+        logits, hiddens = self.prefill(prompt[start.target_start:], seq.cache)
+        first, _ = choose(logits[None], self.sampling, self.gen)
+        seq.last = int(first.item())
+        seq.last_dev = first.reshape(1)
+        t1 = self.clock.now()
+        d = 0
+        if seq.state is not None:
+            d = self.head.drafter_rows(seq.state)
+            # rows d..P-2: (t[i+1], h[i]); hiddens[k] is h[target_start + k]
+            self.head.catchup_drafter(prompt[d + 1:], hiddens[d - start.target_start: p - 1 - start.target_start],
+                                      d, seq.state)
+            seq.pend_tokens = first.reshape(1)
+            seq.pend_hidden = hiddens[-1:]
+        seq.out.append(seq.last)
+        seq.all_tokens = list(req.prompt) + [seq.last]
+        seq.res = SeqResult(req.request_id, len(req.prompt), seq.out, "", seq.acc, 0.0, 0.0, 0.0,
+                            state_bytes=state_bytes, prefilled_target_rows=p - start.target_start,
+                            prefilled_drafter_rows=max(p - 1 - d, 0) if seq.state is not None else 0,
+                            carried_target_rows=start.target_start, carried_drafter_rows=d)
+        seq.marks.append(("prefill", seq.t0, t1))
+        self._maybe_finish(seq)
+        if self.on_tokens is not None:
+            self.on_tokens(req.request_id, list(seq.out))
+
+    def _alloc_state(self, req: Request) -> ProposerState:
+        if self.alloc == "budget":
+            return self.head.alloc_state_for(self.budget_tokens(req))
+        return self.head.alloc_state()
+
+    def _install_carry(self, seq: _Seq) -> CarryPlan:
+        """Move the previous turn's caches into this sequence, trimmed to what the prompt reuses."""
+        carry, seq.req.carry = seq.req.carry, None
+        try:
+            plan_ = plan(carry, seq.req.prompt, with_target=carry.target is not None)
+            if carry.target is not None:
+                seq.cache = carry.target  # the fresh cache holds no blocks yet
+                carry.target = None
+                seq.cache.truncate(plan_.target_start)
+            if carry.drafter is not None and self.head is not None:
+                kv, carry.drafter = carry.drafter, None
+                kv.cache.truncate(plan_.drafter_rows)
+                kv.rows = plan_.drafter_rows
+                kv.tokens = kv.tokens[: plan_.drafter_rows]
+                seq.state = self._alloc_state(seq.req)
+                self.head.install_drafter_kv(kv, seq.state)
+            else:
+                plan_.drafter_rows = 0
+            return plan_
+        finally:
+            if self.head is not None:
+                carry.release(self.head)  # anything not installed
+            elif carry.target is not None:
+                carry.target.release()
+
+    def _hand_back_carry(self, s: _Seq) -> None:
+        """End of a turn kept for the next: feed the drafter its pending real rows, then move the
+        caches out of the sequence so _release leaves them alone."""
+        mode = s.req.carry_mode
+        drafter = None
+        if s.state is not None and s.state.cache is not None:
+            self.head.catchup_drafter(s.pend_tokens, s.pend_hidden, s.state.real_rows, s.state)
+            drafter = self.head.take_drafter_kv(s.state)
+        target = None
+        if mode == "all":
+            target, s.cache = s.cache, self.pools.target_cache()
+            s.cache.released = True
+        tokens = s.all_tokens[: target.length] if target is not None else list(s.all_tokens)
+        s.res.carry_out = Carry(target, tokens, drafter)
+
+    def prefill(self, prompt: torch.Tensor, cache: SequenceCache):
+        """Target prefill in chunks; returns (logits of the last row, normed hiddens of every row)."""
+        hiddens = []
+        logits = None
+        for a in range(0, prompt.shape[0], self.prefill_chunk):
+            out = self.target(prompt[None, a:a + self.prefill_chunk], [cache], rows="last")
+            hiddens.append(out.hidden_all[0])
+            logits = out.logits[0, -1]
+        return logits, torch.cat(hiddens)
+
+    def _step(self, active: list[_Seq]) -> None:
+        g = self.gamma
+        p0 = self.clock.now()
+        chains = None
+        slots = self._slots(active) if self.graphs is not None else None
+        if g > 0:
+            chains = self.head.propose_batch([s.pend_tokens for s in active], [s.pend_hidden for s in active],
+                                             [s.state.real_rows for s in active], g, [s.state for s in active],
+                                             graphs=self.graphs, slots=slots)
+            if self.check:
+                for s in active:
+                    assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
+        v0 = self.clock.now()
+        last = torch.cat([s.last_dev for s in active])  # already on the device: no copy from the host
+        if chains:
+            drafts = torch.stack([c.tokens for c in chains])
+            ids = torch.cat([last[:, None], drafts], dim=1)
+        else:
+            drafts = None
+            ids = last[:, None]
+        starts = [s.cache.length for s in active]
+        for s in active:
+            if s.req.fail_at_step is not None and s.steps == s.req.fail_at_step:
+                raise InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
+        out = self._verify(ids, active, slots)
+        counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
+        accepted, nxt, draft_ids, nxt_dev = self._accept(drafts, chains, out.logits, counts)
+        v1 = self.clock.now()
+        for i, s in enumerate(active):
+            a = accepted[i]
+            new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
+            s.cache.truncate(starts[i] + a + 1)
+            s.last_dev = nxt_dev[i:i + 1]
+            if s.state is not None:
+                self.head.after_verify(a, s.state)
+                # the accepted drafts and the target's token, from device tensors (no host copy)
+                s.pend_tokens = torch.cat([drafts[i, :a], s.last_dev]) if a else s.last_dev
+                s.pend_hidden = out.hidden_all[i, : a + 1]
+            s.acc.record(counts[i], a)
+            s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], len(new)))
+            s.steps += 1
+            s.last = new[-1]
+            s.all_tokens.extend(new)
+            before = len(s.out)
+            s.out.extend(new)
+            self._maybe_finish(s)
+            if self.on_tokens is not None and len(s.out) > before:
+                self.on_tokens(s.req.request_id, s.out[before:])
+
+    def _verify(self, ids: torch.Tensor, active: list[_Seq], slots) -> ForwardOut:
+        """The target forward over [t_n, d1..dg] of every active sequence."""
+        if self.graphs is None:
+            return self.target(ids, [s.cache for s in active], rows="all")
+        f = self.graphs.verify
+        slot_list, slots_dev = slots
+        load_rows(f.ids, slots_dev, slot_list, ids)
+        starts = [0] * f.b
+        for s in active:
+            if s.cache.length + f.t > s.cache.capacity:
+                raise RuntimeError("verify past the reservation its graph was built for")
+            starts[s.slot] = s.cache.length
+        f.set_starts(starts)
+        out = f.run()
+        for s in active:
+            s.cache.length += f.t
+        return ForwardOut(out.logits.index_select(0, slots_dev), None,
+                          hidden_all=out.hidden_all.index_select(0, slots_dev))
+
+    def _accept(self, drafts, chains, logits, counts):
+        """(accepted, next token, draft ids) per sequence on the host, and the next tokens on the
+        device; greedy reads the device once per step."""
+        if self.sampling.greedy:
+            target_tokens = logits.argmax(-1)  # [B, g+1]
+            if drafts is None:
+                nxt = target_tokens[:, 0]
+                return [0] * logits.shape[0], nxt.tolist(), None, nxt
+            match = (target_tokens[:, :-1] == drafts).int()
+            if min(counts) < drafts.shape[1]:  # a confidence stop proposed fewer drafts somewhere
+                n = torch.tensor(counts, device=logits.device)
+                match = match * (torch.arange(drafts.shape[1], device=logits.device)[None, :] < n[:, None])
+            acc = match.cumprod(1).sum(1)
+            nxt = target_tokens.gather(1, acc[:, None])[:, 0]
+            host = torch.cat([acc[:, None], nxt[:, None], drafts], dim=1).tolist()  # the one sync
+            return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt
+        acc, nxt = [], []
+        for i in range(logits.shape[0]):
+            if drafts is None:
+                a, t = accept_rejection(logits.new_empty(0, dtype=torch.long), None, logits[i], 0,
+                                        self.sampling, self.gen)
+            else:
+                a, t = accept_rejection(drafts[i], chains[i].probs, logits[i], counts[i], self.sampling, self.gen)
+            acc.append(a)
+            nxt.append(t)
+        nxt_dev = torch.tensor(nxt, dtype=torch.long, device=logits.device)
+        return acc, nxt, None if drafts is None else drafts.tolist(), nxt_dev
+
+    def _maybe_finish(self, s: _Seq) -> None:
+        req = s.req
+        del s.out[req.max_new_tokens:]  # a verify step may accept past the budget
+        for j, t in enumerate(s.out):
+            if t in self.eos:
+                del s.out[j + 1:]
+                s.done = "eos"
+                break
+        if s.done is None and len(s.out) >= req.max_new_tokens:
+            s.done = "length"
+        if s.done is None and req.cancel_after_steps is not None and s.steps >= req.cancel_after_steps:
+            s.done = "cancelled"
+        if s.done is not None:
+            self._finalize(s)
+            if s.done in ("eos", "length") and req.carry_mode != "none":
+                self._hand_back_carry(s)
+            self._release(s)
+
+    def _finalize(self, s: _Seq) -> None:
+        res = s.res
+        res.finish_reason = s.done
+        prefill = s.marks[0]
+        res.prefill_s = self.clock.seconds(prefill[1], prefill[2])
+        res.ttft_s = res.prefill_s
+        decode = 0.0
+        for m in s.marks[1:]:
+            _, p0, v0, v1, nd, a, pos, emitted = m
+            prop = self.clock.seconds(p0, v0)
+            ver = self.clock.seconds(v0, v1)
+            decode += prop + ver
+            if nd:
+                res.propose_s.append(prop / nd)
+            res.verify_s.append(ver)
+            res.trace.append({"step": len(res.trace), "request": s.req.request_id, "position": pos,
+                              "drafts": nd, "accepted": a, "emitted": emitted,
+                              "propose_ms": prop * 1e3, "verify_ms": ver * 1e3})
+        res.decode_s = decode
+
+    def _state_bytes(self, s: _Seq) -> dict[str, int]:
+        out = {f"target_{k}": v for k, v in s.cache.bytes_held().items()}
+        if s.state is not None and s.state.cache is not None:
+            out.update({f"drafter_{k}": v for k, v in s.state.cache.bytes_held().items()})
+        return out
+
+    def _release(self, s: _Seq) -> None:
+        """Give back every per-sequence allocation; safe to call twice (finish, then finally).
+
+        inject_leak (leak-check's self-test) names one component whose blocks are not given back.
+        """
+        if self.graphs is not None and s.slot is not None:
+            self.graphs.retire(s.slot)  # before the blocks its tables name go back
+        self._release_cache(s.cache, "target")
+        if s.state is not None and self.head is not None:
+            if s.state.cache is not None:
+                self._release_cache(s.state.cache, "drafter")
+                s.state.cache = None
+            self.head.free_state(s.state)
+
+    def _release_cache(self, cache: SequenceCache, owner: str) -> None:
+        if cache.released:
+            return
+        if self.inject_leak in (f"{owner}_mla", f"{owner}_indexer"):
+            leaked = cache.mla if self.inject_leak.endswith("_mla") else cache.indexer
+            for rows in (cache.mla, cache.indexer):
+                if rows is not leaked and rows is not None:
+                    rows.release()
+            cache.released = True
+        else:
+            cache.release()
+
+
+def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
+    """Rows a request can reach in either cache: prompt + new tokens + the last verify's drafts."""
+    return prompt_len + max_new_tokens + gamma
+
+
+def reserve_tokens(prompt_len: int, max_new_tokens: int, gamma: int, alloc: str, max_seq_len: int) -> int:
+    """Rows reserved per cache for one sequence: its budget, or the --max-seq-len ceiling."""
+    return budget_tokens(prompt_len, max_new_tokens, gamma) if alloc == "budget" else max_seq_len

@@ -1,0 +1,222 @@
+"""Building blocks of the GLM-5 decoder: RMSNorm, interleaved rope, SwiGLU MLP and the noaux_tc MoE.
+
+Numerics follow transformers' `modeling_glm_moe_dsa.py` (REFERENCE.md section 3): norms in fp32
+then cast back before the weight, the router in fp32, expert weights chosen with the correction
+bias but weighted without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.moe import moe_experts
+from kernels.rmsnorm import rmsnorm
+
+from glm5mtp_cli.models.glm5.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not torch.is_grad_enabled():
+            return rmsnorm(x, self.weight, self.eps)  # one Triton kernel instead of six (inference only)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of each position's per-pair angle: [..., rope_dim // 2] in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x0,x1),(x2,x3),...; output laid out as [rotated evens, rotated odds].
+
+    x: [T, ..., D]; cos/sin: [T, D/2], broadcast over the middle dimensions.
+    """
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos = cos.view(shape).to(x.dtype)
+    sin = sin.view(shape).to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    comm = None  # set by parallel.shard_model on a column/row-sharded dense MLP: sum over ranks
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.comm is not None:
+            out = self.comm.all_reduce_sum(out)
+        return out
+
+
+class Router(nn.Module):
+    """noaux_tc: sigmoid scores; choice by score + bias, group-limited; weights from the raw scores."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scale = cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        n, e = choice.shape
+        if self.n_group > 1:
+            group_scores = choice.view(n, self.n_group, e // self.n_group).topk(2, dim=-1)[0].sum(-1)
+            keep_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, keep_groups, 1.0)
+            expert_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, e // self.n_group).reshape(n, e)
+            choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked ([E, I, H]) so a decode step can gather just the chosen ones.
+
+    state_dict() still speaks the checkpoint's per-expert names (`{e}.gate_proj.weight`, as views
+    into the stacked tensors), so loaders copy straight into place and writers emit the Hub layout.
+    """
+
+    # Below this many (token, expert) pairs the chosen experts' weights are gathered (no host sync,
+    # each chosen matrix read once per token); above it, loop over the experts that were hit.
+    GATHER_MAX_PAIRS = 64
+
+    def __init__(self, n_experts: int, hidden: int, inner: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.offset = 0  # global id of expert 0 here (expert parallel: this rank holds offset..offset+n-1)
+        self.gate = nn.Parameter(torch.empty(n_experts, inner, hidden))
+        self.up = nn.Parameter(torch.empty(n_experts, inner, hidden))
+        self.down = nn.Parameter(torch.empty(n_experts, hidden, inner))
+        self.register_state_dict_post_hook(_split_experts)
+        self.register_load_state_dict_pre_hook(_stack_experts)
+
+    # True inside a captured (or capturable) forward: never take the looped path, whose per-expert
+    # token counts are read on the host.
+    sync_free = False
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, k = ids.shape
+        if n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
+            return self._gathered(x, weights, ids)
+        return self._looped(x, weights, ids)
+
+    def forward_local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: the contribution of this rank's experts only; ids are global."""
+        local = ids - self.offset
+        mine = (local >= 0) & (local < self.n_experts)
+        n, k = ids.shape
+        if n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
+            # Other ranks' pairs point at a clamped local expert with weight 0 (no host sync).
+            return self._gathered(x, weights * mine, local.clamp(0, self.n_experts - 1))
+        return self._looped(x, weights, torch.where(mine, local, self.n_experts))
+
+    def _gathered(self, x, weights, ids):
+        if x.is_cuda and x.dtype == self.gate.dtype:
+            # kernels/moe.py reads each chosen expert in place (the gather below copies it first)
+            return moe_experts(x.contiguous(), self.gate, self.up, self.down, weights, ids)
+        gate, up, down = self.gate[ids], self.up[ids], self.down[ids]  # [N, k, ...]
+        h = F.silu(torch.einsum("nh,nkih->nki", x, gate)) * torch.einsum("nh,nkih->nki", x, up)
+        out = torch.einsum("nki,nkhi->nkh", h, down)
+        return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+
+    def _looped(self, x, weights, ids):
+        """Each hit expert once over its tokens; an id of n_experts marks a pair owned elsewhere."""
+        k = ids.shape[1]
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts].tolist()  # prefill only
+        token_of = order // k
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            sel = order[start:start + c]
+            tok = token_of[start:start + c]
+            start += c
+            xe = x[tok]
+            h = F.silu(xe @ self.gate[e].t()) * (xe @ self.up[e].t())
+            ye = (h @ self.down[e].t()) * weights.reshape(-1)[sel].unsqueeze(-1).to(x.dtype)
+            out.index_add_(0, tok, ye)
+        return out
+
+
+@contextlib.contextmanager
+def sync_free():
+    """Forwards run inside take only paths with no host reads (CUDA-graph capturable)."""
+    before, Experts.sync_free = Experts.sync_free, True
+    try:
+        yield
+    finally:
+        Experts.sync_free = before
+
+
+def _split_experts(module: Experts, state_dict: dict, prefix: str, local_metadata) -> None:
+    for stacked, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        t = state_dict.pop(prefix + stacked)
+        for e in range(module.n_experts):
+            state_dict[f"{prefix}{e + module.offset}.{name}.weight"] = t[e]
+
+
+def _stack_experts(module: Experts, state_dict: dict, prefix: str, *args) -> None:
+    for stacked, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        keys = [f"{prefix}{e + module.offset}.{name}.weight" for e in range(module.n_experts)]
+        if all(k in state_dict for k in keys):
+            state_dict[prefix + stacked] = torch.stack([state_dict.pop(k) for k in keys])
+
+
+class MoE(nn.Module):
+    # Set by parallel.shard_model: experts hold this rank's E/N, the shared expert its column/row
+    # slice; the routed and shared partials are added, then summed over ranks in ONE all-reduce.
+    comm = None
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.last_expert_ids: torch.Tensor | None = None  # kept for load balancing in training
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        if self.training:
+            self.last_expert_ids = ids.detach()
+        if self.comm is None:
+            out = self.experts(x, weights, ids) + self.shared_experts(x)
+        else:
+            out = self.comm.all_reduce_sum(self.experts.forward_local(x, weights, ids) + self.shared_experts(x))
+        return out.view(shape)

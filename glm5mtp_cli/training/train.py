@@ -1,0 +1,550 @@
+"""Train a GLM-5-architecture model from scratch, jointly with its MTP layer (`glm5mtp train`).
+
+What one step computes, for a batch of windows w[0..T] of the tokenized corpus (x = w[0..T-1]):
+
+    target:  logits[i] predicts w[i+1]                              -> CE_next
+    MTP:     row i pairs hidden[i] with embed(x[i+1]), predicts w[i+2] (REFERENCE section 4)
+                                                                    -> CE_mtp
+    DSA:     every indexer's KL to its layer's dense attention      -> L_idx
+    loss = CE_next + mtp_weight * CE_mtp + indexer_weight * L_idx
+
+The MTP loss flows back into the shared trunk, embeddings and head (DeepSeek-V3's joint MTP
+training; weight 0.3). The indexer's inputs are detached inside the model when its loss is
+requested, so L_idx trains only the indexers. Routing uses DeepSeek's aux-loss-free balancing:
+after each step every router's `e_score_correction_bias` moves by `bias_gamma * sign(mean load -
+expert load)`, computed from the expert ids the MoE records in training mode.
+
+`mtp_only`: the target is loaded from a checkpoint and frozen; only a fresh MTP layer learns.
+
+Schedule: linear warm-up, then cosine to `min_lr_ratio * lr`, driven by progress =
+max(step / steps, elapsed / time_budget), so the run ends at whichever comes first with a decayed
+learning rate either way. Weights are fp32 masters under bf16 autocast on CUDA; the router runs
+outside autocast (fp32), as at inference. The checkpoint is written in the Hub layout through
+`writer.save_checkpoint` (bf16, `e_score_correction_bias` fp32), with the tokenizer beside it and a
+`train_report.json` that says how it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm5mtp_cli.models.glm5 import layout
+from glm5mtp_cli.models.glm5.config import ModelConfig, profiles_dir
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.training.data import (WindowSampler, _corpus_manifest, _file_sha, default_cache_dir, heldout_windows,
+                         prepare_tokenizer, tokenize_split)
+
+DEFAULTS: dict[str, Any] = {
+    "steps": 2000,
+    "batch_size": 32,
+    "seq_len": 512,
+    "lr": 2e-3,
+    "mtp_weight": 0.3,
+    "indexer_weight": 1.0,
+    "eval_every": 250,
+    "time_budget": None,
+    "warmup": None,          # default: min(200, steps // 10)
+    "weight_decay": 0.1,
+    "min_lr_ratio": 0.1,
+    "bias_gamma": 1e-3,
+    "grad_clip": 1.0,
+    "eval_tokens": 131072,
+}
+TRAIN_SECTION = "glm5mtp_train"  # optional section of a train config: that profile's defaults
+
+
+@dataclass
+class TrainOptions:
+    out: Path
+    profile: str = "glm5-nano"             # profile name, config .json, or a folder holding one
+    steps: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    device: str | None = None              # default: cuda when available
+    dtype: str | None = None               # bf16 (autocast) | fp32; default bf16 on CUDA, fp32 on CPU
+    mtp_weight: float | None = None
+    indexer_weight: float | None = None
+    mtp_only: bool = False
+    init: Path | None = None               # with mtp_only: the trained target to freeze
+    time_budget: float | None = None       # seconds of training loop
+    eval_every: int | None = None
+    eval_tokens: int | None = None
+    warmup: int | None = None
+    weight_decay: float | None = None
+    min_lr_ratio: float | None = None
+    bias_gamma: float | None = None
+    grad_clip: float | None = None
+    cache_dir: Path | None = None          # tokenizer + token-id cache (default ~/.cache/glm5mtp/train)
+    tokenizer: Path | None = None          # an existing tokenizer folder instead of training one
+    corpus_files: int | None = None        # use only the first N files of each split (tests, smoke runs)
+    chat_samples: bool = True              # add chat-formatted docstring->function samples to training
+    corpus_packages: tuple[str, ...] = ()  # installed packages whose sources join the train split
+    max_shard_size: str = "2GB"
+    force: bool = False
+    command: str | None = None             # the command line, for the report
+    hyper: dict = field(default_factory=dict)  # resolved hyperparameters (filled by resolve())
+
+    def resolve(self, train_section: dict) -> None:
+        """Fill `hyper`: explicit option > the train config's section > DEFAULTS."""
+        unknown = set(train_section) - set(DEFAULTS)
+        if unknown:
+            raise UserError(f"unknown keys in '{TRAIN_SECTION}': {', '.join(sorted(unknown))}")
+        h = dict(DEFAULTS)
+        h.update(train_section)
+        for k in DEFAULTS:
+            v = getattr(self, k)
+            if v is not None:
+                h[k] = v
+        if h["warmup"] is None:
+            h["warmup"] = min(200, max(1, int(h["steps"]) // 10))
+        for k in ("steps", "batch_size", "seq_len", "eval_every", "eval_tokens"):
+            if not isinstance(h[k], int) or h[k] <= 0:
+                raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {h[k]!r}")
+        if h["seq_len"] < 3:
+            raise UserError("--seq-len must be at least 3 (the MTP head predicts two tokens ahead)")
+        if h["lr"] <= 0:
+            raise UserError("--lr must be positive")
+        if h["time_budget"] is not None and h["time_budget"] <= 0:
+            raise UserError("--time-budget must be positive")
+        self.hyper = h
+
+
+# ---- config and tokenizer --------------------------------------------------------------------------
+
+def load_train_config(spec: str) -> tuple[ModelConfig, dict, Path]:
+    """(model config, its train section, the file) for a profile name or a config path.
+
+    A profile is looked up as `profiles/NAME/train_config.json`, then `profiles/NAME/config.json`.
+    """
+    candidates: list[Path] = []
+    if spec and "/" not in spec and "\\" not in spec and not spec.endswith(".json"):
+        d = profiles_dir() / spec
+        candidates += [d / "train_config.json", d / "config.json"]
+    p = Path(spec).expanduser()
+    candidates += [p / "train_config.json", p / "config.json"] if p.is_dir() else [p]
+    path = next((c for c in candidates if c.is_file()), None)
+    if path is None:
+        raise UserError(f"'{spec}' is neither a profile with a train_config.json/config.json nor a config file")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    section = raw.pop(TRAIN_SECTION, None) or {}
+    if not isinstance(section, dict):
+        raise UserError(f"{path}: '{TRAIN_SECTION}' must be an object")
+    return ModelConfig.from_dict(raw, source=str(path)), section, path
+
+
+# ---- model setup -----------------------------------------------------------------------------------
+
+def init_weights(module: nn.Module, seed: int) -> None:
+    """N(0, 0.02) for matrices (experts too), ones for norm weights, zeros for biases and the
+    routers' e_score_correction_bias. Drawn on CPU with a per-tensor seed, so the same seed gives
+    the same weights on every device."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                g = torch.Generator().manual_seed((seed * 1_000_003 + _crc(name)) % (2**63))
+                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g))
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+
+
+def _crc(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode())
+
+
+def _routers_outside_autocast(module: nn.Module, device_type: str) -> None:
+    """Run every router in fp32 even under autocast (its own .float() casts are undone by autocast)."""
+    from glm5mtp_cli.models.glm5.layers import Router
+
+    for m in module.modules():
+        if isinstance(m, Router) and "forward" not in m.__dict__:
+            orig = m.forward
+
+            def fwd(*args, _orig=orig, **kwargs):
+                with torch.autocast(device_type=device_type, enabled=False):
+                    return _orig(*args, **kwargs)
+
+            m.forward = fwd
+
+
+def _moe_modules(*modules: nn.Module | None) -> list[nn.Module]:
+    from glm5mtp_cli.models.glm5.layers import MoE
+
+    return [m for mod in modules if mod is not None for m in mod.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_router_bias(moes: list[nn.Module], gamma: float) -> list[float]:
+    """Aux-loss-free balancing: bias += gamma * sign(mean load - load) per expert. Returns each
+    MoE's max load / mean load of this step (1.0 is perfectly balanced)."""
+    imbalance = []
+    for moe in moes:
+        ids = getattr(moe, "last_expert_ids", None)
+        if ids is None:
+            continue
+        bias = moe.gate.e_score_correction_bias
+        load = torch.bincount(ids.reshape(-1), minlength=bias.numel()).float()
+        mean = load.mean()
+        if gamma:
+            bias.add_(gamma * torch.sign(mean - load))
+        imbalance.append(load.max() / mean.clamp_min(1e-9))
+        moe.last_expert_ids = None
+    return [float(x) for x in torch.stack(imbalance).cpu()] if imbalance else []
+
+
+def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for m in modules:
+        for name, p in m.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 and "embed_tokens" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def count_params(cfg: ModelConfig) -> dict:
+    """Parameter and bf16 byte counts from the layout (what the checkpoint holds)."""
+    total = mtp = experts = 0
+    nbytes = 0
+    mtp_prefix = f"model.layers.{cfg.mtp_layer_index}."
+    for name, shape in layout.all_tensor_shapes(cfg, mtp=True):
+        n = math.prod(shape)
+        total += n
+        nbytes += n * (4 if layout.stored_fp32(name) else 2)
+        if name.startswith(mtp_prefix):
+            mtp += n
+        if ".mlp.experts." in name:
+            experts += n
+    active = total - experts + experts * cfg.num_experts_per_tok // cfg.n_routed_experts
+    return {"total": total, "target": total - mtp, "mtp": mtp, "active_per_token": active, "bytes_bf16": nbytes}
+
+
+def lr_at(step: int, progress: float, base: float, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    p = min(max(progress, 0.0), 1.0)
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+# ---- batches and losses --------------------------------------------------------------------------
+
+def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: bool) -> dict[str, torch.Tensor]:
+    """Losses of a batch of windows w [B, T+1]; also the logits needed for the eval metrics."""
+    x = w[:, :-1]
+    b, t = x.shape
+    if mtp_only:
+        with torch.no_grad():
+            out = target(x, [None] * b)
+        logits, hidden = out.logits, out.hidden
+        aux = logits.new_zeros((), dtype=torch.float32)
+    else:
+        o = target.forward_train(x)
+        logits, hidden, aux = o.logits, o.hidden, o.aux_loss
+    v = logits.shape[-1]
+    ce = F.cross_entropy(logits.float().reshape(-1, v), w[:, 1:].reshape(-1))
+    m = mtp.forward_train(hidden[:, :-1], x[:, 1:], target.model.embed_tokens, target.lm_head)
+    ce_mtp = F.cross_entropy(m.logits.float().reshape(-1, v), w[:, 2:].reshape(-1))
+    idx = (aux + m.aux_loss).float() if want_indexer else aux.new_zeros(())
+    return {"ce": ce, "ce_mtp": ce_mtp, "indexer": idx, "logits": logits, "mtp_logits": m.logits}
+
+
+@torch.no_grad()
+def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autocast) -> dict:
+    """Held-out CE of the target and of the MTP head, MTP top-1 accuracy, and the MTP/target
+    greedy agreement (how often the draft equals the target's own argmax for the same token:
+    the first-draft acceptance of greedy speculation on this text)."""
+    was = target.training, mtp.training
+    target.eval()
+    mtp.eval()
+    sums = {"ce": 0.0, "ce_mtp": 0.0, "mtp_top1": 0.0, "target_top1": 0.0, "agreement": 0.0}
+    n_tok = n_mtp = 0
+    for i in range(0, len(windows), batch_size):
+        w = windows[i:i + batch_size].to(device, non_blocking=True)
+        x = w[:, :-1]
+        with autocast():
+            out = target(x, [None] * x.shape[0])
+            m = mtp(x[:, 1:], out.hidden[:, :-1], [None] * x.shape[0], target.model.embed_tokens, target.lm_head)
+        v = out.logits.shape[-1]
+        lt, lm = out.logits.float(), m.logits.float()
+        y1, y2 = w[:, 1:], w[:, 2:]
+        sums["ce"] += F.cross_entropy(lt.reshape(-1, v), y1.reshape(-1), reduction="sum").item()
+        sums["ce_mtp"] += F.cross_entropy(lm.reshape(-1, v), y2.reshape(-1), reduction="sum").item()
+        sums["target_top1"] += (lt.argmax(-1) == y1).sum().item()
+        sums["mtp_top1"] += (lm.argmax(-1) == y2).sum().item()
+        sums["agreement"] += (lm.argmax(-1) == lt[:, 1:].argmax(-1)).sum().item()
+        n_tok += y1.numel()
+        n_mtp += y2.numel()
+    target.train(was[0])
+    mtp.train(was[1])
+    res = {
+        "target_ce": sums["ce"] / n_tok, "mtp_ce": sums["ce_mtp"] / n_mtp,
+        "target_top1": sums["target_top1"] / n_tok, "mtp_top1": sums["mtp_top1"] / n_mtp,
+        "mtp_target_agreement": sums["agreement"] / n_mtp, "tokens": n_tok,
+    }
+    res["target_ppl"] = math.exp(min(res["target_ce"], 50))
+    res["mtp_ppl"] = math.exp(min(res["mtp_ce"], 50))
+    return res
+
+
+# ---- checkpoint ---------------------------------------------------------------------------------
+
+def export_tensors(target: nn.Module, mtp: nn.Module, cfg: ModelConfig, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Hub-named tensors of target + MTP (at `model.layers.{N}.`), bf16 except fp32-stored ones."""
+    tensors: dict[str, torch.Tensor] = {}
+    prefix = f"model.layers.{cfg.mtp_layer_index}."
+    for name, t in list(target.state_dict().items()) + [(prefix + k, v) for k, v in mtp.state_dict().items()]:
+        want = torch.float32 if layout.stored_fp32(name) else dtype
+        tensors[name] = t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
+    expected = dict(layout.all_tensor_shapes(cfg, mtp=True))
+    missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)
+    if missing or extra:
+        raise RuntimeError(f"checkpoint names disagree with the layout: missing {sorted(missing)[:5]}, "
+                           f"unexpected {sorted(extra)[:5]}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise RuntimeError(f"tensor {name} has shape {tuple(tensors[name].shape)}, layout says {shape}")
+    return {name: tensors[name] for name in expected}  # checkpoint order
+
+
+def save_trained(tensors: dict, cfg: ModelConfig, out: Path, tok_dir: Path, max_shard_size: str):
+    from glm5mtp_cli.checkpoint.write import save_checkpoint
+
+    cfg = dataclasses.replace(cfg, torch_dtype="bfloat16", quantization_config=None)
+    return save_checkpoint(tensors, cfg, out, max_shard_size=max_shard_size, tokenizer_dir=tok_dir)
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+def _pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda asked for, but torch sees no CUDA device")
+    return dev
+
+
+def _autocast_factory(device: torch.device, dtype: str):
+    import contextlib
+
+    if dtype in ("fp32", "float32"):
+        return contextlib.nullcontext
+    if dtype in ("bf16", "bfloat16"):
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    raise UserError(f"--dtype must be bf16 or fp32, got {dtype!r}")
+
+
+def _check_out(out: Path, force: bool, init: Path | None) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output '{out}' exists and is not a folder")
+    if init is not None and out.resolve() == init.resolve():
+        raise UserError("--out must differ from --init (the frozen target is read from --init)")
+    holds = out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors")))
+    if holds and not force:
+        raise UserError(f"output folder '{out}' already holds a checkpoint; pass --force to overwrite it")
+
+
+def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_factory=None) -> dict:
+    """Run a training job; returns the report (also written to OUT/train_report.json).
+
+    progress_factory(total_steps) -> object with .update(step, fields: dict) and .close(); None = no bar.
+    """
+    t_start = time.time()
+    out = Path(opts.out)
+    _check_out(out, opts.force, opts.init)
+    cache = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    device = _pick_device(opts.device)
+    dtype_name = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    autocast = _autocast_factory(device, dtype_name)
+    torch.manual_seed(opts.seed)
+
+    # Model config, tokenizer, frozen target (mtp-only).
+    init_target = None
+    if opts.mtp_only:
+        if opts.init is None:
+            raise UserError("--mtp-only needs --init DIR (the trained target to freeze)")
+        from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+
+        resolved = resolve_model(str(opts.init), need="target", progress=False)
+        cfg = resolved.config
+        train_section = {}
+        config_path = Path(resolved.folder) / "config.json"
+        init_target, _, _ = load_models(resolved, device="cpu", dtype=torch.float32)
+        if opts.tokenizer is None:
+            opts.tokenizer = Path(resolved.folder)
+    else:
+        if opts.init is not None:
+            raise UserError("--init is only used with --mtp-only")
+        cfg, train_section, config_path = load_train_config(opts.profile)
+    opts.resolve(train_section)
+    hp = opts.hyper
+    if hp["seq_len"] > cfg.max_position_embeddings:
+        raise UserError(f"--seq-len {hp['seq_len']} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+
+    try:
+        manifest = _corpus_manifest(opts, cache)
+    except ValueError as e:
+        raise UserError(f"--corpus-packages: {e}") from None
+    extra = "".join(f" + {k} {v}" for k, v in manifest["packages"].items())
+    log(f"corpus: Python {manifest['python_version']} stdlib{extra}, {manifest['splits']['train']['files']} train / "
+        f"{manifest['splits']['heldout']['files']} held-out files, sha256 {manifest['sha256'][:16]}")
+    tok_dir = prepare_tokenizer(opts, cfg.vocab_size, cache, manifest, log)
+    train_ids = tokenize_split(tok_dir, "train", cache, manifest, opts, log)
+    held_ids = tokenize_split(tok_dir, "heldout", cache, manifest, opts, log)
+
+    # Modules.
+    from glm5mtp_cli.models.glm5 import Glm5ForCausalLM, Glm5MtpLayer
+
+    if init_target is not None:
+        target = init_target
+        target.requires_grad_(False)
+    else:
+        target = Glm5ForCausalLM(cfg)
+        init_weights(target, opts.seed)
+    mtp = Glm5MtpLayer(cfg)
+    init_weights(mtp, opts.seed + 1)
+    target.to(device)
+    mtp.to(device)
+    _routers_outside_autocast(target, device.type)
+    _routers_outside_autocast(mtp, device.type)
+    target.train(not opts.mtp_only)
+    mtp.train()
+    trained = [mtp] if opts.mtp_only else [target, mtp]
+    moes = _moe_modules(*trained)
+    counts = count_params(cfg)
+    log(f"model: {counts['total'] / 1e6:.2f} M parameters ({counts['target'] / 1e6:.2f} M target + "
+        f"{counts['mtp'] / 1e6:.2f} M MTP; {counts['active_per_token'] / 1e6:.2f} M active per token), "
+        f"{counts['bytes_bf16'] / 2**20:.2f} MiB in bf16; device {device}, {dtype_name}")
+
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(param_groups(trained, hp["weight_decay"]), lr=hp["lr"], betas=(0.9, 0.95),
+                            eps=1e-8, fused=fused)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    sampler = WindowSampler(train_ids, hp["seq_len"], hp["batch_size"], opts.seed)
+    windows = heldout_windows(held_ids, hp["seq_len"], hp["eval_tokens"])
+    want_indexer = hp["indexer_weight"] > 0 and not opts.mtp_only
+
+    # Loop.
+    steps, budget = hp["steps"], hp["time_budget"]
+    history: list[dict] = []
+    bar = progress_factory(steps) if progress_factory else None
+    tokens_seen = 0
+    step = 0
+    t0 = time.time()
+    eval_time = 0.0
+    last = {}
+    imbalance: list[float] = []
+    try:
+        while step < steps:
+            elapsed = time.time() - t0
+            progress = max(step / steps, elapsed / budget if budget else 0.0)
+            if progress >= 1.0:
+                break
+            lr = lr_at(step, progress, hp["lr"], hp["warmup"], hp["min_lr_ratio"])
+            for g in opt.param_groups:
+                g["lr"] = lr
+            w = sampler.next().to(device, non_blocking=True)
+            with autocast():
+                losses = compute_losses(target, mtp, w, opts.mtp_only, want_indexer)
+            if opts.mtp_only:
+                loss = losses["ce_mtp"]
+            else:
+                loss = losses["ce"] + hp["mtp_weight"] * losses["ce_mtp"] + hp["indexer_weight"] * losses["indexer"]
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, hp["grad_clip"])
+            opt.step()
+            imbalance = update_router_bias(moes, hp["bias_gamma"])
+            step += 1
+            tokens_seen += w.shape[0] * (w.shape[1] - 1)
+            last = {"loss": loss.item(), "ce": losses["ce"].item(), "ce_mtp": losses["ce_mtp"].item(),
+                    "indexer": losses["indexer"].item(), "lr": lr, "grad_norm": float(gnorm)}
+            if not math.isfinite(last["loss"]):
+                raise RuntimeError(f"loss became {last['loss']} at step {step}; try a lower --lr")
+            train_s = time.time() - t0 - eval_time
+            last["tok_s"] = tokens_seen / max(train_s, 1e-9)
+            if bar is not None:
+                bar.update(step, last)
+            if step % hp["eval_every"] == 0 and step < steps:
+                te = time.time()
+                ev = evaluate(target, mtp, windows, hp["batch_size"], device, autocast)
+                eval_time += time.time() - te
+                history.append({"step": step, "elapsed_s": round(time.time() - t0, 1), "train": dict(last),
+                                "heldout": ev, "expert_max_over_mean": imbalance})
+                log(f"step {step}: train loss {last['loss']:.3f} (ce {last['ce']:.3f}, mtp {last['ce_mtp']:.3f}, "
+                    f"idx {last['indexer']:.3f}); held-out ce {ev['target_ce']:.3f}, mtp ce {ev['mtp_ce']:.3f}, "
+                    f"agreement {ev['mtp_target_agreement']:.3f}; {last['tok_s']:,.0f} tok/s")
+    finally:
+        if bar is not None:
+            bar.close()
+    train_wall = time.time() - t0
+    if step == 0:
+        raise UserError("no training step ran (time budget too small?)")
+
+    final = evaluate(target, mtp, windows, hp["batch_size"], device, autocast)
+    log(f"held-out after {step} steps: target ce {final['target_ce']:.3f} (ppl {final['target_ppl']:.1f}), "
+        f"MTP ce {final['mtp_ce']:.3f} (ppl {final['mtp_ppl']:.1f}), MTP/target agreement "
+        f"{final['mtp_target_agreement']:.3f}")
+
+    tensors = export_tensors(target, mtp, cfg)
+    summary = save_trained(tensors, cfg, out, tok_dir, opts.max_shard_size)
+    stopped_by = "steps" if step >= steps else "time_budget"
+    report = {
+        "command": opts.command or " ".join(shlex.quote(a) for a in sys.argv),
+        "mode": "mtp_only" if opts.mtp_only else "joint",
+        "init": str(opts.init) if opts.init else None,
+        "config": str(config_path),
+        "seed": opts.seed,
+        "hyperparameters": hp,
+        "steps_planned": steps,
+        "steps_done": step,
+        "stopped_by": stopped_by,
+        "tokens_seen": tokens_seen,
+        "epochs_of_train_split": tokens_seen / len(train_ids),
+        "train_tokens": int(len(train_ids)),
+        "heldout_tokens_evaluated": final["tokens"],
+        "train_wall_s": round(train_wall, 1),
+        "eval_wall_s": round(eval_time, 1),
+        "total_wall_s": round(time.time() - t_start, 1),
+        "tokens_per_s": round(tokens_seen / max(train_wall - eval_time, 1e-9), 1),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_type": device.type,
+        "dtype": dtype_name,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "corpus": manifest,
+        "tokenizer": {"vocab_size": cfg.vocab_size, "sha256": _file_sha(tok_dir / "tokenizer.json")},
+        "parameters": counts,
+        "checkpoint": {"files": summary.files, "tensors": summary.tensors, "bytes": summary.total_bytes},
+        "final_train": last,
+        "expert_max_over_mean_last_step": imbalance,
+        "heldout": final,
+        "history": history,
+    }
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
