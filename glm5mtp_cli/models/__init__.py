@@ -1,0 +1,35 @@
+"""Model families behind one interface (family.ModelFamily), selected by config.json's model_type.
+
+Families are imported on first use, so resolving a config never pulls in another family's code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models.family import ModelFamily
+
+# model_type -> the module whose FAMILY object serves it
+_FAMILIES = {"glm_moe_dsa": "glm5mtp_cli.models.glm5.family"}
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(_FAMILIES)
+
+
+def family_for(model_type: str | None, source: str = "<config>") -> ModelFamily:
+    if model_type not in _FAMILIES:
+        raise UserError(f"{source}: field 'model_type' is {model_type!r}; glm5mtp supports "
+                        f"{', '.join(_FAMILIES)}")
+    return importlib.import_module(_FAMILIES[model_type]).FAMILY
+
+
+def family_of(cfg: Any) -> ModelFamily:
+    return family_for(cfg.model_type, cfg.source)
+
+
+def parse_config(raw: dict[str, Any], source: str = "<dict>") -> Any:
+    """The config object of whichever family config.json's model_type names."""
+    return family_for(raw.get("model_type"), source).parse_config(raw, source)

@@ -34,6 +34,8 @@ _REQUIRED = (
 
 @dataclass
 class ModelConfig:
+    model_type = "glm_moe_dsa"  # a class attribute, not a field: the family this config belongs to
+
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -115,6 +117,11 @@ class ModelConfig:
         if layer >= self.num_hidden_layers:  # the MTP block has its own indexer
             return True
         return self.indexer_types[layer] == "full"
+
+    @property
+    def indexer_layers(self) -> int:
+        """Target layers with their own indexer (and so indexer keys in the cache)."""
+        return sum(1 for i in range(self.num_hidden_layers) if self.has_indexer(i))
 
     def with_layers(self, num_layers: int) -> "ModelConfig":
         """A depth-truncated copy (the first `num_layers` target layers; the MTP layer stays)."""

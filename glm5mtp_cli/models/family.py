@@ -1,0 +1,68 @@
+"""What the engine asks of a model family, and nothing more.
+
+A family turns a config.json into a config object, names its per-sequence state components with
+their sizes, builds its target and MTP layer (on the meta device, for the loader to fill), shards
+them over ranks, and makes the DraftProposer of its MTP layer. The engine, the loader and the
+diagnostics only ever see these; none of them names a model.
+
+State components are of two kinds. `rows`: paged rows that grow with the tokens a sequence holds
+(KV caches, indexer keys), rolled back by dropping rows past the accepted prefix. `slot`: one
+fixed-size state per sequence whatever its length (a recurrent state), rolled back by the family's
+model, which keeps what it needs (per-position states or a checkpoint) inside the slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+ROWS = "rows"
+SLOT = "slot"
+
+
+@dataclass(frozen=True)
+class StateComponent:
+    """One per-sequence state component of one owner ("target" or "drafter")."""
+
+    name: str  # ledger name, e.g. "target_mla"; unique within a run
+    owner: str  # "target" | "drafter"
+    kind: str  # ROWS | SLOT
+    layers: int  # model layers holding this component
+    shape: tuple[int, ...]  # per layer: one row's (width,) for ROWS, the whole state for SLOT
+    dtype: torch.dtype
+
+    @property
+    def short(self) -> str:
+        """The name without its owner ("mla"), as the model's forward knows it."""
+        return self.name.split("_", 1)[1]
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one row (ROWS) or of one sequence's slot (SLOT), all layers together."""
+        return self.layers * math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+
+    def bytes_for(self, tokens: int, block_size: int = 1) -> int:
+        """Bytes one sequence holds when it reserves `tokens` rows (whole blocks for ROWS)."""
+        if self.kind == SLOT:
+            return self.unit_bytes
+        return math.ceil(tokens / block_size) * block_size * self.unit_bytes
+
+
+class ModelFamily(Protocol):
+    """One model family (GLM-5, GLM-5-Next, ...), selected by its config's model_type."""
+
+    name: str
+    model_types: tuple[str, ...]
+
+    def parse_config(self, raw: dict[str, Any], source: str) -> Any: ...
+    def state_components(self, cfg, dtype: torch.dtype, with_drafter: bool = True) -> list[StateComponent]: ...
+    def tensor_shapes(self, cfg) -> list[tuple[str, tuple[int, ...]]]: ...
+    def mtp_prefix(self, cfg) -> str: ...
+    def build_target(self, cfg) -> torch.nn.Module: ...
+    def build_mtp(self, cfg) -> torch.nn.Module: ...
+    def shard_target(self, model, comm): ...
+    def shard_mtp(self, layer, comm, prefix: str): ...
+    def make_proposer(self, target, mtp, pools, **options): ...

@@ -1,0 +1,54 @@
+"""GLM-5 (`glm_moe_dsa`) as a model family: absorbed MLA + DSA indexer caches, all paged rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from glm5mtp_cli.engine.parallel import shard_mtp, shard_target
+from glm5mtp_cli.models.family import ROWS, StateComponent
+from glm5mtp_cli.models.glm5 import layout
+from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.models.glm5.decoder import Glm5ForCausalLM, Glm5MtpLayer
+from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
+
+
+class Glm5Family:
+    name = "glm5"
+    model_types = ("glm_moe_dsa",)
+
+    def parse_config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        return ModelConfig.from_dict(raw, source)
+
+    def state_components(self, cfg: ModelConfig, dtype: torch.dtype, with_drafter: bool = True) -> list[StateComponent]:
+        out = [StateComponent("target_mla", "target", ROWS, cfg.num_hidden_layers, (cfg.kv_cache_width,), dtype),
+               StateComponent("target_indexer", "target", ROWS, cfg.indexer_layers, (cfg.index_head_dim,), dtype)]
+        if with_drafter:
+            out += [StateComponent("drafter_mla", "drafter", ROWS, 1, (cfg.kv_cache_width,), dtype),
+                    StateComponent("drafter_indexer", "drafter", ROWS, 1, (cfg.index_head_dim,), dtype)]
+        return out
+
+    def tensor_shapes(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+        return list(layout.all_tensor_shapes(cfg))
+
+    def mtp_prefix(self, cfg: ModelConfig) -> str:
+        return f"model.layers.{cfg.mtp_layer_index}."
+
+    def build_target(self, cfg: ModelConfig) -> Glm5ForCausalLM:
+        return Glm5ForCausalLM(cfg)
+
+    def build_mtp(self, cfg: ModelConfig) -> Glm5MtpLayer:
+        return Glm5MtpLayer(cfg)
+
+    def shard_target(self, model, comm):
+        return shard_target(model, comm)
+
+    def shard_mtp(self, layer, comm, prefix: str):
+        return shard_mtp(layer, comm, prefix)
+
+    def make_proposer(self, target, mtp, pools, **options) -> Glm5MtpHead:
+        return Glm5MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools, **options)
+
+
+FAMILY = Glm5Family()
