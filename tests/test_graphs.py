@@ -9,9 +9,9 @@ import torch
 from glm5mtp_cli.checkpoint.load import load_models, resolve_model
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.graphs import BatchGraphs
-from glm5mtp_cli.engine.runtime import Runtime
+from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request, SpecEngine
+from glm5mtp_cli.engine.speculate import Request
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +25,11 @@ REQUESTS = [([3, 17, 99, 4, 250], 20), (list(range(10, 40)), 13), ([7] * 3 + lis
 
 def _run(rt, gamma, mode, batch, sampling=SamplingParams(), eos=(), alloc="budget"):
     pools = rt.make_pools(128, batch, block_size=4)
-    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling, max_seq_len=128,
+    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=128,
                         alloc=alloc, eos_ids=list(eos), check_invariants=True, graphs=mode)
     res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=batch)
     assert not any(pools.blocks_held().values()), "a block stayed held after the batch"
-    assert engine.graphs is None
+    assert engine.runner.graphs is None
     return res
 
 
@@ -59,7 +59,7 @@ def test_sequences_finishing_early_are_retired_to_scratch(rt):
     eos_tok = _run(rt, 2, "eager", 1)[1].tokens[3]  # request 1 emits this early
     eager = _run(rt, 2, "eager", 3, eos=[eos_tok])
     pools = rt.make_pools(128, 3, block_size=4)
-    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=2, max_seq_len=128, eos_ids=[eos_tok],
+    engine = make_engine(rt, pools, gamma=2, max_seq_len=128, eos_ids=[eos_tok],
                         check_invariants=True, graphs="static")
     retired = []
     real_retire = BatchGraphs.retire
@@ -67,7 +67,7 @@ def test_sequences_finishing_early_are_retired_to_scratch(rt):
     def spy(self, slot):
         held = {n: set(p._held) for n, p in pools.pools.items()}
         real_retire(self, slot)
-        for t in list(self.target_tables.values()) + list(self.drafter_tables.values()):
+        for t in [t for owner in self.tables for t in owner.values()]:
             assert bool((t.table[slot] == t.scratch).all())
         retired.append((slot, held))
 
@@ -87,7 +87,7 @@ def test_sequences_finishing_early_are_retired_to_scratch(rt):
 def test_cuda_graphs_need_cuda(rt):
     pools = rt.make_pools(64, 1, block_size=4)
     with pytest.raises(UserError, match="CUDA graphs need --device cuda"):
-        SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=1, max_seq_len=64, graphs="cuda")
+        make_engine(rt, pools, gamma=1, max_seq_len=64, graphs="cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -99,7 +99,7 @@ def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
     for gamma in (0, 3):
         def run(mode):
             pools = grt.make_pools(128, 3, block_size=4)
-            e = SpecEngine(grt.cfg, grt.target, grt.mtp, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
+            e = make_engine(grt, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
                            device="cuda", graphs=mode)
             out = e.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=3)
             assert not any(pools.blocks_held().values())
@@ -114,17 +114,17 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     from glm5mtp_cli.diagnostics.profile import graph_bytes
 
     pools = rt.make_pools(128, 1, block_size=4)
-    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
+    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
                         graphs="static")
     req = Request(list(range(10, 40)), 20)
-    seq = engine._start(req)
+    seq = engine.start(req)
     try:
-        engine._build_graphs([seq])
-        g = engine.graphs
+        engine.open_batch([seq])
+        g = engine.runner.graphs
         held = 0
         for f in g.forwards:
             held += sum(t.nbytes for t in (f.ids, f.hidden, f.starts, f.rows) if t is not None)
-        tables = list(g.target_tables.values()) + list(getattr(g, "drafter_tables", {}).values())
+        tables = [t for owner in g.tables for t in owner.values()]
         held += sum(t.table.nbytes for t in tables)
         out = g.verify.run()
         held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
@@ -132,8 +132,8 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
             held += g.draft.run().nbytes
         assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma)
     finally:
-        engine._close_graphs()
-        engine._release(seq)
+        engine.runner.close()
+        engine.release(seq)
     assert not any(pools.blocks_held().values())
 
 

@@ -28,11 +28,11 @@ def _rel(a, b):
 
 
 def _engine(rt, gamma, sampling=None):
+    from glm5mtp_cli.engine.runtime import make_engine
     from glm5mtp_cli.engine.sampling import SamplingParams
-    from glm5mtp_cli.engine.speculate import SpecEngine
 
     pools = rt.make_pools(128, 1, block_size=4)
-    return SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling or SamplingParams(),
+    return make_engine(rt, pools, gamma=gamma, sampling=sampling or SamplingParams(),
                       max_seq_len=256, eos_ids=[], check_invariants=True)
 
 
@@ -47,9 +47,9 @@ def _first_drafts(rt, prompt, gamma=3):
     from glm5mtp_cli.engine.speculate import Request
 
     engine = _engine(rt, gamma)
-    seq = engine._start(Request(prompt, 20))
-    chain = engine.head.propose_batch([seq.pend_tokens], [seq.pend_hidden], [seq.state.real_rows], gamma, [seq.state])[0]
-    engine._release(seq)
+    seq = engine.start(Request(prompt, 20))
+    chain = engine.draft([seq])[0]
+    engine.release(seq)
     return chain.tokens.tolist()
 
 
@@ -65,7 +65,7 @@ def _rank_checks(folder: str, report_path: str) -> None:
     from glm5mtp_cli.checkpoint.load import load_models, resolve_model
     from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
     from glm5mtp_cli.engine.parallel import strip_comm
-    from glm5mtp_cli.engine.runtime import Runtime
+    from glm5mtp_cli.engine.runtime import Runtime, make_engine
     from glm5mtp_cli.engine.sampling import SamplingParams
 
     comm = launch.rank_comm(2, "cpu")
@@ -137,9 +137,9 @@ def _rank_checks(folder: str, report_path: str) -> None:
     engine = _engine(rt2, 3, samp)
     from glm5mtp_cli.engine.speculate import Request
 
-    seq = engine._start(Request(PROMPTS[1], 20))
-    chain = engine.head.propose_batch([seq.pend_tokens], [seq.pend_hidden], [seq.state.real_rows], 3, [seq.state])[0]
-    engine._release(seq)
+    seq = engine.start(Request(PROMPTS[1], 20))
+    chain = engine.draft([seq])[0]
+    engine.release(seq)
     both = comm.all_gather(chain.tokens[None], dim=0)
     assert torch.equal(both[0], both[1])
     del chains

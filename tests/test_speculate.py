@@ -7,9 +7,9 @@ import torch
 
 from glm5mtp_cli.checkpoint.load import load_models, resolve_model
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftProposer
-from glm5mtp_cli.engine.runtime import Runtime
+from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request, SpecEngine
+from glm5mtp_cli.engine.speculate import Request
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def spec_rt(spec_ckpt):
 
 def _engine(rt, gamma, max_seq_len=256, alloc="budget", sampling=SamplingParams(), tau=None, batch=3):
     pools = rt.make_pools(max_seq_len if alloc == "ceiling" else 128, batch, block_size=4)
-    return SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
+    return make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                       alloc=alloc, eos_ids=[], check_invariants=True, draft_conf_tau=tau), pools
 
 

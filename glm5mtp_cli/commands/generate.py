@@ -19,9 +19,9 @@ from glm5mtp_cli.engine.launch import TpOpt
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.engine.conversation import read_conversations, run_conversations
 from glm5mtp_cli.diagnostics.report import conversation_table, print_tables, summarize
-from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, Runtime, graph_mode, load_runtime
+from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, Runtime, graph_mode, load_runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request, SpecEngine, reserve_tokens
+from glm5mtp_cli.engine.speculate import Request, reserve_tokens
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Profile name, local folder or Hub repo id.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")]
@@ -90,7 +90,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
     requests = [Request(p, max_new_tokens, i) for i, p in enumerate(prompts)]
     per_seq = max(reserve_tokens(len(r.prompt), r.max_new_tokens, gamma, alloc, max_seq_len) for r in requests)
     pools = rt.make_pools(per_seq, min(batch_size, len(requests)))
-    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
+    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
                         device=rt.device, draft_ids=draft_ids, graphs=graphs)
     engine.on_tokens = on_tokens

@@ -201,8 +201,8 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
         hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
         token = torch.tensor([1], device=device)
         if graphs and device.type == "cuda":
-            f = sequence_forward(cfg, lambda f: mtp.forward_batch(f.ids, f.hidden, f.context(f.starts, 1), embed,
-                                                                  out_head, "last"),
+            f = sequence_forward(head_.context,
+                                 lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
                                  state.cache, 1, device, (cfg.hidden_size, dtype))
             f.hidden.copy_(hidden[None])
             return _graph_step_seconds(f, context, repeats)
@@ -232,7 +232,8 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     cache.reserve(context + 8)
     try:
         _fill_random(pools)
-        f = sequence_forward(cfg, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"), cache, 1, device)
+        f = sequence_forward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
+                             cache, 1, device)
         return _graph_step_seconds(f, context, repeats)
     finally:
         cache.release()

@@ -18,9 +18,9 @@ import torch
 
 from glm5mtp_cli.engine.cache import COMPONENTS
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.runtime import Runtime
+from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import InjectedFailure, Request, SpecEngine, budget_tokens, reserve_tokens
+from glm5mtp_cli.engine.speculate import InjectedFailure, Request, budget_tokens, reserve_tokens
 
 LIFECYCLES = ("length", "eos", "cancelled", "failed")
 CUDA_TOLERANCE = 1 << 20  # allocator growth (bytes, whole run) tolerated on CUDA: workspaces, RNG state
@@ -92,7 +92,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     per_seq = reserve_tokens(max_prompt, c.max_new_tokens, c.gamma, c.alloc, c.max_seq_len)
     lives = c.sequences + c.sequences // len(LIFECYCLES) + 3  # + EOS probes + warm-up
     pools = rt.make_pools(per_seq, lives)
-    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=c.gamma, sampling=SamplingParams(seed=c.seed),
+    engine = make_engine(rt, pools, gamma=c.gamma, sampling=SamplingParams(seed=c.seed),
                         max_seq_len=c.max_seq_len, alloc=c.alloc, eos_ids=[], device=rt.device, graphs=c.graphs,
                         check_invariants=True, inject_leak=c.inject_leak)
 

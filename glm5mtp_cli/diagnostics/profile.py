@@ -21,8 +21,8 @@ from glm5mtp_cli.engine.cache import COMPONENTS, CachePools, bytes_per_token
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.info import model_info
-from glm5mtp_cli.engine.runtime import Runtime
-from glm5mtp_cli.engine.speculate import Request, SpecEngine, reserve_tokens
+from glm5mtp_cli.engine.runtime import Runtime, make_engine
+from glm5mtp_cli.engine.speculate import Request, reserve_tokens
 
 POLICIES = ("ceiling", "budget")
 PREFILL_TOKENS = 32  # the "short prompt" of the prefill latency
@@ -152,7 +152,7 @@ def measure_state(rt: Runtime, c: ProfileConfig, policy: str, max_seq_len: int) 
                               with_drafter=rt.mtp is not None and c.gamma > 0)
     _sync(dev)
     cuda_delta = torch.cuda.memory_allocated(dev) - before if before is not None else None
-    engine = SpecEngine(rt.cfg, rt.target, rt.mtp if c.gamma > 0 else None, pools, gamma=c.gamma,
+    engine = make_engine(rt, pools, gamma=c.gamma,
                         max_seq_len=max_seq_len, alloc=policy, device=dev)
     req = Request([0], c.budget - 1)
     cache = pools.target_cache()
@@ -198,7 +198,7 @@ def measure_latency(rt: Runtime, c: ProfileConfig, context: int) -> dict:
     for pool in pools.pools.values():  # random rows, one layer at a time (no temporary copies)
         for layer in range(pool.num_layers):
             pool.data[layer].normal_(generator=gen)
-    engine = SpecEngine(cfg, rt.target, rt.mtp if g > 0 else None, pools, gamma=g, max_seq_len=rows, device=dev)
+    engine = make_engine(rt, pools, gamma=g, max_seq_len=rows, device=dev)
     cache = pools.target_cache()
     cache.reserve(rows)
     cache.length = context
@@ -224,7 +224,7 @@ def measure_latency(rt: Runtime, c: ProfileConfig, context: int) -> dict:
         rt.target(prompt, [cache], rows="last")
 
     def propose():
-        return engine.head.propose_batch([last], [hidden], [state.real_rows], g, [state])
+        return engine.head.propose_batch([last], [hidden], [state.real_rows], g, [state], engine.runner)
 
     def verify():
         return rt.target(ids, [cache], rows="all")

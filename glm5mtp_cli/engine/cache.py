@@ -1,10 +1,11 @@
-"""Paged caches: block pools per component, per-sequence block tables, byte accounting.
+"""Per-sequence state: pools per state component, per-sequence block tables and slots, byte ledger.
 
-A pool holds one component's rows (target MLA, target indexer keys, drafter MLA, drafter indexer
-keys) for all of its layers: data[layer, num_blocks * block_size, width]. A sequence owns a list
-of block ids per component; row p of the sequence lives at slot table[p // bs] * bs + p % bs.
-Blocks are taken when a sequence reserves capacity and given back when it is released, so the
-pools' `blocks_held` is the ledger that leak-check and profile read.
+The components are the model family's (models/family.py). A row component's pool holds its rows
+for all of its layers: data[layer, num_blocks * block_size, width]; a sequence owns a list of block
+ids, and its row p lives at slot table[p // bs] * bs + p % bs. A fixed-size component's pool holds
+one slot per sequence: data[layer, slot, *shape]. Blocks and slots are taken when a sequence
+reserves capacity and given back when it is released, so the pools' `blocks_held` is the ledger
+that leak-check and profile read.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models import family_of
+from glm5mtp_cli.models.family import SLOT
 
 COMPONENTS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")
 
@@ -129,23 +131,130 @@ def table_slots(table: torch.Tensor, block_size: int, starts: torch.Tensor, num_
     return new.reshape(-1), table[:, j // block_size] * block_size + j % block_size
 
 
-class SequenceCache:
-    """One model's (target or drafter) cache of one sequence: MLA rows and indexer-key rows."""
+class SlotPool:
+    """One fixed-size state component (a recurrent state) for all of its layers: data[layer,
+    slot, *shape]; a sequence holds one slot whatever its length."""
 
-    def __init__(self, mla: PagedRows, indexer: PagedRows | None):
-        self.mla = mla
-        self.indexer = indexer
+    def __init__(self, name: str, num_layers: int, shape: tuple[int, ...], num_slots: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.name = name
+        self.data = torch.zeros(num_layers, num_slots, *shape, dtype=dtype, device=device)
+        self.slot_bytes = self.data[:, 0].numel() * self.data.element_size()
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._held: set[int] = set()
+
+    @property
+    def blocks_held(self) -> int:
+        return len(self._held)
+
+    @property
+    def bytes_held(self) -> int:
+        return self.blocks_held * self.slot_bytes
+
+    @property
+    def bytes_total(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def take(self) -> int:
+        if not self._free:
+            raise PoolExhausted(f"{self.name} state pool exhausted: all {self.num_slots} slots held")
+        slot = self._free.pop()
+        self._held.add(slot)
+        self.data[:, slot].zero_()  # a new sequence starts from the zero state
+        return slot
+
+    def give(self, slot: int) -> None:
+        if slot not in self._held:
+            raise RuntimeError(f"{self.name}: slot {slot} freed twice or never taken")
+        self._held.remove(slot)
+        self._free.append(slot)
+
+
+class SlotRef:
+    """One sequence's slot of one fixed-size component (taken on the first reserve)."""
+
+    def __init__(self, pool: SlotPool):
+        self.pool = pool
+        self.slot: int | None = None
+
+    def reserve(self, tokens: int) -> None:
+        if self.slot is None:
+            self.slot = self.pool.take()
+
+    def release(self) -> None:
+        if self.slot is not None:
+            self.pool.give(self.slot)
+        self.slot = None
+
+    @property
+    def bytes_held(self) -> int:
+        return self.pool.slot_bytes if self.slot is not None else 0
+
+
+@dataclass
+class CachedRows:
+    """One component's (MLA latent or indexer keys) side of a cached forward: the pool, the slots
+    the B x T new rows go to [B*T], and the slots of every sequence's rows 0..L-1 [B, L] (past a
+    sequence's own length they point anywhere; the caller masks those keys like future ones)."""
+
+    data: torch.Tensor  # the pool's [layers, slots, width]
+    new: torch.Tensor
+    all: torch.Tensor
+
+    def write(self, layer: int, rows: torch.Tensor) -> None:
+        """Append rows [B, T, W] at the new slots."""
+        data = self.data[layer]
+        data.index_copy_(0, self.new, rows.reshape(-1, rows.shape[-1]).to(data.dtype))
+
+    def write_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Append rows [B, T, W] at the new slots, then read rows 0..L-1 of each sequence: [B, L, W]."""
+        self.write(layer, rows)
+        return self.data[layer].index_select(0, self.all.reshape(-1)).view(*self.all.shape, -1)
+
+
+def cached_rows(caches: list, t: int, device) -> tuple[torch.Tensor, dict[str, CachedRows]]:
+    """Eager forwards: (each sequence's cached length on the device, the CachedRows of every row
+    component) for appending t rows to each of `caches`, reading each sequence's rows through its
+    block table padded to the batch's longest."""
+    for cache in caches:
+        cache.prepare(t)
+    lengths = [c.length for c in caches]
+    starts = to_device(lengths, device)
+    rows = {}
+    for name in caches[0].rows:
+        paged = [c.rows[name] for c in caches]
+        bs = paged[0].pool.block_size
+        blocks = math.ceil((max(lengths) + t) / bs)
+        table = torch.stack([p.padded_table(blocks) for p in paged])
+        new, all_ = table_slots(table, bs, starts, t)
+        rows[name] = CachedRows(paged[0].pool.data, new, all_)
+    return starts, rows
+
+
+class SequenceCache:
+    """One model's (target or drafter) per-sequence state: paged rows per component ("mla",
+    "indexer", ...) and fixed-size slots per component. `length` is the rows the sequence holds;
+    truncating it is the whole rollback for rows; a slot component's model recovers the state of
+    an accepted prefix from what it keeps in the slot (models/family.py)."""
+
+    def __init__(self, rows: dict[str, PagedRows], slots: dict[str, SlotRef] | None = None):
+        self.rows = rows
+        self.slots = slots or {}
         self.length = 0
         self.released = False
 
     @property
     def capacity(self) -> int:
-        return self.mla.capacity
+        return min(r.capacity for r in self.rows.values()) if self.rows else 1 << 62
+
+    @property
+    def holds_blocks(self) -> bool:
+        return any(r.blocks for r in self.rows.values()) or any(s.slot is not None for s in self.slots.values())
 
     def reserve(self, tokens: int) -> None:
-        self.mla.reserve(tokens)
-        if self.indexer is not None:
-            self.indexer.reserve(tokens)
+        for part in (*self.rows.values(), *self.slots.values()):
+            part.reserve(tokens)
 
     def prepare(self, num_new: int) -> None:
         """Room for num_new more rows; grows the reservation only if the budget was exceeded."""
@@ -159,22 +268,22 @@ class SequenceCache:
             raise ValueError(f"cannot truncate a cache of {self.length} rows to {length}")
         self.length = length
 
-    def release(self) -> None:
-        """Give every block back. Safe to call twice."""
-        self.mla.release()
-        if self.indexer is not None:
-            self.indexer.release()
+    def release(self, keep: str | None = None) -> None:
+        """Give every block and slot back (except component `keep`: leak-check's self-test). Safe
+        to call twice."""
+        for name, part in (*self.rows.items(), *self.slots.items()):
+            if name != keep:
+                part.release()
         self.length = 0
         self.released = True
 
     def bytes_held(self) -> dict[str, int]:
-        out = {"mla": len(self.mla.blocks) * self.mla.pool.bytes_per_block}
-        if self.indexer is not None:
-            out["indexer"] = len(self.indexer.blocks) * self.indexer.pool.bytes_per_block
+        out = {name: len(r.blocks) * r.pool.bytes_per_block for name, r in self.rows.items()}
+        out.update({name: s.bytes_held for name, s in self.slots.items()})
         return out
 
 
-def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_target_layers: int | None = None) -> dict[str, int]:
+def bytes_per_token(cfg, dtype: torch.dtype, num_target_layers: int | None = None) -> dict[str, int]:
     """Cache bytes per token by component, predicted from the config (REFERENCE section 5)."""
     size = torch.empty(0, dtype=dtype).element_size()
     layers = cfg.num_hidden_layers if num_target_layers is None else num_target_layers
@@ -189,27 +298,42 @@ def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_target_layers: int
 
 @dataclass
 class CachePools:
-    """The four block pools of a run: target and drafter, MLA and indexer keys."""
+    """The pools of a run, one per state component of the model family (models/family.py):
+    block pools for components that grow with tokens, slot pools for fixed-size ones."""
 
-    pools: dict[str, BlockPool] = field(default_factory=dict)
+    pools: dict[str, BlockPool | SlotPool] = field(default_factory=dict)
+    owners: dict[str, list[str]] = field(default_factory=dict)  # "target" -> its component names
 
     @classmethod
-    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def create(cls, cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
                device: torch.device | str, with_drafter: bool = True) -> "CachePools":
-        full = sum(1 for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i))
-        specs = {"target_mla": (cfg.num_hidden_layers, cfg.kv_cache_width),
-                 "target_indexer": (full, cfg.index_head_dim)}
-        if with_drafter:
-            specs["drafter_mla"] = (1, cfg.kv_cache_width)
-            specs["drafter_indexer"] = (1, cfg.index_head_dim)
-        return cls({name: BlockPool(name, layers, width, block_size, num_blocks, dtype, device)
-                    for name, (layers, width) in specs.items()})
+        """Pools for `num_blocks` blocks per row component; slot components get one slot per
+        block, which is never fewer than the sequences the block pools can hold."""
+        pools, owners = {}, {}
+        for c in family_of(cfg).state_components(cfg, dtype, with_drafter):
+            if c.kind == SLOT:
+                pools[c.name] = SlotPool(c.name, c.layers, c.shape, num_blocks, dtype, device)
+            else:
+                pools[c.name] = BlockPool(c.name, c.layers, c.shape[0], block_size, num_blocks, dtype, device)
+            owners.setdefault(c.owner, []).append(c.name)
+        return cls(pools, owners)
+
+    def sequence_cache(self, owner: str) -> SequenceCache:
+        rows, slots = {}, {}
+        for name in self.owners[owner]:
+            short = name[len(owner) + 1:]
+            pool = self.pools[name]
+            if isinstance(pool, SlotPool):
+                slots[short] = SlotRef(pool)
+            else:
+                rows[short] = PagedRows(pool)
+        return SequenceCache(rows, slots)
 
     def target_cache(self) -> SequenceCache:
-        return SequenceCache(PagedRows(self.pools["target_mla"]), PagedRows(self.pools["target_indexer"]))
+        return self.sequence_cache("target")
 
     def drafter_cache(self) -> SequenceCache:
-        return SequenceCache(PagedRows(self.pools["drafter_mla"]), PagedRows(self.pools["drafter_indexer"]))
+        return self.sequence_cache("drafter")
 
     def blocks_held(self) -> dict[str, int]:
         return {name: p.blocks_held for name, p in self.pools.items()}

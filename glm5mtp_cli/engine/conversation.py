@@ -15,9 +15,9 @@ from pathlib import Path
 from glm5mtp_cli.engine.carry import CARRY_MODES, CarryStore
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_jsonl
-from glm5mtp_cli.engine.runtime import Runtime
+from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request, SpecEngine, budget_tokens
+from glm5mtp_cli.engine.speculate import Request, budget_tokens
 
 
 @dataclass
@@ -90,7 +90,7 @@ def run_conversations(rt: Runtime, convs: list[list], *, gamma: int, max_new_tok
                   for c in convs)
     per_seq = min(max_seq_len, budget_tokens(longest, 0, 0)) if alloc == "budget" else max_seq_len
     pools = rt.make_pools(per_seq, len(convs) + 1)
-    engine = SpecEngine(rt.cfg, rt.target, rt.mtp, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
+    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, eos_ids=[] if ignore_eos else None, device=rt.device)
     store = CarryStore(engine.head, carry_budget)
     chats = [Chat(list(c)) for c in convs]

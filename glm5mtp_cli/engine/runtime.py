@@ -15,7 +15,10 @@ import torch
 from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.checkpoint.load import ResolvedModel, load_models, resolve_model
 from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models import family_of
 
 DEFAULT_MODEL = "glm5-nano"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -115,6 +118,22 @@ class Runtime:
         blocks = concurrent * math.ceil(tokens_per_seq / block_size) + 1
         return CachePools.create(self.cfg, blocks, block_size, self.dtype, self.device,
                                  with_drafter=self.mtp is not None)
+
+
+def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: SamplingParams = SamplingParams(),
+                max_seq_len: int, draft_conf_tau: float | None = None, draft_ids: torch.Tensor | None = None,
+                **options) -> SpecEngine:
+    """The engine over rt's target with its family's proposer (none at gamma 0); `options` are
+    SpecEngine's (alloc, eos_ids, graphs, inject_leak, ...)."""
+    device = options.pop("device", rt.device)
+    gen = torch.Generator(device=torch.device(device)).manual_seed(sampling.seed)
+    proposer = None
+    if gamma > 0 and rt.mtp is not None:
+        proposer = family_of(rt.cfg).make_proposer(rt.target, rt.mtp, pools, max_seq_len=max_seq_len,
+                                                   sampling=sampling, draft_conf_tau=draft_conf_tau,
+                                                   generator=gen, draft_ids=draft_ids)
+    return SpecEngine(rt.cfg, rt.target, proposer, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
+                      device=device, generator=gen, **options)
 
 
 def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:

@@ -15,16 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachePools, SequenceCache, to_device
+from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
-from glm5mtp_cli.models.glm5.config import ModelConfig
-from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.graphs import BatchGraphs, load_rows
+from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.metrics import Acceptance
-from glm5mtp_cli.models.glm5.decoder import ForwardOut
-from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
-from glm5mtp_cli.engine.proposer import ProposerState
+from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose
+from glm5mtp_cli.errors import UserError
 
 
 @dataclass
@@ -84,7 +81,7 @@ class _Clock:
 
 
 @dataclass
-class _Seq:
+class LiveSequence:
     req: Request
     cache: SequenceCache
     state: ProposerState | None
@@ -104,17 +101,19 @@ class _Seq:
 
 
 class SpecEngine:
-    def __init__(self, cfg: ModelConfig, target, mtp_layer, pools: CachePools, *, gamma: int,
+    """The loop over any model family: `target` appends rows to its SequenceCaches and returns
+    logits and final hiddens; `proposer` (a DraftProposer, None for gamma 0) drafts; `runner`
+    decides how the decode forwards run (eager, static buffers, CUDA graphs)."""
+
+    def __init__(self, cfg, target, proposer: DraftProposer | None, pools: CachePools, *, gamma: int,
                  sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
-                 draft_conf_tau: float | None = None, eos_ids: list[int] | None = None,
-                 prefill_chunk: int = 1024, device: torch.device | str = "cpu", check_invariants: bool = False,
-                 inject_leak: str | None = None, draft_ids: torch.Tensor | None = None, graphs: str = "eager"):
+                 eos_ids: list[int] | None = None, prefill_chunk: int = 1024, device: torch.device | str = "cpu",
+                 check_invariants: bool = False, inject_leak: str | None = None, graphs: str = "eager",
+                 generator: torch.Generator | None = None):
         if gamma < 0:
             raise UserError(f"--gamma must be >= 0, got {gamma}")
-        if graphs not in ("eager", "static", "cuda"):
-            raise UserError(f"graphs must be eager, static or cuda, got {graphs!r}")
-        if graphs == "cuda" and torch.device(device).type != "cuda":
-            raise UserError("CUDA graphs need --device cuda")
+        if gamma > 0 and proposer is None:
+            raise UserError(f"gamma {gamma} needs a draft proposer (the checkpoint's MTP layer)")
         if alloc not in ("budget", "ceiling"):
             raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
         self.cfg = cfg
@@ -129,21 +128,15 @@ class SpecEngine:
         self.device = torch.device(device)
         self.check = check_invariants
         self.inject_leak = inject_leak
-        self.gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.runner = ForwardRunner(graphs, self.device)
+        # the proposer draws its drafts from the same stream as acceptance, so sampled runs repeat
+        self.gen = generator or torch.Generator(device=self.device).manual_seed(sampling.seed)
         self.clock = _Clock(self.device)
         self.wall_prefill_s = 0.0
         self.wall_decode_s = 0.0
         self.wall_capture_s = 0.0  # building and capturing the batches' CUDA graphs (one-time setup, outside both)
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
-        # eager: every forward from the caches; static: decode forwards over one batch's static
-        # buffers (graphs.BatchGraphs), run eagerly; cuda: the same, captured and replayed as CUDA graphs
-        self.graph_mode = graphs
-        self.graphs: BatchGraphs | None = None
-        self._slot_index: dict[tuple, torch.Tensor] = {}
-        self.head = None
-        if gamma > 0:
-            self.head = Glm5MtpHead(mtp_layer, target.model.embed_tokens, target.lm_head, pools, max_seq_len,
-                                    sampling, draft_conf_tau, self.gen, draft_ids=draft_ids)
+        self.head = proposer if gamma > 0 else None
 
     # ---- sizing -----------------------------------------------------------------------------
     def budget_tokens(self, req: Request) -> int:
@@ -176,14 +169,14 @@ class SpecEngine:
         return results
 
     def run_batch(self, requests: list[Request]) -> list[SeqResult]:
-        seqs: list[_Seq] = []
+        seqs: list[LiveSequence] = []
         try:
             t0 = self._wall()
             for req in requests:
-                seqs.append(self._start(req))
+                seqs.append(self.start(req))
             tc = self._wall()
-            if self.graph_mode != "eager" and any(s.done is None for s in seqs):
-                self._build_graphs(seqs)
+            if any(s.done is None for s in seqs):
+                self.open_batch(seqs)
             t1 = self._wall()
             while True:
                 active = [s for s in seqs if s.done is None]
@@ -196,35 +189,22 @@ class SpecEngine:
             self.wall_decode_s += t2 - t1
             return [s.res for s in seqs]
         finally:
-            self._close_graphs()  # graphs go before any block they could name is freed
+            self.runner.close()  # graphs go before any block they could name is freed
             for s in seqs:
-                self._release(s)
+                self.release(s)
 
-    def _build_graphs(self, seqs: list[_Seq]) -> None:
+    def open_batch(self, seqs: list[LiveSequence]) -> None:
+        """After the prefill: give each sequence its batch slot and build the runner's static
+        forwards for them (captured on CUDA). runner.close() undoes it."""
         for i, s in enumerate(seqs):
             s.slot = i
         drafter = None
         if self.head is not None:
             drafter = [s.state.cache if s.state is not None else None for s in seqs]
-        self.graphs = BatchGraphs(self.cfg, self.target, self.head, self.pools,
-                                  [None if s.cache.released else s.cache for s in seqs], drafter, self.gamma,
-                                  self.device, capture=self.graph_mode == "cuda",
-                                  greedy=self.sampling.greedy and (self.head is None or self.head.tau is None))
-        self.graphs.capture_all([s.cache.length for s in seqs],
-                                [c.length if c is not None else 0 for c in drafter] if drafter else None)
-
-    def _close_graphs(self) -> None:
-        if self.graphs is not None:
-            self.graphs.close()
-            self.graphs = None
-        self._slot_index = {}
-
-    def _slots(self, active: list[_Seq]) -> tuple[list[int], torch.Tensor]:
-        slot_list = [s.slot for s in active]
-        key = tuple(slot_list)
-        if key not in self._slot_index:
-            self._slot_index[key] = to_device(slot_list, self.device)
-        return slot_list, self._slot_index[key]
+        live = next(s for s in seqs if s.done is None)
+        hidden = (live.pend_hidden.shape[-1], live.pend_hidden.dtype) if live.pend_hidden is not None else None
+        self.runner.open(self.target, self.head, self.pools, [None if s.cache.released else s.cache for s in seqs],
+                         drafter, self.gamma, hidden, greedy=self.head is not None and self.head.greedy_fusable())
 
     def _wall(self) -> float:
         """Host time after the device caught up: read only at batch boundaries, never inside a step."""
@@ -232,19 +212,21 @@ class SpecEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _start(self, req: Request) -> _Seq:
+    def start(self, req: Request) -> LiveSequence:
+        """Admit one request: reserve its state, prefill the target and the drafter, emit the first
+        token. Public for diagnostics and tests that drive single steps (release it after)."""
         self.check_request(req)
         t0 = self.clock.now()
         cache = self.pools.target_cache()
-        seq = _Seq(req, cache, None, [], Acceptance(self.gamma), t0)
+        seq = LiveSequence(req, cache, None, [], Acceptance(self.gamma), t0)
         try:
             self._fill(seq)
         except BaseException:
-            self._release(seq)  # a failed start leaves nothing allocated
+            self.release(seq)  # a failed start leaves nothing allocated
             raise
         return seq
 
-    def _fill(self, seq: _Seq) -> None:
+    def _fill(self, seq: LiveSequence) -> None:
         req = seq.req
         start = self._install_carry(seq) if req.carry is not None else CarryPlan(0, 0)
         seq.cache.reserve(self.reserve_tokens(req))
@@ -282,7 +264,7 @@ class SpecEngine:
             return self.head.alloc_state_for(self.budget_tokens(req))
         return self.head.alloc_state()
 
-    def _install_carry(self, seq: _Seq) -> CarryPlan:
+    def _install_carry(self, seq: LiveSequence) -> CarryPlan:
         """Move the previous turn's caches into this sequence, trimmed to what the prompt reuses."""
         carry, seq.req.carry = seq.req.carry, None
         try:
@@ -307,7 +289,7 @@ class SpecEngine:
             elif carry.target is not None:
                 carry.target.release()
 
-    def _hand_back_carry(self, s: _Seq) -> None:
+    def _hand_back_carry(self, s: LiveSequence) -> None:
         """End of a turn kept for the next: feed the drafter its pending real rows, then move the
         caches out of the sequence so _release leaves them alone."""
         mode = s.req.carry_mode
@@ -332,18 +314,24 @@ class SpecEngine:
             logits = out.logits[0, -1]
         return logits, torch.cat(hiddens)
 
-    def _step(self, active: list[_Seq]) -> None:
+    def draft(self, active: list[LiveSequence]):
+        """The proposer's drafts for the active sequences' next verify (gamma of them each)."""
+        self.runner.step([s.slot for s in active])
+        return self.head.propose_batch([s.pend_tokens for s in active], [s.pend_hidden for s in active],
+                                       [s.state.real_rows for s in active], self.gamma, [s.state for s in active],
+                                       self.runner)
+
+    def _step(self, active: list[LiveSequence]) -> None:
         g = self.gamma
         p0 = self.clock.now()
         chains = None
-        slots = self._slots(active) if self.graphs is not None else None
         if g > 0:
-            chains = self.head.propose_batch([s.pend_tokens for s in active], [s.pend_hidden for s in active],
-                                             [s.state.real_rows for s in active], g, [s.state for s in active],
-                                             graphs=self.graphs, slots=slots)
+            chains = self.draft(active)
             if self.check:
                 for s in active:
                     assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
+        else:
+            self.runner.step([s.slot for s in active])
         v0 = self.clock.now()
         last = torch.cat([s.last_dev for s in active])  # already on the device: no copy from the host
         if chains:
@@ -356,7 +344,7 @@ class SpecEngine:
         for s in active:
             if s.req.fail_at_step is not None and s.steps == s.req.fail_at_step:
                 raise InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
-        out = self._verify(ids, active, slots)
+        out = self.runner.verify(self.target, ids, [s.cache for s in active])
         counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
         accepted, nxt, draft_ids, nxt_dev = self._accept(drafts, chains, out.logits, counts)
         v1 = self.clock.now()
@@ -380,25 +368,6 @@ class SpecEngine:
             self._maybe_finish(s)
             if self.on_tokens is not None and len(s.out) > before:
                 self.on_tokens(s.req.request_id, s.out[before:])
-
-    def _verify(self, ids: torch.Tensor, active: list[_Seq], slots) -> ForwardOut:
-        """The target forward over [t_n, d1..dg] of every active sequence."""
-        if self.graphs is None:
-            return self.target(ids, [s.cache for s in active], rows="all")
-        f = self.graphs.verify
-        slot_list, slots_dev = slots
-        load_rows(f.ids, slots_dev, slot_list, ids)
-        starts = [0] * f.b
-        for s in active:
-            if s.cache.length + f.t > s.cache.capacity:
-                raise RuntimeError("verify past the reservation its graph was built for")
-            starts[s.slot] = s.cache.length
-        f.set_starts(starts)
-        out = f.run()
-        for s in active:
-            s.cache.length += f.t
-        return ForwardOut(out.logits.index_select(0, slots_dev), None,
-                          hidden_all=out.hidden_all.index_select(0, slots_dev))
 
     def _accept(self, drafts, chains, logits, counts):
         """(accepted, next token, draft ids) per sequence on the host, and the next tokens on the
@@ -428,7 +397,7 @@ class SpecEngine:
         nxt_dev = torch.tensor(nxt, dtype=torch.long, device=logits.device)
         return acc, nxt, None if drafts is None else drafts.tolist(), nxt_dev
 
-    def _maybe_finish(self, s: _Seq) -> None:
+    def _maybe_finish(self, s: LiveSequence) -> None:
         req = s.req
         del s.out[req.max_new_tokens:]  # a verify step may accept past the budget
         for j, t in enumerate(s.out):
@@ -444,9 +413,9 @@ class SpecEngine:
             self._finalize(s)
             if s.done in ("eos", "length") and req.carry_mode != "none":
                 self._hand_back_carry(s)
-            self._release(s)
+            self.release(s)
 
-    def _finalize(self, s: _Seq) -> None:
+    def _finalize(self, s: LiveSequence) -> None:
         res = s.res
         res.finish_reason = s.done
         prefill = s.marks[0]
@@ -466,19 +435,18 @@ class SpecEngine:
                               "propose_ms": prop * 1e3, "verify_ms": ver * 1e3})
         res.decode_s = decode
 
-    def _state_bytes(self, s: _Seq) -> dict[str, int]:
+    def _state_bytes(self, s: LiveSequence) -> dict[str, int]:
         out = {f"target_{k}": v for k, v in s.cache.bytes_held().items()}
         if s.state is not None and s.state.cache is not None:
             out.update({f"drafter_{k}": v for k, v in s.state.cache.bytes_held().items()})
         return out
 
-    def _release(self, s: _Seq) -> None:
+    def release(self, s: LiveSequence) -> None:
         """Give back every per-sequence allocation; safe to call twice (finish, then finally).
 
         inject_leak (leak-check's self-test) names one component whose blocks are not given back.
         """
-        if self.graphs is not None and s.slot is not None:
-            self.graphs.retire(s.slot)  # before the blocks its tables name go back
+        self.runner.retire(s.slot)  # before the blocks its tables name go back
         self._release_cache(s.cache, "target")
         if s.state is not None and self.head is not None:
             if s.state.cache is not None:
@@ -487,16 +455,10 @@ class SpecEngine:
             self.head.free_state(s.state)
 
     def _release_cache(self, cache: SequenceCache, owner: str) -> None:
-        if cache.released:
-            return
-        if self.inject_leak in (f"{owner}_mla", f"{owner}_indexer"):
-            leaked = cache.mla if self.inject_leak.endswith("_mla") else cache.indexer
-            for rows in (cache.mla, cache.indexer):
-                if rows is not leaked and rows is not None:
-                    rows.release()
-            cache.released = True
-        else:
-            cache.release()
+        leaked = None
+        if self.inject_leak is not None and self.inject_leak.startswith(owner + "_"):
+            leaked = self.inject_leak[len(owner) + 1:]
+        cache.release(keep=leaked)
 
 
 def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:

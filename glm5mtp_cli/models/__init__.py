@@ -11,8 +11,13 @@ from typing import Any
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.family import ModelFamily
 
-# model_type -> the module whose FAMILY object serves it
-_FAMILIES = {"glm_moe_dsa": "glm5mtp_cli.models.glm5.family"}
+# model_type -> the module whose FAMILY object serves it (or, once registered, the object itself)
+_FAMILIES: dict[str, Any] = {"glm_moe_dsa": "glm5mtp_cli.models.glm5.family"}
+
+
+def register_family(model_type: str, family: ModelFamily) -> None:
+    """Serve `model_type` with `family` (a family outside this package: a plugin, a test's fake)."""
+    _FAMILIES[model_type] = family
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -23,7 +28,8 @@ def family_for(model_type: str | None, source: str = "<config>") -> ModelFamily:
     if model_type not in _FAMILIES:
         raise UserError(f"{source}: field 'model_type' is {model_type!r}; glm5mtp supports "
                         f"{', '.join(_FAMILIES)}")
-    return importlib.import_module(_FAMILIES[model_type]).FAMILY
+    family = _FAMILIES[model_type]
+    return importlib.import_module(family).FAMILY if isinstance(family, str) else family
 
 
 def family_of(cfg: Any) -> ModelFamily:

@@ -21,6 +21,7 @@ from torch import nn
 from kernels.paged import indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
 
+from glm5mtp_cli.engine.cache import CachedRows
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.layers import RMSNorm
 
@@ -38,27 +39,6 @@ def rope_gt(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     sin = sin.view(shape).to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
-
-
-@dataclass
-class CachedRows:
-    """One component's (MLA latent or indexer keys) side of a cached forward: the pool, the slots
-    the B x T new rows go to [B*T], and the slots of every sequence's rows 0..L-1 [B, L] (past a
-    sequence's own length they point anywhere; the caller masks those keys like future ones)."""
-
-    data: torch.Tensor  # the pool's [layers, slots, width]
-    new: torch.Tensor
-    all: torch.Tensor
-
-    def write(self, layer: int, rows: torch.Tensor) -> None:
-        """Append rows [B, T, W] at the new slots."""
-        data = self.data[layer]
-        data.index_copy_(0, self.new, rows.reshape(-1, rows.shape[-1]).to(data.dtype))
-
-    def write_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """Append rows [B, T, W] at the new slots, then read rows 0..L-1 of each sequence: [B, L, W]."""
-        self.write(layer, rows)
-        return self.data[layer].index_select(0, self.all.reshape(-1)).view(*self.all.shape, -1)
 
 
 @dataclass

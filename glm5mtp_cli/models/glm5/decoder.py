@@ -8,15 +8,14 @@ of tokens, each at its own cached length.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from glm5mtp_cli.engine.cache import table_slots, to_device
+from glm5mtp_cli.engine.cache import CachedRows, cached_rows
 from glm5mtp_cli.models.glm5.config import ModelConfig
-from glm5mtp_cli.models.glm5.attention import BatchContext, CachedRows, MLAttention
+from glm5mtp_cli.models.glm5.attention import BatchContext, MLAttention
 from glm5mtp_cli.models.glm5.layers import MLP, MoE, RMSNorm, rope_cos_sin
 
 
@@ -56,24 +55,11 @@ def rope_context(cfg: ModelConfig, starts: torch.Tensor, t: int, mla=None, index
 
 
 def batch_context(cfg: ModelConfig, caches: list, t: int, device) -> BatchContext:
-    """The context of a forward appending t rows to each of `caches` (None: cache-free), reading
-    each sequence's rows through its block table padded to the batch's longest."""
+    """The context of a forward appending t rows to each of `caches` (None: cache-free)."""
     if caches[0] is None:
         return rope_context(cfg, torch.zeros(len(caches), dtype=torch.long, device=device), t)
-    for cache in caches:
-        cache.prepare(t)
-    lengths = [c.length for c in caches]
-    starts = to_device(lengths, device)
-
-    def rows(component: str) -> CachedRows:
-        paged = [getattr(c, component) for c in caches]
-        bs = paged[0].pool.block_size
-        blocks = math.ceil((max(lengths) + t) / bs)
-        table = torch.stack([p.padded_table(blocks) for p in paged])
-        new, all_ = table_slots(table, bs, starts, t)
-        return CachedRows(paged[0].pool.data, new, all_)
-
-    return rope_context(cfg, starts, t, rows("mla"), rows("indexer") if caches[0].indexer is not None else None)
+    starts, rows = cached_rows(caches, t, device)
+    return rope_context(cfg, starts, t, rows["mla"], rows.get("indexer"))
 
 
 def _rows(h: torch.Tensor, rows: str | torch.Tensor) -> torch.Tensor:
@@ -102,6 +88,10 @@ class Glm5ForCausalLM(nn.Module):
         for i in range(cfg.num_hidden_layers):
             if cfg.has_indexer(i):
                 self.idx_layer[i] = len(self.idx_layer)
+
+    def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows]) -> BatchContext:
+        """The context of a forward appending t rows at `starts` through `rows` (static buffers)."""
+        return rope_context(self.cfg, starts, t, rows["mla"], rows.get("indexer"))
 
     def _run(self, input_ids, bc: BatchContext, indexer_losses=None):
         h = self.model.embed_tokens(input_ids)
@@ -153,6 +143,10 @@ class Glm5MtpLayer(nn.Module):
         # The block's modules sit at the top level of the checkpoint's layer N.
         self.register_state_dict_post_hook(_unnest_block)
         self.register_load_state_dict_pre_hook(_nest_block)
+
+    def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows]) -> BatchContext:
+        """The context of a forward appending t rows at `starts` through `rows` (static buffers)."""
+        return rope_context(self.cfg, starts, t, rows["mla"], rows.get("indexer"))
 
     def _run(self, token_ids, hidden, bc: BatchContext, embed: nn.Embedding, indexer_losses=None):
         t = token_ids.shape[1]

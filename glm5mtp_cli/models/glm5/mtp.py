@@ -9,18 +9,16 @@ position), pre-norm when the config asks for DeepSeek's chaining.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 from torch import nn
 
 from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
-from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.graphs import load_rows
-from glm5mtp_cli.models.glm5 import Glm5MtpLayer
+from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftChain, DrafterKV, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, choose
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models.glm5.decoder import Glm5MtpLayer
 
 
 class Glm5MtpHead:
@@ -91,55 +89,78 @@ class Glm5MtpHead:
 
     @staticmethod
     def _mark_real(state: ProposerState, tokens: torch.Tensor) -> None:
-        state.real_rows = state.cache.length
+        state.real_rows += tokens.shape[0]
         state.row_tokens.append(tokens)  # kept on the device: reading them back would sync every step
+
+    # ---- the drafting math, as functions of device tensors (eager, static and captured alike) ----
+    def context(self, starts: torch.Tensor, t: int, rows: dict):
+        return self.layer.context(starts, t, rows)
+
+    def drafter_forward(self, ids: torch.Tensor, hidden: torch.Tensor, ctx, rows: str | torch.Tensor):
+        """Drafter rows ids [B, T] with hiddens [B, T, H] -> (logits [B, V'] and the hidden carried
+        to the next draft [B, H], both at each sequence's row `rows`): V' is the draft vocabulary."""
+        out = self.layer.forward_batch(ids, hidden, ctx, self.embed, self.draft_head or self.head, rows)
+        carried = out.hidden if self.carry_normed else out.prenorm
+        return out.logits[:, -1], carried[:, -1]
+
+    def greedy_chain(self, ids, hidden, starts, last_real, context_at, gamma: int) -> torch.Tensor:
+        """Greedy drafts [B, gamma] in one pass (what the fused graph captures): the catch-up rows
+        (row last_real[b] is sequence b's last real one) draft d1, then each further draft feeds
+        the previous one with the carried hidden, one row at a time, argmax inside."""
+        logits, carried = self.drafter_forward(ids, hidden, context_at(starts, ids.shape[1]), last_real)
+        drafts = [self._full_ids(logits.argmax(-1))]
+        starts = starts + last_real + 1  # each sequence's first chain row: right after its real rows
+        for _ in range(gamma - 1):
+            logits, carried = self.drafter_forward(drafts[-1][:, None], carried[:, None], context_at(starts, 1), "last")
+            drafts.append(self._full_ids(logits.argmax(-1)))
+            starts = starts + 1
+        return torch.stack(drafts, dim=1)
+
+    def _full_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.draft_head.to_full(ids) if self.draft_head is not None else ids
 
     # ---- drafting ---------------------------------------------------------------------------
     def propose(self, last_token, hidden, position: int, num_drafts: int, state: ProposerState) -> DraftChain:
         tokens = torch.as_tensor(last_token, device=hidden.device).reshape(-1)
-        return self.propose_batch([tokens], [hidden.reshape(tokens.shape[0], -1)], [position], num_drafts, [state])[0]
+        runner = ForwardRunner("eager", hidden.device)
+        return self.propose_batch([tokens], [hidden.reshape(tokens.shape[0], -1)], [position], num_drafts, [state],
+                                  runner)[0]
 
     def propose_batch_max(self) -> int:
         return self.batch_max
 
     def propose_batch(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], positions: list[int],
-                      num_drafts: int, states: list[ProposerState], graphs=None, slots=None) -> list[DraftChain]:
+                      num_drafts: int, states: list[ProposerState], runner: ForwardRunner) -> list[DraftChain]:
         """Drafts for many sequences. tokens[b]/hiddens[b]: the pending real rows of sequence b
         (at least one: the newest accepted token and the target hidden before it), starting at
         drafter row positions[b]. Chain steps run batched, so each weight is read once per draft
-        position for the whole batch. With `graphs` (a graphs.BatchGraphs) the forwards replay its
-        static catch-up and chain forwards; `slots` = (slot of each sequence, the same on the device)."""
+        position for the whole batch; `runner` runs the forwards (eager, static or captured)."""
         if len(states) > self.batch_max:
             raise ValueError(f"propose_batch takes at most {self.batch_max} sequences")
-        b = len(states)
         for pos, st in zip(positions, states):
             self._check_aligned(pos, st)
-        if graphs is not None and graphs.draft is not None:
-            return self._propose_fused(graphs.draft, slots, tokens, hiddens, num_drafts, states)
-        if graphs is None:
-            logits_t, hidden_t = self._catchup_eager(tokens, hiddens, states)
-            caches = [st.cache for st in states]
-
-            def step(d, h):
-                out = self.layer(d[:, None], h[:, None], caches, self.embed, self.draft_head or self.head, rows="last")
-                return out.logits[:, -1], self._carried(out)[:, -1]
-        else:
-            logits_t, hidden_t = self._catchup_static(graphs.catchup, slots, tokens, hiddens, states)
-
-            def step(d, h):
-                return self._chain_static(graphs.chain, slots, d, h, states)
+        caches = [st.cache for st in states]
+        fused = runner.fused_chain(tokens, hiddens, caches, num_drafts) if num_drafts else None
+        if fused is not None:
+            for st, tok in zip(states, tokens):
+                self._mark_real(st, tok)
+            return [self._chain(st, DraftChain(fused[i], None, num_drafts, None)) for i, st in enumerate(states)]
+        logits, carried = runner.catchup(self, tokens, hiddens, caches)
+        for st, tok in zip(states, tokens):
+            self._mark_real(st, tok)
+        b = len(states)
         drafts, probs, confs = [], [], []
         active = [True] * b
         counts = [0] * b
         for i_step in range(num_drafts):
-            d, q = choose(logits_t, self.sampling, self.gen)
+            d, q = choose(logits, self.sampling, self.gen)
             if self.draft_head is not None:
                 d = self.draft_head.to_full(d)
                 q = None if q is None else self.draft_head.probs_to_full(q, self.head.weight.shape[0])
             drafts.append(d)
             probs.append(q)
             if self.tau is not None:
-                top1 = (q if q is not None else logits_t.float().softmax(-1)).max(-1).values
+                top1 = (q if q is not None else logits.float().softmax(-1)).max(-1).values
                 confs.append(top1)
                 low = (top1 < self.tau).tolist()  # host sync: only with --draft-conf-tau
                 for i in range(b):
@@ -149,92 +170,24 @@ class Glm5MtpHead:
                 counts[i] += active[i]
             if i_step == num_drafts - 1 or not any(active):
                 break
-            logits_t, hidden_t = step(d, hidden_t)
+            logits, carried = runner.chain_step(self, d, carried, caches)
         chains = []
-        dev = logits_t.device
+        dev = logits.device
         for i in range(b):
             toks = torch.stack([d[i] for d in drafts]) if drafts else torch.empty(0, dtype=torch.long, device=dev)
             pr = torch.stack([q[i] for q in probs]) if drafts and probs[0] is not None else None
             conf = float(min(c[i] for c in confs[: max(counts[i], 1)])) if confs else None
-            chain = DraftChain(toks, pr, counts[i] if num_drafts else 0, conf)
-            states[i].last_chain = chain
-            chains.append(chain)
+            chains.append(self._chain(states[i], DraftChain(toks, pr, counts[i] if num_drafts else 0, conf)))
         return chains
 
-    def _carried(self, out) -> torch.Tensor:
-        return out.hidden if self.carry_normed else out.prenorm
+    @staticmethod
+    def _chain(state: ProposerState, chain: DraftChain) -> DraftChain:
+        state.last_chain = chain
+        return chain
 
-    def _catchup_eager(self, tokens, hiddens, states):
-        """Catch-up forwards, sequences grouped by how many rows they append; -> the logits and
-        carried hidden at each sequence's last real row."""
-        logits = [None] * len(states)
-        carried = [None] * len(states)
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, tok in enumerate(tokens):
-            groups[tok.shape[0]].append(i)
-        for k, members in groups.items():
-            out = self.layer(torch.stack([tokens[i] for i in members]), torch.stack([hiddens[i] for i in members]),
-                             [states[i].cache for i in members], self.embed, self.draft_head or self.head,
-                             rows="last")
-            for j, i in enumerate(members):
-                logits[i] = out.logits[j, -1]
-                carried[i] = self._carried(out)[j, -1]
-                self._mark_real(states[i], tokens[i])
-        return torch.stack(logits), torch.stack(carried)
-
-    def _catchup_static(self, f, slots, tokens, hiddens, states):
-        """One padded catch-up forward over every slot (graphs.StaticForward, T = gamma + 1)."""
-        slot_list, slots_dev = slots
-        load_rows(f.ids, slots_dev, slot_list, tokens)
-        load_rows(f.hidden, slots_dev, slot_list, hiddens)
-        starts, rows = [0] * f.b, [0] * f.b
-        for slot, st, tok in zip(slot_list, states, tokens):
-            if st.cache.length + tok.shape[0] > st.cache.capacity:
-                raise RuntimeError("drafter catch-up past the reservation its graph was built for")
-            starts[slot], rows[slot] = st.cache.length, tok.shape[0] - 1
-        f.set_starts(starts)
-        f.set_rows(rows)
-        out = f.run()
-        for st, tok in zip(states, tokens):
-            st.cache.length += tok.shape[0]
-            self._mark_real(st, tok)
-        return _take(out.logits, slots_dev)[:, 0], _take(self._carried(out), slots_dev)[:, 0]
-
-    def _propose_fused(self, f, slots, tokens, hiddens, num_drafts, states) -> list[DraftChain]:
-        """Greedy: the whole chain is one static forward (graphs.draft_chain_greedy)."""
-        if num_drafts != f.t - 1:
-            raise ValueError(f"the fused draft forward was built for {f.t - 1} drafts, asked for {num_drafts}")
-        slot_list, slots_dev = slots
-        load_rows(f.ids, slots_dev, slot_list, tokens)
-        load_rows(f.hidden, slots_dev, slot_list, hiddens)
-        starts, rows = [0] * f.b, [0] * f.b
-        for slot, st, tok in zip(slot_list, states, tokens):
-            if st.cache.length + tok.shape[0] + num_drafts - 1 > st.cache.capacity:
-                raise RuntimeError("draft chain past the reservation its graph was built for")
-            starts[slot], rows[slot] = st.cache.length, tok.shape[0] - 1
-        f.set_starts(starts)
-        f.set_rows(rows)
-        drafts = _take(f.run(), slots_dev)  # [A, gamma]
-        chains = []
-        for i, (st, tok) in enumerate(zip(states, tokens)):
-            st.cache.length += tok.shape[0]
-            self._mark_real(st, tok)
-            st.cache.length += num_drafts - 1  # the chain's speculative rows
-            st.last_chain = DraftChain(drafts[i], None, num_drafts, None)
-            chains.append(st.last_chain)
-        return chains
-
-    def _chain_static(self, f, slots, d, h, states):
-        slot_list, slots_dev = slots
-        load_rows(f.ids, slots_dev, slot_list, d[:, None])
-        load_rows(f.hidden, slots_dev, slot_list, h[:, None])
-        starts = [0] * f.b
-        for slot, st in zip(slot_list, states):
-            starts[slot] = st.cache.length
-            st.cache.length += 1
-        f.set_starts(starts)
-        out = f.run()
-        return _take(out.logits, slots_dev)[:, -1], _take(self._carried(out), slots_dev)[:, -1]
+    def greedy_fusable(self) -> bool:
+        """Whether a batch's whole draft chain can be one forward (greedy, no confidence stop)."""
+        return self.sampling.greedy and self.tau is None
 
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         """Drop the chain's speculative rows. Accepted drafts get real rows (built from the target's
@@ -284,11 +237,6 @@ class Glm5MtpHead:
         if kv.cache is not None:
             kv.cache.release()
             kv.cache = None
-
-
-def _take(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The active slots' rows of a static output (a copy, so the next replay cannot change them)."""
-    return t.index_select(0, slots)
 
 
 def _host_tokens(chunks: list) -> list[int]:

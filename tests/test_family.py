@@ -1,0 +1,252 @@
+"""The engine needs nothing GLM-5-specific: a fake model family whose target keeps a fixed-size
+recurrent state per sequence (a `slot` component, like GLM-5-Next's KDA state) beside paged rows
+runs through the same engine, losslessly, with its state rolled back after every rejection and
+every slot and block given back.
+
+The fake target: s_p = tanh(W s_{p-1} + E[x_p]) is the recurrent state after token p; each token
+also stores s_p as a paged row; m_p is the mean of the stored rows so far, the logits are
+(s_p + m_p) @ E^T and the hidden handed to the drafter is [s_p, m_p]. Its slot is a ring of the last P states (the state after token p
+sits at p % P), so a verify of T <= P tokens leaves the state of every accepted prefix in the
+slot: rolling back is only the engine truncating the sequence's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+
+from glm5mtp_cli.engine.cache import CachePools, cached_rows
+from glm5mtp_cli.engine.proposer import DraftChain, DraftProposer, ProposerState
+from glm5mtp_cli.engine.speculate import Request, SpecEngine
+from glm5mtp_cli.models import register_family
+from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
+
+RING = 8  # states kept per sequence: more than the widest verify (gamma + 1)
+
+
+@dataclass
+class FakeConfig:
+    model_type = "fake_recurrent"
+    vocab_size: int = 7
+    hidden_size: int = 8
+    eos_token_id: list = field(default_factory=list)
+    source: str = "<fake>"
+
+
+@dataclass
+class FakeOut:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    hidden_all: torch.Tensor
+
+
+class FakeTarget(nn.Module):
+    def __init__(self, cfg: FakeConfig):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g))
+        self.w = nn.Parameter(torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, caches: list, rows: str = "all") -> FakeOut:
+        """Token by token on purpose: the reference recurrence, nothing clever to get wrong."""
+        starts, paged = cached_rows(caches, ids.shape[1], ids.device)
+        states = [c.slots["rec"] for c in caches]
+        ring = states[0].pool.data[0]
+        store = paged["row"]
+        hiddens = []
+        for b, c in enumerate(caches):
+            n = int(starts[b])
+            s = ring[states[b].slot, (n - 1) % RING] if n else torch.zeros(self.cfg.hidden_size)
+            seq = []
+            for j in range(ids.shape[1]):
+                s = torch.tanh(self.w @ s + self.embed[ids[b, j]])
+                ring[states[b].slot, (n + j) % RING] = s
+                seq.append(s)
+            new = store.new[b * ids.shape[1]:(b + 1) * ids.shape[1]]
+            store.data[0].index_copy_(0, new, torch.stack(seq))
+            kept = store.data[0].index_select(0, store.all[b, : n + ids.shape[1]])
+            means = kept.cumsum(0)[n:] / torch.arange(n + 1, n + ids.shape[1] + 1)[:, None]
+            hiddens.append(torch.cat([torch.stack(seq), means], -1))
+        h = torch.stack(hiddens)
+        for c in caches:
+            c.length += ids.shape[1]
+        out = h if rows == "all" else h[:, -1:]
+        return FakeOut(self.logits(out), out, h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        s, m = hidden.split(self.cfg.hidden_size, -1)
+        return (s + m) @ self.embed.T
+
+    def advance(self, hidden: torch.Tensor, token: torch.Tensor, position: int) -> torch.Tensor:
+        """The hidden after `token` at `position`, from the hidden before it (what a drafter can
+        know without the caches)."""
+        s, m = hidden.split(self.cfg.hidden_size, -1)
+        s = torch.tanh(self.w @ s + self.embed[token])
+        return torch.cat([s, (m * position + s) / (position + 1)])
+
+
+class SpoilingProposer:
+    """Drafts the target's own greedy continuation, computed from the last hidden, but spoils
+    every draft at a position divisible by 3, so verifies accept some drafts and reject the rest
+    and the rollback behind each partial acceptance is exercised. Holds no cache, only its row
+    count."""
+
+    def __init__(self, target: FakeTarget):
+        self.target = target
+
+    def alloc_state(self) -> ProposerState:
+        return ProposerState(None, 0)
+
+    def alloc_state_for(self, budget_tokens: int) -> ProposerState:
+        return ProposerState(None, budget_tokens)
+
+    def free_state(self, state: ProposerState) -> None:
+        state.freed = True
+
+    def drafter_rows(self, state: ProposerState) -> int:
+        return state.real_rows
+
+    def prefill_drafter(self, prompt_tokens, hiddens, state) -> None:
+        self.catchup_drafter(prompt_tokens[1:], hiddens[:-1], 0, state)
+
+    def catchup_drafter(self, tokens, hiddens, row_base, state) -> None:
+        state.real_rows += tokens.shape[0]
+
+    def after_verify(self, num_accepted: int, state: ProposerState) -> None:
+        pass
+
+    def propose(self, last_token, hidden, position, num_drafts, state) -> DraftChain:
+        raise NotImplementedError
+
+    def propose_batch(self, tokens, hiddens, positions, num_drafts, states, runner) -> list[DraftChain]:
+        out = []
+        for tok, hid, st in zip(tokens, hiddens, states):
+            st.real_rows += tok.shape[0]
+            pos, h, t = st.real_rows, hid[-1], tok[-1]  # t sits at position real_rows
+            drafts = []
+            for k in range(num_drafts):
+                h = self.target.advance(h, t, pos + k)
+                t = self.target.logits(h).argmax()
+                drafts.append((t + 1) % self.target.cfg.vocab_size if (pos + k + 1) % 3 == 0 else t)
+            out.append(DraftChain(torch.stack(drafts), None, num_drafts))
+        return out
+
+    def propose_batch_max(self) -> int:
+        return 64
+
+    def greedy_fusable(self) -> bool:
+        return False
+
+    def last_confidence(self, state):
+        return None
+
+    def context(self, starts, t, rows):
+        raise NotImplementedError("eager only")
+
+    def drafter_forward(self, ids, hidden, ctx, rows):
+        raise NotImplementedError("eager only")
+
+    def greedy_chain(self, ids, hidden, starts, last_real, context_at, gamma):
+        raise NotImplementedError("eager only")
+
+    def take_drafter_kv(self, state):
+        raise NotImplementedError
+
+    def install_drafter_kv(self, kv, state):
+        raise NotImplementedError
+
+    def free_drafter_kv(self, kv):
+        raise NotImplementedError
+
+    def needs_comm(self) -> bool:
+        return False
+
+
+class FakeFamily:
+    name = "fake"
+    model_types = ("fake_recurrent",)
+
+    def parse_config(self, raw, source):
+        return FakeConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+
+    def state_components(self, cfg, dtype, with_drafter=True):
+        return [StateComponent("target_row", "target", ROWS, 1, (cfg.hidden_size,), dtype),
+                StateComponent("target_rec", "target", SLOT, 1, (RING, cfg.hidden_size), dtype)]
+
+    def make_proposer(self, target, mtp, pools, **options):
+        return SpoilingProposer(target)
+
+
+register_family("fake_recurrent", FakeFamily())
+CFG = FakeConfig()
+PROMPTS = [[1, 2, 3], [4, 0, 6, 5, 2, 1, 3], [2]]
+
+
+def _generate(gamma: int, batch: int) -> tuple[list[list[int]], CachePools, list]:
+    target = FakeTarget(CFG)
+    pools = CachePools.create(CFG, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+    proposer = SpoilingProposer(target) if gamma else None
+    engine = SpecEngine(CFG, target, proposer, pools, gamma=gamma, max_seq_len=64, eos_ids=[],
+                        check_invariants=True)
+    res = engine.generate([Request(p, 30, i) for i, p in enumerate(PROMPTS)], batch_size=batch)
+    return [r.tokens for r in res], pools, res
+
+
+def _reference(prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by full recompute of the whole sequence at every token, no cache reuse."""
+    target = FakeTarget(CFG)
+    seq = list(prompt)
+    for _ in range(n):
+        pools = CachePools.create(CFG, num_blocks=32, block_size=4, dtype=torch.float32, device="cpu")
+        cache = pools.target_cache()
+        out = target(torch.tensor([seq]), [cache], rows="last")
+        seq.append(int(out.logits[0, -1].argmax()))
+        cache.release()
+    return seq[len(prompt):]
+
+
+def test_fake_proposer_meets_the_protocol():
+    assert isinstance(SpoilingProposer(FakeTarget(CFG)), DraftProposer)
+
+
+def test_pools_follow_the_family_components():
+    pools = CachePools.create(CFG, num_blocks=5, block_size=4, dtype=torch.float32, device="cpu")
+    assert set(pools.pools) == {"target_row", "target_rec"}
+    cache = pools.target_cache()
+    cache.reserve(3)
+    short = cache.bytes_held()
+    cache.reserve(17)
+    grown = cache.bytes_held()
+    assert grown["rec"] == short["rec"] == RING * CFG.hidden_size * 4  # fixed, whatever the length
+    assert grown["row"] == 5 * short["row"]  # rows grow with tokens (whole blocks of 4)
+    cache.release()
+    assert not any(pools.blocks_held().values())
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_speculation_over_a_recurrent_state_is_lossless(gamma, batch):
+    tokens, pools, res = _generate(gamma, batch)
+    assert tokens == [_reference(p, 30) for p in PROMPTS]
+    assert not any(pools.blocks_held().values()), "a slot or block stayed held"
+    if gamma:
+        acc = [r.acceptance for r in res]
+        proposed = sum(a.proposed for a in acc)
+        accepted = sum(a.accepted for a in acc)
+        assert 0 < accepted < proposed, "the test needs both accepted and rejected drafts"
+
+
+def test_graph_modes_refuse_slot_components():
+    target = FakeTarget(CFG)
+    pools = CachePools.create(CFG, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    engine = SpecEngine(CFG, target, None, pools, gamma=0, max_seq_len=32, eos_ids=[], graphs="static")
+    from glm5mtp_cli.errors import UserError
+
+    with pytest.raises(UserError, match="fixed-size state"):
+        engine.generate([Request([1, 2], 4)])
+    assert not any(pools.blocks_held().values())
