@@ -143,7 +143,8 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_state(rt: Runtime, c: ProfileConfig, policy: str, max_seq_len: int) -> dict:
-    """Pools for one sequence; allocate its target cache and drafter state as SpecEngine._fill does."""
+    """Pools for one sequence, then the engine admits one request of the budget (a one-token
+    prompt): what its target cache and drafter state hold is what the pools' ledger reads."""
     dev = rt.device
     tokens = policy_tokens(c, policy, max_seq_len)
     _sync(dev)
@@ -152,23 +153,16 @@ def measure_state(rt: Runtime, c: ProfileConfig, policy: str, max_seq_len: int) 
                               with_drafter=rt.mtp is not None and c.gamma > 0)
     _sync(dev)
     cuda_delta = torch.cuda.memory_allocated(dev) - before if before is not None else None
-    engine = make_engine(rt, pools, gamma=c.gamma,
-                        max_seq_len=max_seq_len, alloc=policy, device=dev)
-    req = Request([0], c.budget - 1)
-    cache = pools.target_cache()
-    cache.reserve(engine.reserve_tokens(req))
-    state = None
-    if engine.head is not None:
-        state = (engine.head.alloc_state_for(engine.budget_tokens(req)) if policy == "budget"
-                 else engine.head.alloc_state())
-    held = pools.bytes_held()
+    engine = make_engine(rt, pools, gamma=c.gamma, max_seq_len=max_seq_len, alloc=policy, device=dev, eos_ids=[])
+    seq = engine.start(Request([0], c.budget - 1))
+    try:
+        held = pools.bytes_held()
+    finally:
+        engine.release(seq)
     out = {k: held.get(k, 0) for k in COMPONENTS}
     out["total"] = sum(out.values())
     if cuda_delta is not None:
         out["cuda_pool_allocation"] = cuda_delta
-    cache.release()
-    if state is not None:
-        engine.head.free_state(state)
     del engine, pools
     return out
 
