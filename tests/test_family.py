@@ -5,9 +5,9 @@ every slot and block given back.
 
 The fake target: s_p = tanh(W s_{p-1} + E[x_p]) is the recurrent state after token p; each token
 also stores s_p as a paged row; m_p is the mean of the stored rows so far, the logits are
-(s_p + m_p) @ E^T and the hidden handed to the drafter is [s_p, m_p]. Its slot is a ring of the last P states (the state after token p
-sits at p % P), so a verify of T <= P tokens leaves the state of every accepted prefix in the
-slot: rolling back is only the engine truncating the sequence's length.
+(s_p + m_p) @ E^T and the hidden handed to the drafter is [s_p, m_p]. Its slot holds the state
+after the committed rows; a forward leaves the states of its rows pending, and the engine's
+truncate after a verify commits the accepted one (engine/cache.py, SequenceCache).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from glm5mtp_cli.engine.speculate import Request, SpecEngine
 from glm5mtp_cli.models import register_family
 from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
 
-RING = 8  # states kept per sequence: more than the widest verify (gamma + 1)
 
 
 @dataclass
@@ -55,23 +54,22 @@ class FakeTarget(nn.Module):
     def forward(self, ids: torch.Tensor, caches: list, rows: str = "all") -> FakeOut:
         """Token by token on purpose: the reference recurrence, nothing clever to get wrong."""
         starts, paged = cached_rows(caches, ids.shape[1], ids.device)
-        states = [c.slots["rec"] for c in caches]
-        ring = states[0].pool.data[0]
         store = paged["row"]
         hiddens = []
         for b, c in enumerate(caches):
-            n = int(starts[b])
-            s = ring[states[b].slot, (n - 1) % RING] if n else torch.zeros(self.cfg.hidden_size)
+            n, slot = int(starts[b]), c.slots["rec"]
+            s = slot.pool.data[0, slot.slot]
             seq = []
             for j in range(ids.shape[1]):
                 s = torch.tanh(self.w @ s + self.embed[ids[b, j]])
-                ring[states[b].slot, (n + j) % RING] = s
                 seq.append(s)
             new = store.new[b * ids.shape[1]:(b + 1) * ids.shape[1]]
             store.data[0].index_copy_(0, new, torch.stack(seq))
             kept = store.data[0].index_select(0, store.all[b, : n + ids.shape[1]])
             means = kept.cumsum(0)[n:] / torch.arange(n + 1, n + ids.shape[1] + 1)[:, None]
             hiddens.append(torch.cat([torch.stack(seq), means], -1))
+            c.leave_pending(lambda length, slot=slot, seq=seq, n=n:
+                            slot.pool.data[0, slot.slot].copy_(seq[length - n - 1]) if length > n else None)
         h = torch.stack(hiddens)
         for c in caches:
             c.length += ids.shape[1]
@@ -176,7 +174,7 @@ class FakeFamily:
 
     def state_components(self, cfg, dtype, with_drafter=True):
         return [StateComponent("target_row", "target", ROWS, 1, (cfg.hidden_size,), dtype),
-                StateComponent("target_rec", "target", SLOT, 1, (RING, cfg.hidden_size), dtype)]
+                StateComponent("target_rec", "target", SLOT, 1, (cfg.hidden_size,), dtype)]
 
     def make_proposer(self, target, mtp, pools, **options):
         return SpoilingProposer(target)
@@ -222,7 +220,7 @@ def test_pools_follow_the_family_components():
     short = cache.bytes_held()
     cache.reserve(17)
     grown = cache.bytes_held()
-    assert grown["rec"] == short["rec"] == RING * CFG.hidden_size * 4  # fixed, whatever the length
+    assert grown["rec"] == short["rec"] == CFG.hidden_size * 4  # fixed, whatever the length
     assert grown["row"] == 5 * short["row"]  # rows grow with tokens (whole blocks of 4)
     cache.release()
     assert not any(pools.blocks_held().values())
@@ -239,6 +237,26 @@ def test_speculation_over_a_recurrent_state_is_lossless(gamma, batch):
         proposed = sum(a.proposed for a in acc)
         accepted = sum(a.accepted for a in acc)
         assert 0 < accepted < proposed, "the test needs both accepted and rejected drafts"
+
+
+def test_a_fixed_size_state_refuses_to_roll_back_past_its_last_forward():
+    target = FakeTarget(CFG)
+    pools = CachePools.create(CFG, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    cache = pools.target_cache()
+    target(torch.tensor([[1, 2, 3]]), [cache])
+    target(torch.tensor([[4, 5]]), [cache])
+    with pytest.raises(ValueError, match="before the last forward"):
+        cache.truncate(2)
+    cache.truncate(4)  # inside the last forward: commits the state after token 4
+    fresh = pools.target_cache()
+    target(torch.tensor([[1, 2, 3, 4]]), [fresh])
+    fresh.prepare(0)  # a later forward would commit the prefill whole
+    rec = pools.pools["target_rec"].data[0]
+    assert torch.equal(rec[cache.slots["rec"].slot], rec[fresh.slots["rec"].slot])
+    fresh.release()
+    with pytest.raises(ValueError, match="only into its last forward"):
+        cache.truncate(3)
+    cache.release()
 
 
 def test_graph_modes_refuse_slot_components():

@@ -234,15 +234,22 @@ def cached_rows(caches: list, t: int, device) -> tuple[torch.Tensor, dict[str, C
 
 class SequenceCache:
     """One model's (target or drafter) per-sequence state: paged rows per component ("mla",
-    "indexer", ...) and fixed-size slots per component. `length` is the rows the sequence holds;
-    truncating it is the whole rollback for rows; a slot component's model recovers the state of
-    an accepted prefix from what it keeps in the slot (models/family.py)."""
+    "indexer", ...) and fixed-size slots per component. `length` is the rows the sequence holds.
+
+    Rollback. Truncating `length` is the whole rollback for rows. A fixed-size state cannot be cut
+    back, so a forward that advances one leaves `pending`: a function that commits the state
+    after the first k rows of that forward (k given as the kept length). The engine's truncate
+    after a verify calls it with the accepted length; the next forward commits all of its rows
+    first if nobody truncated (a prefill). Rolling a slot further back than its last forward is
+    refused."""
 
     def __init__(self, rows: dict[str, PagedRows], slots: dict[str, SlotRef] | None = None):
         self.rows = rows
         self.slots = slots or {}
         self.length = 0
         self.released = False
+        self.pending = None  # set by a model's forward over slot components: pending(kept_length)
+        self.pending_from = 0  # the length before that forward
 
     @property
     def capacity(self) -> int:
@@ -257,7 +264,9 @@ class SequenceCache:
             part.reserve(tokens)
 
     def prepare(self, num_new: int) -> None:
-        """Room for num_new more rows; grows the reservation only if the budget was exceeded."""
+        """Room for num_new more rows; grows the reservation only if the budget was exceeded.
+        Commits a previous forward's pending state whole (nothing rolled it back)."""
+        self._commit(self.length)
         end = self.length + num_new
         if end > self.capacity:
             self.reserve(end)
@@ -266,7 +275,22 @@ class SequenceCache:
         """Drop rows past `length` (they are overwritten by the next append)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} rows to {length}")
+        if self.slots and self.pending is None and length < self.length:
+            raise ValueError(f"a fixed-size state cannot roll back from {self.length} rows to {length}: "
+                             "only into its last forward")
+        if self.pending is not None and length < self.pending_from:
+            raise ValueError(f"cannot roll back to {length} rows, before the last forward ({self.pending_from})")
+        self._commit(length)
         self.length = length
+
+    def leave_pending(self, commit) -> None:
+        """A model's forward advanced fixed-size state: `commit(kept_length)` keeps a prefix of it."""
+        self.pending, self.pending_from = commit, self.length
+
+    def _commit(self, length: int) -> None:
+        if self.pending is not None:
+            commit, self.pending = self.pending, None
+            commit(length)
 
     def release(self, keep: str | None = None) -> None:
         """Give every block and slot back (except component `keep`: leak-check's self-test). Safe
@@ -274,6 +298,7 @@ class SequenceCache:
         for name, part in (*self.rows.items(), *self.slots.items()):
             if name != keep:
                 part.release()
+        self.pending = None
         self.length = 0
         self.released = True
 
