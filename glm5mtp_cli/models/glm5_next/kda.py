@@ -70,24 +70,34 @@ def prepare_inputs(q, k, v, g, beta) -> KdaInputs:
     return KdaInputs(q, k, v.float(), g.float(), beta.float())
 
 
-def kda_recurrent(x: KdaInputs, state: torch.Tensor, keep_states: bool = False):
+def kda_recurrent(x: KdaInputs, state: torch.Tensor, keep_states: bool = False,
+                  states_out: torch.Tensor | None = None):
     """Token-by-token recurrence (decode / verify form). state [H, d, d] fp32, not modified.
 
     Returns (o [T, H, d] fp32, final state, states [T, H, d, d] or None): states[t] is S after
-    position t.
+    position t. states_out: a preallocated [>=T, H, d, d] fp32 buffer for those states (an engine's
+    per-position slots); the update runs in place in it, with no 4 MiB allocation per row.
     """
-    s = state.float().clone()
-    outs, kept = [], []
-    for t in range(x.q.shape[0]):
-        s = s * x.g[t].exp().unsqueeze(-1)                      # Diag(exp g) S
-        kv = torch.einsum("hk,hkv->hv", x.k[t], s)             # S^T k
-        delta = x.beta[t].unsqueeze(-1) * (x.v[t] - kv)         # beta (v - S^T k)
-        s = s + x.k[t].unsqueeze(-1) * delta.unsqueeze(-2)      # S + k delta^T
-        outs.append(torch.einsum("hk,hkv->hv", x.q[t], s))     # S^T q
+    T = x.q.shape[0]
+    if keep_states and states_out is None:
+        states_out = torch.empty(T, *state.shape, dtype=torch.float32, device=state.device)
+    prev = state.float()
+    s = None if keep_states else prev.clone()
+    outs = []
+    for t in range(T):
+        decay = x.g[t].exp().unsqueeze(-1)
         if keep_states:
-            kept.append(s)
+            s = torch.mul(prev, decay, out=states_out[t])          # Diag(exp g) S
+        else:
+            s.mul_(decay)
+        kv = torch.bmm(x.k[t].unsqueeze(1), s).squeeze(1)         # S^T k       [H, d]
+        delta = x.beta[t].unsqueeze(-1) * (x.v[t] - kv)            # beta (v - S^T k)
+        s.baddbmm_(x.k[t].unsqueeze(-1), delta.unsqueeze(1))       # S + k delta^T
+        outs.append(torch.bmm(x.q[t].unsqueeze(1), s).squeeze(1))  # S^T q
+        prev = s
     o = torch.stack(outs) if outs else x.v.new_zeros(x.v.shape)
-    return o, s, (torch.stack(kept) if keep_states and kept else None)
+    final = prev if T else state.float().clone()
+    return o, final, (states_out[:T] if keep_states else None)
 
 
 def kda_chunked(x: KdaInputs, state: torch.Tensor, chunk: int = CHUNK):
@@ -209,11 +219,12 @@ class KdaLayer(nn.Module):
         return self.o_proj(of.to(a.dtype).reshape(T, -1))
 
     def forward(self, a: torch.Tensor, state: torch.Tensor, window: torch.Tensor, mode: str = "final",
-                chunk: int = CHUNK) -> tuple[torch.Tensor, KdaPending]:
-        """a [T, D] normed block input; state [H, d, d] fp32 and window [K-1, 3C] are read, not written."""
+                chunk: int = CHUNK, states_out: torch.Tensor | None = None) -> tuple[torch.Tensor, KdaPending]:
+        """a [T, D] normed block input; state [H, d, d] fp32 and window [K-1, 3C] are read, not written.
+        states_out (mode states): preallocated per-position state slots [>=T, H, d, d]."""
         x, extended = self.inputs(a, window)
         if mode == "states":
-            o, _, states = kda_recurrent(x, state, keep_states=True)
+            o, _, states = kda_recurrent(x, state, keep_states=True, states_out=states_out)
             pending = KdaPending(extended, states=states, start=state)
         elif mode == "replay":
             o, _ = kda_chunked(x, state, chunk) if x.q.shape[0] > 1 else kda_recurrent(x, state)[:2]
