@@ -52,19 +52,29 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with `limit` (GLM-5-Next) the clamp is asymmetric: gate only from above,
+    up to [-limit, limit]. GLM-5 has no clamp (limit None)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), optionally clamped (see swiglu)."""
 
     comm = None  # set by parallel.shard_model on a column/row-sharded dense MLP: sum over ranks
 
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, swiglu_limit: float | None = None):
         super().__init__()
+        self.swiglu_limit = swiglu_limit
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
         return out
@@ -112,9 +122,10 @@ class Experts(nn.Module):
     # each chosen matrix read once per token); above it, loop over the experts that were hit.
     GATHER_MAX_PAIRS = 64
 
-    def __init__(self, n_experts: int, hidden: int, inner: int):
+    def __init__(self, n_experts: int, hidden: int, inner: int, swiglu_limit: float | None = None):
         super().__init__()
         self.n_experts = n_experts
+        self.swiglu_limit = swiglu_limit
         self.offset = 0  # global id of expert 0 here (expert parallel: this rank holds offset..offset+n-1)
         self.gate = nn.Parameter(torch.empty(n_experts, inner, hidden))
         self.up = nn.Parameter(torch.empty(n_experts, inner, hidden))
@@ -143,11 +154,11 @@ class Experts(nn.Module):
         return self._looped(x, weights, torch.where(mine, local, self.n_experts))
 
     def _gathered(self, x, weights, ids):
-        if x.is_cuda and x.dtype == self.gate.dtype:
+        if x.is_cuda and x.dtype == self.gate.dtype and self.swiglu_limit is None:  # the kernel has no clamp
             # kernels/moe.py reads each chosen expert in place (the gather below copies it first)
             return moe_experts(x.contiguous(), self.gate, self.up, self.down, weights, ids)
         gate, up, down = self.gate[ids], self.up[ids], self.down[ids]  # [N, k, ...]
-        h = F.silu(torch.einsum("nh,nkih->nki", x, gate)) * torch.einsum("nh,nkih->nki", x, up)
+        h = swiglu(torch.einsum("nh,nkih->nki", x, gate), torch.einsum("nh,nkih->nki", x, up), self.swiglu_limit)
         out = torch.einsum("nki,nkhi->nkh", h, down)
         return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
 
@@ -167,7 +178,7 @@ class Experts(nn.Module):
             tok = token_of[start:start + c]
             start += c
             xe = x[tok]
-            h = F.silu(xe @ self.gate[e].t()) * (xe @ self.up[e].t())
+            h = swiglu(xe @ self.gate[e].t(), xe @ self.up[e].t(), self.swiglu_limit)
             ye = (h @ self.down[e].t()) * weights.reshape(-1)[sel].unsqueeze(-1).to(x.dtype)
             out.index_add_(0, tok, ye)
         return out
@@ -202,11 +213,13 @@ class MoE(nn.Module):
     # slice; the routed and shared partials are added, then summed over ranks in ONE all-reduce.
     comm = None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, swiglu_limit: float | None = None):
+        """cfg: any config with the router/expert fields of ModelConfig (GLM-5-Next's NextConfig
+        has them under the same names); swiglu_limit clamps every expert (GLM-5-Next: 10)."""
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, swiglu_limit)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, swiglu_limit)
         self.last_expert_ids: torch.Tensor | None = None  # kept for load balancing in training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,237 @@
+"""Kimi Delta Attention (KDA), the linear-attention layers of GLM-5-Next (REFERENCE section 5).
+
+A KDA layer keeps, per sequence, a fixed-size state: the recurrent matrix S [H, d, d] (fp32; rows =
+key channel, columns = value channel) and the short-conv window (the last K-1 pre-conv q|k|v rows).
+Everything here is a pure function of (inputs, state) -> (outputs, new state) so the engine can
+back the storage with its own pools; `KdaLayer.forward` returns a `KdaPending` that is committed to
+any accepted prefix afterwards (speculative verify, section 8):
+
+- mode "final":  chunked form, only the state after the last token (prefill / decode);
+- mode "states": recurrent form, the state after EVERY position kept (rollback = pick one);
+- mode "replay": outputs from the chunked form, the per-position kernel inputs kept, committed S
+  untouched (rollback = re-run a+1 recurrent steps from it, no GEMMs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm5mtp_cli.models.glm5_next.config import NextConfig
+
+CHUNK = 64  # chunk length of the prefill form (transformers' and FLA's)
+
+
+# ---- short causal conv -----------------------------------------------------------------------
+
+def conv_apply(z: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over new rows.
+
+    z [T, C] (pre-conv), window [K-1, C] (the K-1 rows before z; zeros at the sequence start),
+    weight [C, K]. Returns (silu(conv) [T, C] in z's dtype, the extended window [K-1+T, C]).
+    The new window after accepting the first m rows is extended[m : m+K-1].
+    """
+    k = weight.shape[-1]
+    full = torch.cat([window.to(z.dtype), z], dim=0)
+    cols = full.float().unfold(0, k, 1)  # [T, C, K]: column j is row t+j of `full`
+    out = F.silu((cols * weight.float()).sum(-1))
+    return out.to(z.dtype), full
+
+
+# ---- the recurrence -----------------------------------------------------------------------------
+
+@dataclass
+class KdaInputs:
+    """Per-position kernel inputs (fp32): q (normalised and scaled), k (normalised), v, g (log-decay
+    per channel, <= 0), beta. q/k/v/g [T, H, d], beta [T, H]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def take(self, n: int) -> "KdaInputs":
+        return KdaInputs(self.q[:n], self.k[:n], self.v[:n], self.g[:n], self.beta[:n])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v, self.g, self.beta))
+
+
+def prepare_inputs(q, k, v, g, beta) -> KdaInputs:
+    """L2-normalise q and k (eps 1e-6), scale q by d^-1/2; everything fp32."""
+    d = q.shape[-1]
+    q, k = q.float(), k.float()
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * d ** -0.5
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    return KdaInputs(q, k, v.float(), g.float(), beta.float())
+
+
+def kda_recurrent(x: KdaInputs, state: torch.Tensor, keep_states: bool = False,
+                  states_out: torch.Tensor | None = None):
+    """Token-by-token recurrence (decode / verify form). state [H, d, d] fp32, not modified.
+
+    Returns (o [T, H, d] fp32, final state, states [T, H, d, d] or None): states[t] is S after
+    position t. states_out: a preallocated [>=T, H, d, d] fp32 buffer for those states (an engine's
+    per-position slots); the update runs in place in it, with no 4 MiB allocation per row.
+    """
+    T = x.q.shape[0]
+    if keep_states and states_out is None:
+        states_out = torch.empty(T, *state.shape, dtype=torch.float32, device=state.device)
+    prev = state.float()
+    s = None if keep_states else prev.clone()
+    outs = []
+    for t in range(T):
+        decay = x.g[t].exp().unsqueeze(-1)
+        if keep_states:
+            s = torch.mul(prev, decay, out=states_out[t])          # Diag(exp g) S
+        else:
+            s.mul_(decay)
+        kv = torch.bmm(x.k[t].unsqueeze(1), s).squeeze(1)         # S^T k       [H, d]
+        delta = x.beta[t].unsqueeze(-1) * (x.v[t] - kv)            # beta (v - S^T k)
+        s.baddbmm_(x.k[t].unsqueeze(-1), delta.unsqueeze(1))       # S + k delta^T
+        outs.append(torch.bmm(x.q[t].unsqueeze(1), s).squeeze(1))  # S^T q
+        prev = s
+    o = torch.stack(outs) if outs else x.v.new_zeros(x.v.shape)
+    final = prev if T else state.float().clone()
+    return o, final, (states_out[:T] if keep_states else None)
+
+
+def kda_chunked(x: KdaInputs, state: torch.Tensor, chunk: int = CHUNK):
+    """Chunked (WY) form, equal to kda_recurrent up to rounding. Returns (o [T, H, d], final state).
+
+    Within a chunk, with G the cumulative log-decay: solve (I + L) for the delta-rule corrections
+    (L strictly lower triangular), then one matmul pass for outputs and the state. Decay ratios are
+    taken as exp(G_r - G_s) with r >= s only, so nothing overflows however long the chunk.
+    """
+    T, H, d = x.q.shape
+    s = state.float().clone()
+    outs = []
+    for c0 in range(0, T, chunk):
+        q, k, v, g, beta = (t[c0:c0 + chunk] for t in (x.q, x.k, x.v, x.g, x.beta))
+        L = q.shape[0]
+        G = g.cumsum(0)                                                        # [L, H, d]
+        tri = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()      # s <= r
+        diff = (G.unsqueeze(1) - G.unsqueeze(0)).masked_fill(~tri[:, :, None, None], float("-inf")).exp()  # [r, s, H, d]
+        kk = torch.einsum("rhc,shc,rshc->hrs", k, k, diff)                     # sum_c k_r k_s e^{G_r-G_s}
+        lmat = (beta.t().unsqueeze(-1) * kk).tril(-1)                          # [H, r, s], s < r
+        eye = torch.eye(L, dtype=q.dtype, device=q.device).expand(H, L, L)
+        bv = (beta.unsqueeze(-1) * v).transpose(0, 1)                          # [H, L, d]
+        bk = (beta.unsqueeze(-1) * k * G.exp()).transpose(0, 1)
+        u = torch.linalg.solve_triangular(eye + lmat, bv, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(eye + lmat, bk, upper=False, unitriangular=True)
+        vp = u - torch.matmul(w, s)                                            # V' = U - W S
+        aqk = torch.einsum("rhc,shc,rshc->hrs", q, k, diff)                    # s <= r (diff is 0 above)
+        qg = (q * G.exp()).transpose(0, 1)
+        o = torch.matmul(qg, s) + torch.matmul(aqk, vp)                        # [H, L, d]
+        last = G[-1]                                                           # [H, d]
+        kdec = (k * (last.unsqueeze(0) - G).exp()).transpose(0, 1)            # K * e^{G_last - G}
+        s = last.exp().unsqueeze(-1) * s + torch.matmul(kdec.transpose(-1, -2), vp)
+        outs.append(o.transpose(0, 1))
+    o = torch.cat(outs) if outs else x.v.new_zeros(x.v.shape)
+    return o, s
+
+
+# ---- the layer ------------------------------------------------------------------------------------
+
+@dataclass
+class KdaPending:
+    """What a KDA forward over T rows leaves for commit(keep): keep the first `keep` rows."""
+
+    extended: torch.Tensor                 # [K-1+T, 3C] pre-conv window + new rows
+    final: torch.Tensor | None = None      # mode final: S after all T rows
+    states: torch.Tensor | None = None     # mode states: [T, H, d, d]
+    inputs: KdaInputs | None = None        # mode replay: kernel inputs of the T rows
+    start: torch.Tensor | None = None      # the committed S before the rows (read only)
+
+    def commit(self, keep: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, conv window) after keeping the first `keep` rows (0..T); k = conv kernel width."""
+        window = self.extended[keep:keep + k - 1].clone()
+        if keep == 0:
+            return self.start.clone(), window
+        if self.states is not None:
+            return self.states[keep - 1].clone(), window
+        if self.inputs is not None:
+            _, s, _ = kda_recurrent(self.inputs.take(keep), self.start)
+            return s, window
+        if keep != self.extended.shape[0] - (k - 1):
+            raise ValueError("a 'final' KDA forward can only commit all of its rows")
+        return self.final, window
+
+
+class _Weight(nn.Module):
+    """A bare `.weight` holder so state_dict names match the checkpoint (`q_conv1d.weight`)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=torch.float32))
+
+
+class KdaLayer(nn.Module):
+    """Parameters named as the checkpoint's `layers.N.self_attn.*` of a KDA layer."""
+
+    def __init__(self, cfg: NextConfig):
+        super().__init__()
+        d, c, hd, nh, k = cfg.hidden_size, cfg.linear_dim, cfg.linear_head_dim, cfg.linear_num_heads, cfg.linear_conv_kernel_dim
+        self.heads, self.head_dim, self.kernel = nh, hd, k
+        self.eps = cfg.rms_norm_eps
+        self.lower_bound = cfg.linear_lower_bound
+        self.q_proj = nn.Linear(d, c, bias=False)
+        self.k_proj = nn.Linear(d, c, bias=False)
+        self.v_proj = nn.Linear(d, c, bias=False)
+        # depthwise conv weights, one per q/k/v (the checkpoint keeps them split; conv is per channel)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = _Weight(c, 1, k), _Weight(c, 1, k), _Weight(c, 1, k)
+        self.f_a_proj = nn.Linear(d, hd, bias=False)
+        self.f_b_proj = nn.Linear(hd, c, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(c, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(nh, dtype=torch.float32))
+        self.b_proj = nn.Linear(d, nh, bias=False)
+        self.g_a_proj = nn.Linear(d, hd, bias=False)
+        self.g_b_proj = nn.Linear(hd, c, bias=False)
+        self.o_norm = _Weight(hd)
+        self.o_proj = nn.Linear(c, d, bias=False)
+
+    def conv_weight(self) -> torch.Tensor:
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def inputs(self, a: torch.Tensor, window: torch.Tensor) -> tuple[KdaInputs, torch.Tensor]:
+        """Kernel inputs of rows a [T, D] after the window [K-1, 3C]; also the extended window."""
+        T = a.shape[0]
+        z = torch.cat([self.q_proj(a), self.k_proj(a), self.v_proj(a)], dim=-1)
+        zc, extended = conv_apply(z, window, self.conv_weight())
+        q, k, v = (t.reshape(T, self.heads, self.head_dim) for t in zc.chunk(3, dim=-1))
+        # forget gate (reads the pre-conv input a): lb * sigmoid(exp(A_log) (f_b f_a a + dt_bias))
+        f = (self.f_b_proj(self.f_a_proj(a)).float() + self.dt_bias.float()).view(T, self.heads, self.head_dim)
+        g = self.lower_bound * torch.sigmoid(self.A_log.float().exp().view(1, -1, 1) * f)
+        beta = torch.sigmoid(self.b_proj(a))
+        return prepare_inputs(q, k, v, g, beta), extended
+
+    def output(self, a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Gated per-head RMSNorm (fp32, weight included) then o_proj."""
+        T = a.shape[0]
+        gate = self.g_b_proj(self.g_a_proj(a)).view(T, self.heads, self.head_dim)
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
+        of = of * torch.sigmoid(gate.float())
+        return self.o_proj(of.to(a.dtype).reshape(T, -1))
+
+    def forward(self, a: torch.Tensor, state: torch.Tensor, window: torch.Tensor, mode: str = "final",
+                chunk: int = CHUNK, states_out: torch.Tensor | None = None) -> tuple[torch.Tensor, KdaPending]:
+        """a [T, D] normed block input; state [H, d, d] fp32 and window [K-1, 3C] are read, not written.
+        states_out (mode states): preallocated per-position state slots [>=T, H, d, d]."""
+        x, extended = self.inputs(a, window)
+        if mode == "states":
+            o, _, states = kda_recurrent(x, state, keep_states=True, states_out=states_out)
+            pending = KdaPending(extended, states=states, start=state)
+        elif mode == "replay":
+            o, _ = kda_chunked(x, state, chunk) if x.q.shape[0] > 1 else kda_recurrent(x, state)[:2]
+            pending = KdaPending(extended, inputs=x, start=state)
+        elif mode == "final":
+            o, s = kda_chunked(x, state, chunk) if x.q.shape[0] > 1 else kda_recurrent(x, state)[:2]
+            pending = KdaPending(extended, final=s, start=state)
+        else:
+            raise ValueError(f"unknown KDA mode {mode!r}")
+        return self.output(a, o.to(a.dtype)), pending

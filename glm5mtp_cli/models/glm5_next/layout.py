@@ -1,0 +1,140 @@
+"""Checkpoint tensor names and shapes of a GLM-5-Next model in the REAL layout, and their mapping to
+this package's module parameters.
+
+Real checkpoints (and `Glm5NextForConditionalGeneration.save_pretrained`) write the text tower under
+`model.language_model.` (layers, embed_tokens, norm), `lm_head.weight` at the top level, the vision
+tower under `model.visual.` (never read here) and the MTP layer as `layers.{num_hidden_layers}`.
+The modules in this package name their parameters exactly as the checkpoint does after the prefix
+(separate q/k/v conv weights, per-expert tensors, `hc_attn_fn`, ...), so the mapping is a prefix
+strip: no renames to keep in step with transformers' conversion table.
+"""
+
+from __future__ import annotations
+
+from glm5mtp_cli.models.glm5_next.config import NextConfig
+
+PREFIX = "model.language_model."
+LM_HEAD = "lm_head.weight"
+VISUAL_PREFIX = "model.visual."
+
+
+def layer_prefix(layer: int) -> str:
+    return f"{PREFIX}layers.{layer}."
+
+
+def is_visual(name: str) -> bool:
+    return name.startswith(VISUAL_PREFIX)
+
+
+def _mla_shapes(cfg: NextConfig) -> dict[str, tuple[int, ...]]:
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    di, hi = cfg.index_head_dim, cfg.index_n_heads
+    return {
+        "self_attn.q_a_proj.weight": (cfg.q_lora_rank, d),
+        "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
+        "self_attn.q_b_proj.weight": (h * cfg.qk_head_dim, cfg.q_lora_rank),
+        "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank, d),
+        "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        "self_attn.o_proj.weight": (d, h * cfg.v_head_dim),
+        "self_attn.indexer.wq_b.weight": (hi * di, cfg.q_lora_rank),
+        "self_attn.indexer.wk.weight": (di, d),
+        "self_attn.indexer.k_norm.weight": (di,),
+        "self_attn.indexer.k_norm.bias": (di,),
+        "self_attn.indexer.weights_proj.weight": (hi, d),
+        "self_attn.indexer.index_kpool_compress_ape": (cfg.index_kpool, di),
+        "self_attn.indexer.index_kpool_compress_gate": (di, d),
+    }
+
+
+def _kda_shapes(cfg: NextConfig) -> dict[str, tuple[int, ...]]:
+    d, c, hd, nh, k = cfg.hidden_size, cfg.linear_dim, cfg.linear_head_dim, cfg.linear_num_heads, cfg.linear_conv_kernel_dim
+    out = {f"self_attn.{x}_proj.weight": (c, d) for x in "qkv"}
+    out.update({f"self_attn.{x}_conv1d.weight": (c, 1, k) for x in "qkv"})
+    out.update({
+        "self_attn.f_a_proj.weight": (hd, d), "self_attn.f_b_proj.weight": (c, hd),
+        "self_attn.dt_bias": (c,), "self_attn.A_log": (nh,), "self_attn.b_proj.weight": (nh, d),
+        "self_attn.g_a_proj.weight": (hd, d), "self_attn.g_b_proj.weight": (c, hd),
+        "self_attn.o_norm.weight": (hd,), "self_attn.o_proj.weight": (d, c),
+    })
+    return out
+
+
+def _mlp_shapes(cfg: NextConfig, moe: bool) -> dict[str, tuple[int, ...]]:
+    d = cfg.hidden_size
+    if not moe:
+        i = cfg.intermediate_size
+        return {"mlp.gate_proj.weight": (i, d), "mlp.up_proj.weight": (i, d), "mlp.down_proj.weight": (d, i)}
+    i, e, si = cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.moe_intermediate_size * cfg.n_shared_experts
+    out = {"mlp.gate.weight": (e, d), "mlp.gate.e_score_correction_bias": (e,)}
+    for x in range(e):
+        out.update({f"mlp.experts.{x}.gate_proj.weight": (i, d), f"mlp.experts.{x}.up_proj.weight": (i, d),
+                    f"mlp.experts.{x}.down_proj.weight": (d, i)})
+    if cfg.n_shared_experts:
+        out.update({"mlp.shared_experts.gate_proj.weight": (si, d), "mlp.shared_experts.up_proj.weight": (si, d),
+                    "mlp.shared_experts.down_proj.weight": (d, si)})
+    return out
+
+
+def layer_shapes(cfg: NextConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Tensors of trunk layer `layer` (0..num_hidden_layers-1), names relative to its prefix."""
+    d, n = cfg.hidden_size, cfg.hc_mult
+    out = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    for site in ("attn", "ffn"):  # mHC: (2 + n) * n mixing weights from the n*d flattened streams
+        out.update({f"hc_{site}_fn": ((2 + n) * n, n * d), f"hc_{site}_base": ((2 + n) * n,), f"hc_{site}_scale": (3,)})
+    out.update(_kda_shapes(cfg) if cfg.is_kda(layer) else _mla_shapes(cfg))
+    out.update(_mlp_shapes(cfg, cfg.is_moe(layer)))
+    return out
+
+
+def mtp_shapes(cfg: NextConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP layer's tensors, relative to `layers.{num_hidden_layers}.`: a plain-residual MLA +
+    own indexer + MoE block (no hc_*), its input projection and norms; no embed/head of its own."""
+    d = cfg.hidden_size
+    out = {"eh_proj.weight": (d, 2 * d), "enorm.weight": (d,), "hnorm.weight": (d,), "shared_head.norm.weight": (d,),
+           "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    out.update(_mla_shapes(cfg))
+    out.update(_mlp_shapes(cfg, True))
+    return out
+
+
+def target_shapes(cfg: NextConfig) -> dict[str, tuple[int, ...]]:
+    """Full checkpoint names -> shapes of the target (trunk, embedding, final norm, lm_head)."""
+    out = {PREFIX + "embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), PREFIX + "norm.weight": (cfg.hidden_size,),
+           LM_HEAD: (cfg.vocab_size, cfg.hidden_size)}
+    for layer in range(cfg.num_hidden_layers):
+        out.update({layer_prefix(layer) + k: v for k, v in layer_shapes(cfg, layer).items()})
+    return out
+
+
+def checkpoint_shapes(cfg: NextConfig) -> dict[str, tuple[int, ...]]:
+    """Every text tensor a checkpoint holds (target + MTP layer)."""
+    out = target_shapes(cfg)
+    out.update({layer_prefix(cfg.mtp_layer_index) + k: v for k, v in mtp_shapes(cfg).items()})
+    return out
+
+
+def target_module_key(name: str) -> str | None:
+    """Checkpoint name -> Glm5NextForCausalLM state_dict key (None: not a target tensor)."""
+    if name == LM_HEAD:
+        return LM_HEAD
+    if name.startswith(PREFIX):
+        return name[len(PREFIX):]
+    return None
+
+
+def mtp_module_key(cfg: NextConfig, name: str) -> str | None:
+    """Checkpoint name -> Glm5NextMtpLayer state_dict key (None: not an MTP tensor)."""
+    p = layer_prefix(cfg.mtp_layer_index)
+    return name[len(p):] if name.startswith(p) else None
+
+
+# Tensors computed in fp32 whatever the load dtype (REFERENCE section 10): KDA gate parameters and
+# conv weights, mHC mixing weights, the router and its bias.
+_FP32_SUFFIXES = ("self_attn.A_log", "self_attn.dt_bias", "_conv1d.weight", "mlp.gate.weight",
+                  "mlp.gate.e_score_correction_bias", "self_attn.o_norm.weight")
+
+
+def keeps_fp32(key: str) -> bool:
+    last = key.rsplit(".", 1)[-1]
+    return key.endswith(_FP32_SUFFIXES) or last.startswith("hc_")
