@@ -63,7 +63,7 @@ def _rank_checks(folder: str, report_path: str) -> None:
 
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.checkpoint.load import load_models, resolve_model
-    from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
+    from glm5mtp_cli.engine.mtp_head import MtpHead
     from glm5mtp_cli.engine.parallel import strip_comm
     from glm5mtp_cli.engine.runtime import Runtime, make_engine
     from glm5mtp_cli.engine.sampling import SamplingParams
@@ -90,8 +90,8 @@ def _rank_checks(folder: str, report_path: str) -> None:
     assert s1["bytes_read"] == _param_bytes(t1, m1)
     report["bytes_read"] = [s1["bytes_read"], s2["bytes_read"]]
     assert s2["bytes_read"] < 0.7 * s1["bytes_read"]
-    assert m2 is not None and Glm5MtpHead(m2, t2.model.embed_tokens, t2.lm_head, None, 8).needs_comm()
-    assert not Glm5MtpHead(m1, t1.model.embed_tokens, t1.lm_head, None, 8).needs_comm()
+    assert m2 is not None and MtpHead(m2, t2.model.embed_tokens, t2.lm_head, None, 8).needs_comm()
+    assert not MtpHead(m1, t1.model.embed_tokens, t1.lm_head, None, 8).needs_comm()
 
     # Logits of the target and the MTP layer, fp32: equal to 1e-5 relative.
     ids = torch.randint(0, cfg.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))

@@ -188,11 +188,12 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
     with device events; else host-timed around a synchronised eager forward."""
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.engine.graphs import sequence_forward
-    from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
+    from glm5mtp_cli.engine.mtp_head import MtpHead
 
     cfg = mtp.cfg
     pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device)
-    head_ = Glm5MtpHead(mtp, embed, head, pools, context + 8, draft_ids=draft_ids)
+    head_ = MtpHead(mtp, embed, head, pools, context + 8, draft_ids=draft_ids,
+                    carry_normed=cfg.mtp_carry_normed_hidden)
     state = head_.alloc_state_for(context + 8)
     out_head = head_.draft_head or head
     try:

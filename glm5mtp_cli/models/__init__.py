@@ -12,7 +12,9 @@ from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.family import ModelFamily
 
 # model_type -> the module whose FAMILY object serves it (or, once registered, the object itself)
-_FAMILIES: dict[str, Any] = {"glm_moe_dsa": "glm5mtp_cli.models.glm5.family"}
+_FAMILIES: dict[str, Any] = {"glm_moe_dsa": "glm5mtp_cli.models.glm5.family",
+                             "glm5_next": "glm5mtp_cli.models.glm5_next.family",
+                             "glm5_next_text": "glm5mtp_cli.models.glm5_next.family"}
 
 
 def register_family(model_type: str, family: ModelFamily) -> None:

@@ -11,7 +11,7 @@ from glm5mtp_cli.models.family import ROWS, StateComponent
 from glm5mtp_cli.models.glm5 import layout
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.decoder import Glm5ForCausalLM, Glm5MtpLayer
-from glm5mtp_cli.models.glm5.mtp import Glm5MtpHead
+from glm5mtp_cli.engine.mtp_head import MtpHead
 
 
 class Glm5Family:
@@ -47,8 +47,9 @@ class Glm5Family:
     def shard_mtp(self, layer, comm, prefix: str):
         return shard_mtp(layer, comm, prefix)
 
-    def make_proposer(self, target, mtp, pools, **options) -> Glm5MtpHead:
-        return Glm5MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools, **options)
+    def make_proposer(self, target, mtp, pools, **options) -> MtpHead:
+        return MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools,
+                       carry_normed=mtp.cfg.mtp_carry_normed_hidden, **options)
 
 
 FAMILY = Glm5Family()

@@ -42,6 +42,8 @@ _REQUIRED = (
 
 @dataclass
 class NextConfig:
+    model_type = "glm5_next"  # a class attribute, not a field: the family this config belongs to
+
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int

@@ -1,4 +1,7 @@
-"""Glm5MtpHead: GLM-5's MTP layer as a DraftProposer (REFERENCE.md section 4).
+"""MtpHead: a model family's MTP layer as a DraftProposer (REFERENCE.md section 4; GLM-5-Next's
+section 9 is the same skeleton). The layer is the family's: it appends drafter rows over the
+drafter's SequenceCaches (`layer(...)`), runs the same as a function of a context
+(`forward_batch`, `context`), and returns logits, the post-norm hidden and the pre-norm one.
 
 A propose call first appends the sequence's pending real rows (tokens accepted since the last call,
 each paired with the target hidden of the position before it) in one forward; the last of those
@@ -18,14 +21,13 @@ from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftChain, DrafterKV, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, choose
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models.glm5.decoder import Glm5MtpLayer
 
 
-class Glm5MtpHead:
-    def __init__(self, layer: Glm5MtpLayer, embed: nn.Embedding, head: nn.Linear, pools: CachePools,
+class MtpHead:
+    def __init__(self, layer: nn.Module, embed: nn.Embedding, head: nn.Linear, pools: CachePools,
                  max_seq_len: int, sampling: SamplingParams = SamplingParams(),
                  draft_conf_tau: float | None = None, generator: torch.Generator | None = None,
-                 batch_max: int = 256, draft_ids: torch.Tensor | None = None):
+                 batch_max: int = 256, draft_ids: torch.Tensor | None = None, carry_normed: bool = True):
         self.layer = layer
         self.embed = embed
         self.head = head
@@ -38,7 +40,7 @@ class Glm5MtpHead:
         self.tau = draft_conf_tau
         self.gen = generator
         self.batch_max = batch_max
-        self.carry_normed = layer.cfg.mtp_carry_normed_hidden
+        self.carry_normed = carry_normed  # chain on the post-norm hidden (GLM); False: pre-norm (DeepSeek)
 
     # ---- state ------------------------------------------------------------------------------
     def alloc_state(self) -> ProposerState:

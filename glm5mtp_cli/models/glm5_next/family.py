@@ -1,0 +1,66 @@
+"""GLM-5-Next (`glm5_next`, GLM-5.3-Flash) as a model family: KDA layers with fixed-size recurrent
+state beside NoPE MLA layers with the pooled DSA indexer (state components in pooled.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from glm5mtp_cli.engine.mtp_head import MtpHead
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
+from glm5mtp_cli.models.glm5_next import layout
+from glm5mtp_cli.models.glm5_next.config import NextConfig
+from glm5mtp_cli.models.glm5_next.decoder import Glm5NextForCausalLM
+from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
+from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget
+
+
+class Glm5NextFamily:
+    name = "glm5_next"
+    model_types = ("glm5_next", "glm5_next_text")
+
+    def parse_config(self, raw: dict[str, Any], source: str) -> NextConfig:
+        cfg = NextConfig.from_dict(raw, source)
+        if cfg.index_head_dim % cfg.index_kpool:
+            raise UserError(f"{source}: index_head_dim {cfg.index_head_dim} must divide by index_kpool "
+                            f"{cfg.index_kpool} (a pooled key is stored over its pool's rows)")
+        return cfg
+
+    def state_components(self, cfg: NextConfig, dtype: torch.dtype, with_drafter: bool = True) -> list[StateComponent]:
+        kda, idx = len(cfg.kda_layers), len(cfg.indexed_layers)
+        h, d, c = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_dim
+        out = [StateComponent("target_kda", "target", SLOT, kda, (h, d, d), torch.float32),
+               StateComponent("target_conv", "target", SLOT, kda, (cfg.linear_conv_kernel_dim - 1, 3 * c), dtype)]
+        owners = [("target", idx)] + ([("drafter", 1)] if with_drafter else [])
+        for owner, layers in owners:
+            out += [StateComponent(f"{owner}_mla", owner, ROWS, layers, (cfg.kv_lora_rank,), dtype),
+                    StateComponent(f"{owner}_pool", owner, ROWS, layers, (cfg.index_head_dim // cfg.index_kpool,), dtype),
+                    StateComponent(f"{owner}_raw", owner, ROWS, layers, (2 * cfg.index_head_dim,), dtype)]
+        return [c for c in out if c.layers]
+
+    def tensor_shapes(self, cfg: NextConfig) -> list[tuple[str, tuple[int, ...]]]:
+        return list(layout.checkpoint_shapes(cfg).items())
+
+    def mtp_prefix(self, cfg: NextConfig) -> str:
+        return layout.layer_prefix(cfg.mtp_layer_index)
+
+    def build_target(self, cfg: NextConfig) -> PooledTarget:
+        return PooledTarget(Glm5NextForCausalLM(cfg))
+
+    def build_mtp(self, cfg: NextConfig) -> PooledMtp:
+        return PooledMtp(Glm5NextMtpLayer(cfg))
+
+    def shard_target(self, model, comm):
+        raise UserError("--tp is not supported for glm5_next yet")
+
+    def shard_mtp(self, layer, comm, prefix: str):
+        raise UserError("--tp is not supported for glm5_next yet")
+
+    def make_proposer(self, target: PooledTarget, mtp: PooledMtp, pools, **options) -> MtpHead:
+        # GLM-5-Next chains drafts on the post-shared_head.norm hidden (REFERENCE-glm5next section 9)
+        return MtpHead(mtp, target.model.embed_tokens, target.model.lm_head, pools, carry_normed=True, **options)
+
+
+FAMILY = Glm5NextFamily()
