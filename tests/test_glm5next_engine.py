@@ -71,3 +71,25 @@ def test_state_components_are_budget_sized_and_flat(models):
     assert long["mla"] == 8 * short["mla"]
     cache.release()
     assert not any(pools.blocks_held().values())
+
+
+def test_carry_reuses_the_recurrent_state_only_at_the_exact_end(models):
+    """A second turn extending the first turn's tokens reuses the whole target state; a prompt
+    diverging earlier prefills the target afresh (a KDA state cannot be cut back) and still keeps
+    the drafter's rows up to the divergence. Both give the tokens of a run without carry."""
+    cfg, target, mtp, _ = models
+    pools = CachePools.create(cfg, num_blocks=96, block_size=4, dtype=torch.float32, device="cpu")
+    proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128)
+    engine = SpecEngine(cfg, target, proposer, pools, gamma=3, max_seq_len=128, eos_ids=[], check_invariants=True)
+    first = engine.generate([Request(PROMPTS[0], 12, 0, carry_mode="all")])[0]
+    history = PROMPTS[0] + first.tokens
+    for prompt, carried in ((history + [9, 10], len(history) - 1), (PROMPTS[0][:5] + [3, 3, 3], 0)):
+        carry = first.carry_out
+        first = engine.generate([Request(PROMPTS[0], 12, 0, carry_mode="all")])[0]  # a fresh carry for the next case
+        res = engine.generate([Request(prompt, 10, 1, carry=carry)])[0]
+        fresh = engine.generate([Request(prompt, 10, 2)])[0]
+        assert res.tokens == fresh.tokens
+        assert res.carried_target_rows == carried
+        assert res.carried_drafter_rows > 0
+    first.carry_out.release(proposer)
+    assert not any(pools.blocks_held().values())

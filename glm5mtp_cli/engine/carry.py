@@ -4,6 +4,11 @@ A turn's prompt extends the previous turn's tokens (history + reply + the new us
 rows already computed for that prefix stay valid: target row j holds token t[j]; drafter row i
 pairs t[i+1] with the target hidden h[i]. Rows are kept only where every token they depend on
 matches the new prompt, so a carried turn computes exactly what a fresh one would.
+
+A target with fixed-size recurrent state (GLM-5-Next's KDA layers) cannot be cut back to a shorter
+prefix: its carry is used only when the new prompt extends every token the previous turn's target
+saw (the usual next turn); when the prompt diverges earlier, the target is prefilled afresh and
+only the drafter's rows up to the divergence are reused.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ def plan(carry: Carry, prompt: list[int], with_target: bool) -> CarryPlan:
                      common_prefix(carry.target_tokens, prompt), p - 1)
     if with_target:
         t_rows = min(t_rows, d_rows) if carry.drafter is not None else t_rows
+        if carry.target is not None and carry.target.slots and t_rows != carry.target.length:
+            t_rows = 0  # a recurrent state holds the whole prefix: reuse all of it or none
     return CarryPlan(t_rows, d_rows)
 
 

@@ -269,7 +269,7 @@ class SpecEngine:
         carry, seq.req.carry = seq.req.carry, None
         try:
             plan_ = plan(carry, seq.req.prompt, with_target=carry.target is not None)
-            if carry.target is not None:
+            if carry.target is not None and plan_.target_start:
                 seq.cache = carry.target  # the fresh cache holds no blocks yet
                 carry.target = None
                 seq.cache.truncate(plan_.target_start)
