@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 
 COMPONENTS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")
@@ -174,19 +173,6 @@ class SequenceCache:
         return out
 
 
-def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_target_layers: int | None = None) -> dict[str, int]:
-    """Cache bytes per token by component, predicted from the config (REFERENCE section 5)."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    layers = cfg.num_hidden_layers if num_target_layers is None else num_target_layers
-    full = sum(1 for i in range(layers) if cfg.has_indexer(i))
-    return {
-        "target_mla": layers * cfg.kv_cache_width * size,
-        "target_indexer": full * cfg.index_head_dim * size,
-        "drafter_mla": cfg.num_nextn_predict_layers * cfg.kv_cache_width * size,
-        "drafter_indexer": cfg.num_nextn_predict_layers * cfg.index_head_dim * size,
-    }
-
-
 @dataclass
 class CachePools:
     """The four block pools of a run: target and drafter, MLA and indexer keys."""
@@ -194,11 +180,10 @@ class CachePools:
     pools: dict[str, BlockPool] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def create(cls, cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
                device: torch.device | str, with_drafter: bool = True) -> "CachePools":
-        full = sum(1 for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i))
         specs = {"target_mla": (cfg.num_hidden_layers, cfg.kv_cache_width),
-                 "target_indexer": (full, cfg.index_head_dim)}
+                 "target_indexer": (cfg.indexer_layers, cfg.index_head_dim)}
         if with_drafter:
             specs["drafter_mla"] = (1, cfg.kv_cache_width)
             specs["drafter_indexer"] = (1, cfg.index_head_dim)
