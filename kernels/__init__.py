@@ -7,8 +7,6 @@ dispatcher: Triton for CUDA tensors when Triton imports, else the reference)::
     from kernels.rmsnorm import rmsnorm                    # rmsnorm(x, weight, eps, residual=None)
     from kernels.rope import rope_interleaved              # rope_interleaved(x, cos, sin)
     from kernels.fp8_block import fp8_block_dequant, fp8_block_matmul
-    from kernels.indexer import indexer_scores, indexer_topk   # one sequence, contiguous keys
-    from kernels.mla_decode import mla_decode_attention        # one sequence, contiguous rows
     from kernels.paged import indexer_scores_paged, mla_attention_paged   # a batch over the paged pools
     from kernels.moe import moe_experts                        # routed experts of few tokens
 

@@ -17,8 +17,7 @@ import torch
 
 from . import _triton
 from .fp8_block import fp8_block_dequant_ref, fp8_block_dequant_triton, fp8_block_matmul_ref, fp8_block_matmul_triton
-from .indexer import indexer_scores_ref, indexer_scores_triton
-from .mla_decode import mla_decode_attention_ref, mla_decode_attention_triton
+from .paged import indexer_scores_paged_ref, indexer_scores_paged_triton, mla_attention_paged_ref, mla_attention_paged_triton
 from .moe import moe_experts_ref, moe_experts_triton
 from .rmsnorm import rmsnorm_ref, rmsnorm_triton
 from .rope import rope_interleaved_ref, rope_interleaved_triton
@@ -29,6 +28,19 @@ BF16 = torch.bfloat16
 
 def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _one_seq(fn, rows):
+    """`fn` (a paged op) over ONE sequence whose rows sit in pool rows 0..T-1 at cached length `off`."""
+    def run(*args, off, index=None, mla=False):
+        slots = torch.arange(rows.shape[0], device=rows.device)[None]
+        starts = torch.tensor([off], device=rows.device)
+        if mla:
+            qn, qp, scale = args
+            return fn(qn[None], qp[None], rows, slots, starts, None if index is None else index[None], scale)[0]
+        q, w, scale = args
+        return fn(q[None], rows, slots, starts, w[None], scale)[0]
+    return run
 
 
 def _cases(dev):
@@ -75,22 +87,24 @@ def _cases(dev):
     t_ctx = 131072
     iq, ik, iw = rnd(s_dec, 32, 128), rnd(t_ctx, 128), rnd(s_dec, 32, dtype=torch.float32)
     off = t_ctx - s_dec
-    yield ("indexer_scores[4x32x128, T=131072]", lambda: indexer_scores_triton(iq, ik, iw, off, 128 ** -0.5),
-           lambda: indexer_scores_ref(iq, ik, iw, off, 128 ** -0.5), _nbytes(iq, ik, iw) + s_dec * t_ctx * 4, 1e-4)
+    itri, iref = _one_seq(indexer_scores_paged_triton, ik), _one_seq(indexer_scores_paged_ref, ik)
+    yield ("indexer_scores[4x32x128, T=131072]", lambda: itri(iq, iw, 128 ** -0.5, off=off),
+           lambda: iref(iq, iw, 128 ** -0.5, off=off), _nbytes(iq, ik, iw) + s_dec * t_ctx * 4, 1e-4)
 
     # absorbed MLA: 64 heads, latent 512 + rope 64; dense over 4096 keys, indexed 2048 of 131072
     qn, qp = rnd(s_dec, 64, 512, scale=0.3), rnd(s_dec, 64, 64, scale=0.3)
     scale = 256 ** -0.5
     cache = rnd(t_ctx, 576)
     dense = cache[:4096]
-    yield ("mla_dense[4x64, T=4096]", lambda: mla_decode_attention_triton(qn, qp, dense, None, 4096 - s_dec, scale),
-           lambda: mla_decode_attention_ref(qn, qp, dense, None, 4096 - s_dec, scale),
+    mtri, mref = _one_seq(mla_attention_paged_triton, dense), _one_seq(mla_attention_paged_ref, dense)
+    yield ("mla_dense[4x64, T=4096]", lambda: mtri(qn, qp, scale, off=4096 - s_dec, mla=True),
+           lambda: mref(qn, qp, scale, off=4096 - s_dec, mla=True),
            _nbytes(qn, qp, dense) + _nbytes(qn), 1e-2)
     idx = torch.stack([torch.randperm(t_ctx - s_dec, device=dev, generator=g)[:2048] for _ in range(s_dec)])
     idx = idx.to(torch.int32)
     yield ("mla_indexed[4x64, K=2048 of 131072]",
-           lambda: mla_decode_attention_triton(qn, qp, cache, idx, t_ctx - s_dec, scale),
-           lambda: mla_decode_attention_ref(qn, qp, cache, idx, t_ctx - s_dec, scale),
+           lambda: _one_seq(mla_attention_paged_triton, cache)(qn, qp, scale, off=t_ctx - s_dec, index=idx, mla=True),
+           lambda: _one_seq(mla_attention_paged_ref, cache)(qn, qp, scale, off=t_ctx - s_dec, index=idx, mla=True),
            _nbytes(qn, qp, idx) + s_dec * 2048 * 576 * 2 + _nbytes(qn), 1e-2)
 
     # routed experts (bf16): H 6144, I 2048, top-8 of 64 stacked experts (GLM-5 has 256 per layer; 64 of

@@ -18,19 +18,30 @@ import torch
 from ._triton import alloc, interpreting, jit, tl, triton, use_triton
 
 
-def _expand_scale(scale_inv: torch.Tensor, m: int, n: int, block: int) -> torch.Tensor:
-    return scale_inv.float().repeat_interleave(block, 0)[:m].repeat_interleave(block, 1)[:, :n]
+def _sides(block: int | tuple[int, int]) -> tuple[int, int]:
+    return (block, block) if isinstance(block, int) else (int(block[0]), int(block[1]))
 
 
-def _check_scale(w: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
+def _expand_scale(scale_inv: torch.Tensor, m: int, n: int, block: int | tuple[int, int]) -> torch.Tensor:
+    b0, b1 = _sides(block)
+    return scale_inv.float().repeat_interleave(b0, 0)[:m].repeat_interleave(b1, 1)[:, :n]
+
+
+def _check_scale(w: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple[int, int]) -> None:
     m, n = w.shape
-    want = ((m + block - 1) // block, (n + block - 1) // block)
-    assert tuple(scale_inv.shape) == want, f"scale_inv {tuple(scale_inv.shape)} should be {want}"
+    b0, b1 = _sides(block)
+    want = ((m + b0 - 1) // b0, (n + b1 - 1) // b1)
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"scale grid {tuple(scale_inv.shape)} does not match {want} for a {m}x{n} weight")
 
 
-def fp8_block_dequant_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+def fp8_block_dequant_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple[int, int] = 128,
                           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """PyTorch reference: w [M, N] fp8, scale_inv [ceil(M/b), ceil(N/b)] -> [M, N] out_dtype."""
+    """PyTorch reference: w [M, N] fp8, scale_inv [ceil(M/b0), ceil(N/b1)] -> [M, N] out_dtype.
+
+    `block` is one side for square blocks or (rows, cols); an edge block may be partial, its scale
+    covering whatever part of the block lies inside the matrix. A wrong grid raises ValueError.
+    The checkpoint reader dequantizes with this function (fp32 out)."""
     _check_scale(w, scale_inv, block)
     return (w.float() * _expand_scale(scale_inv, *w.shape, block)).to(out_dtype)
 

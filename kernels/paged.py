@@ -7,11 +7,11 @@ graph replays with new lengths); query s of sequence g sits at position ``starts
 keys l <= starts[g] + s.
 
 - :func:`indexer_scores_paged`: ``scale * sum_h w[g, s, h] * relu(q[g, s, h] . k[l])`` [G, T, NL]
-  in fp32, -inf past the causal limit (the per-sequence :func:`kernels.indexer.indexer_scores`).
+  in fp32, -inf past the causal limit.
 - :func:`mla_attention_paged`: softmax attention of the absorbed queries over the latent rows,
   restricted to the indexer's picks ``index`` [G, T, K] (positions, -1 or masked ones ignored),
-  or over every visible row without an index (the per-sequence
-  :func:`kernels.mla_decode.mla_decode_attention`). Output [G, T, H, Lkv], still latent.
+  or over every visible row without an index (softmax in fp32; a query that sees no row gets
+  zeros). Output [G, T, H, Lkv], still latent.
 
 Both read the pool rows in place: no gathered copy of the cache, no [G, T, H, NL] score tensor.
 """
@@ -19,14 +19,51 @@ Both read the pool rows in place: no gathered copy of the cache, no [G, T, H, NL
 import torch
 
 from ._triton import alloc, interpreting, jit, next_pow2, tl, triton, use_triton
-from .indexer import indexer_scores_ref
-from .mla_decode import mla_decode_attention_ref
+
+
+def _indexer_scores_one(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, causal_offset: int,
+                         scale: float) -> torch.Tensor:
+    """One sequence's scores: q [S, Hi, D], k [T, D] (its keys 0..T-1), w [S, Hi] -> fp32 [S, T];
+    query s sits at position causal_offset + s."""
+    logits = torch.einsum("shd,td->sht", q.float(), k.float()).relu()
+    scores = (logits * w.float()[:, :, None]).sum(1) * scale
+    s, t = scores.shape
+    pos = torch.arange(t, device=q.device)[None, :]
+    limit = causal_offset + torch.arange(s, device=q.device)[:, None]
+    return scores.masked_fill(pos > limit, float("-inf"))
+
+
+def _mla_attention_one(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                       index: torch.Tensor | None, causal_offset: int, scale: float) -> torch.Tensor:
+    """One sequence's attention over its rows kv_cache [T, Lkv + R] (fp32 math): [S, H, Lkv] in
+    q_nope_absorbed.dtype; a query that sees no key gets zeros."""
+    s_len, _, lkv = q_nope_absorbed.shape
+    r = q_rope.shape[-1]
+    t_len = kv_cache.shape[0]
+    kv = kv_cache.float()
+    c, kr = kv[:, :lkv], kv[:, lkv:lkv + r]
+    qn, qr = q_nope_absorbed.float(), q_rope.float()
+    limit = causal_offset + torch.arange(s_len, device=kv.device)[:, None]  # [S, 1]
+    if index is None:
+        pos = torch.arange(t_len, device=kv.device)[None, :]  # [1, T]
+        scores = torch.einsum("shl,tl->sht", qn, c) + torch.einsum("shr,tr->sht", qr, kr)
+    else:
+        pos = index.long()  # [S, K]
+        safe = pos.clamp(0, max(t_len - 1, 0))
+        c, kr = c[safe], kr[safe]  # [S, K, Lkv], [S, K, R]
+        scores = torch.einsum("shl,skl->shk", qn, c) + torch.einsum("shr,skr->shk", qr, kr)
+    valid = (pos >= 0) & (pos <= limit) & (pos < t_len)  # [S, T] or [S, K]
+    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    p = torch.where(valid.any(-1)[:, None, None], p, torch.zeros_like(p))  # no visible key -> zeros
+    out = torch.einsum("sht,tl->shl", p, c) if index is None else torch.einsum("shk,skl->shl", p, c)
+    return out.to(q_nope_absorbed.dtype)
 
 
 def indexer_scores_paged_ref(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
                              w: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch reference: q [G, T, Hi, D], pool [N, D], slots [G, NL], starts [G], w [G, T, Hi]."""
-    return torch.stack([indexer_scores_ref(q[g], pool[slots[g]], w[g], int(starts[g]), scale)
+    return torch.stack([_indexer_scores_one(q[g], pool[slots[g]], w[g], int(starts[g]), scale)
                         for g in range(q.shape[0])])
 
 
@@ -34,8 +71,8 @@ def mla_attention_paged_ref(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor,
                             slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None,
                             scale: float) -> torch.Tensor:
     """PyTorch reference: q_nope_absorbed [G, T, H, Lkv], q_rope [G, T, H, R], pool [N, Lkv + R]."""
-    return torch.stack([mla_decode_attention_ref(q_nope_absorbed[g], q_rope[g], pool[slots[g]],
-                                                 None if index is None else index[g], int(starts[g]), scale)
+    return torch.stack([_mla_attention_one(q_nope_absorbed[g], q_rope[g], pool[slots[g]],
+                                           None if index is None else index[g], int(starts[g]), scale)
                         for g in range(q_nope_absorbed.shape[0])])
 
 

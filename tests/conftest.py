@@ -44,7 +44,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def spec_runtime(spec_ckpt):
     """glm5mtp's own target and MTP layer of spec_ckpt, loaded once on the CPU in fp32 (read-only)."""
-    from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+    from glm5mtp_cli.checkpoint.load import load_models
+    from glm5mtp_cli.checkpoint.resolve import resolve_model
     from glm5mtp_cli.engine.runtime import Runtime
 
     folder, _ = spec_ckpt

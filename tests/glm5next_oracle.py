@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glm5mtp_cli.models.glm5.config import profile_path
+from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.models.glm5_next import layout
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 

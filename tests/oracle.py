@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
+from glm5mtp_cli.checkpoint.resolve import profile_path
+from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5 import Glm5MtpLayer
 
 TINY_RAW = json.loads((profile_path("glm5-tiny") / "config.json").read_text())

@@ -6,9 +6,10 @@ import json
 
 from typer.testing import CliRunner
 
-from glm5mtp_cli.diagnostics.bench import draft_step_bytes
+from glm5mtp_cli.diagnostics.sizing import draft_step_bytes
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
+from glm5mtp_cli.checkpoint.resolve import profile_path
+from glm5mtp_cli.models.glm5.config import ModelConfig
 
 
 def test_bench_json_rows_and_ratios(spec_ckpt):

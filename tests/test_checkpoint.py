@@ -7,8 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
-import types
 
 import huggingface_hub
 import pytest
@@ -16,9 +14,13 @@ import torch
 from typer.testing import CliRunner
 
 from glm5mtp_cli.models.glm5 import layout
-from glm5mtp_cli.checkpoint.load import CheckpointReader, load_models, load_module, local_weight_map, resolve_model
+from glm5mtp_cli.checkpoint.load import load_models, load_module
+from glm5mtp_cli.checkpoint.read import CheckpointReader
+from glm5mtp_cli.checkpoint.resolve import local_weight_map, resolve_model
+from glm5mtp_cli.models.glm5.family import FAMILY
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
+from glm5mtp_cli.checkpoint.resolve import profile_path
+from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.checkpoint.write import init_random, save_checkpoint
 
@@ -62,9 +64,8 @@ def mtp_stub(cfg):
 
 @pytest.fixture
 def stub_model(monkeypatch):
-    fake = types.ModuleType("glm5mtp_cli.models.glm5")
-    fake.Glm5ForCausalLM, fake.Glm5MtpLayer = target_stub, mtp_stub
-    monkeypatch.setitem(sys.modules, "glm5mtp_cli.models.glm5", fake)
+    monkeypatch.setattr(FAMILY, "build_target", target_stub)
+    monkeypatch.setattr(FAMILY, "build_mtp", mtp_stub)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_loading_mtp_opens_only_its_shards(sharded, stub_model):
     r = resolve_model(str(sharded), need="mtp")
     reader = CheckpointReader(r.folder, r.weight_map)
     mod = mtp_stub(r.config)
-    load_module(mod, reader, "model.layers.3.", torch.bfloat16)
+    load_module(mod, reader, "model.layers.3.", torch.bfloat16, keeps_fp32=FAMILY.keeps_fp32)
     mtp_files = {f for n, f in r.weight_map.items() if n.startswith("model.layers.3.")}
     assert reader.files_opened == mtp_files
     assert len(reader.files_opened) < len(set(local_weight_map(sharded).values()))
@@ -115,7 +116,7 @@ def test_load_module_dtypes_values_and_meta(sharded):
     reader = CheckpointReader(r.folder, r.weight_map)
     with torch.device("meta"):
         mod = mtp_stub(r.config)
-    keys = load_module(mod, reader, "model.layers.3.", torch.bfloat16)
+    keys = load_module(mod, reader, "model.layers.3.", torch.bfloat16, keeps_fp32=FAMILY.keeps_fp32)
     assert set(keys) == set(mod.state_dict())
     assert mod.mlp.gate.weight.dtype == torch.float32 and mod.mlp.gate.e_score_correction_bias.dtype == torch.float32
     assert mod.self_attn.indexer.weights_proj.weight.dtype == torch.float32

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models.glm5.config import profile_path
+from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.models.glm5_next import layout
 from glm5mtp_cli.models.glm5_next.config import INDEXED, KDA, NextConfig
 from glm5mtp_cli.models.glm5_next.state import component_sizes

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+from glm5mtp_cli.checkpoint.load import load_models
+from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.graphs import BatchGraphs
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
@@ -111,7 +112,7 @@ def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
 def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     """profile's cuda_graphs component: what one slot's graphs keep allocated (static inputs and
     the outputs a capture owns), predicted from the config, equals the buffers BatchGraphs builds."""
-    from glm5mtp_cli.diagnostics.profile import graph_bytes
+    from glm5mtp_cli.diagnostics.sizing import graph_bytes
 
     pools = rt.make_pools(128, 1, block_size=4)
     engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
@@ -160,7 +161,7 @@ def test_paged_kernel_path_equals_the_torch_path(rt, gamma, monkeypatch):
     """The CUDA attention path (kernels/paged.py: indexer scores and MLA attention read the pools
     in place), taken on the CPU through the kernels' PyTorch references: same tokens, and drafts
     accepted alike, as the gathered torch path (prompts longer than index_topk: selection active)."""
-    from glm5mtp_cli.checkpoint.load import resolve_config
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.models.glm5.attention import MLAttention
 
     # which models take it on CUDA: small selections (glm5-nano, 128 keys), not GLM-5's 2048

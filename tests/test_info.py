@@ -10,9 +10,11 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from glm5mtp_cli.checkpoint.load import CheckpointReader, local_weight_map
+from glm5mtp_cli.checkpoint.read import CheckpointReader
+from glm5mtp_cli.checkpoint.resolve import local_weight_map
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
+from glm5mtp_cli.checkpoint.resolve import profile_path
+from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.diagnostics.info import GIB, info_dict
 from glm5mtp_cli.checkpoint.write import FP8_QUANT_CONFIG, init_random
 

@@ -26,8 +26,6 @@ if str(ROOT) not in sys.path:
 from kernels import _triton  # noqa: E402
 from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_block_matmul,  # noqa: E402
                                fp8_block_matmul_ref, fp8_block_matmul_triton)
-from kernels.indexer import indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
-from kernels.mla_decode import mla_decode_attention, mla_decode_attention_ref  # noqa: E402
 from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
                            mla_attention_paged_ref)
 from kernels.moe import moe_experts, moe_experts_ref  # noqa: E402
@@ -147,12 +145,24 @@ def case_fp8_matmul_prefill_bf16(device, big):
     return fp8_block_matmul(x, w, s, force_triton=True), fp8_block_matmul_ref(x, w, s)
 
 
+def _seq_indexer(fn, q, k, w, off, scale, **kw):
+    """An indexer op over ONE sequence whose keys sit in rows 0..T-1 (identity slots)."""
+    slots, starts = torch.arange(k.shape[0], device=k.device)[None], torch.tensor([off], device=k.device)
+    return fn(q[None], k, slots, starts, w[None], scale, **kw)[0]
+
+
+def _seq_mla(fn, qn, qr, kv, idx, off, scale, **kw):
+    """An MLA op over ONE sequence whose rows sit in rows 0..T-1 (identity slots)."""
+    slots, starts = torch.arange(kv.shape[0], device=kv.device)[None], torch.tensor([off], device=kv.device)
+    return fn(qn[None], qr[None], kv, slots, starts, None if idx is None else idx[None], scale, **kw)[0]
+
+
 def case_indexer_scores(device, big):
     s, hi, d, t = (4, 32, 128, 5000) if big else (3, 5, 24, 50)
     q, k, w = _rand(s, hi, d, device=device), _rand(t, d, device=device), _rand(s, hi, device=device)
     off = t - s - 7  # the last keys are in the future of every query
-    return (indexer_scores(q, k, w, off, d ** -0.5, force_triton=True),
-            indexer_scores_ref(q, k, w, off, d ** -0.5))
+    return (_seq_indexer(indexer_scores_paged, q, k, w, off, d ** -0.5, force_triton=True),
+            _seq_indexer(indexer_scores_paged_ref, q, k, w, off, d ** -0.5))
 
 
 def case_indexer_scores_bf16_chunks(device, big):
@@ -160,7 +170,8 @@ def case_indexer_scores_bf16_chunks(device, big):
     q, k = _rand(s, hi, d, device=device, dtype=BF16), _rand(t, d, device=device, dtype=BF16)
     w = _rand(s, hi, device=device, dtype=BF16)
     off = t - s
-    return (indexer_scores(q, k, w, off, 0.1, force_triton=True), indexer_scores_ref(q, k, w, off, 0.1))
+    return (_seq_indexer(indexer_scores_paged, q, k, w, off, 0.1, force_triton=True),
+            _seq_indexer(indexer_scores_paged_ref, q, k, w, off, 0.1))
 
 
 def _mla_inputs(device, big, dtype, s=3):
@@ -174,14 +185,14 @@ def _mla_inputs(device, big, dtype, s=3):
 def case_mla_dense(device, big):
     qn, qr, kv, t, scale = _mla_inputs(device, big, torch.float32)
     off = t - 10
-    return (mla_decode_attention(qn, qr, kv, None, off, scale, force_triton=True),
-            mla_decode_attention_ref(qn, qr, kv, None, off, scale))
+    return (_seq_mla(mla_attention_paged, qn, qr, kv, None, off, scale, force_triton=True),
+            _seq_mla(mla_attention_paged_ref, qn, qr, kv, None, off, scale))
 
 
 def case_mla_dense_no_visible_key(device, big):
     qn, qr, kv, t, scale = _mla_inputs(device, big, torch.float32)
-    return (mla_decode_attention(qn, qr, kv, None, -1, scale, force_triton=True),  # query 0 sees nothing
-            mla_decode_attention_ref(qn, qr, kv, None, -1, scale))
+    return (_seq_mla(mla_attention_paged, qn, qr, kv, None, -1, scale, force_triton=True),  # query 0 sees nothing
+            _seq_mla(mla_attention_paged_ref, qn, qr, kv, None, -1, scale))
 
 
 def case_mla_indexed(device, big):
@@ -191,16 +202,16 @@ def case_mla_indexed(device, big):
     idx = torch.stack([torch.randperm(t, device=device)[:k] for _ in range(4)])
     idx[:, -5:] = -1  # padding
     idx[1, 0] = off + 3  # a future position for query 1 (masked), allowed for query 3
-    return (mla_decode_attention(qn, qr, kv, idx, off, scale, force_triton=True),
-            mla_decode_attention_ref(qn, qr, kv, idx, off, scale))
+    return (_seq_mla(mla_attention_paged, qn, qr, kv, idx, off, scale, force_triton=True),
+            _seq_mla(mla_attention_paged_ref, qn, qr, kv, idx, off, scale))
 
 
 def case_mla_indexed_bf16(device, big):
     qn, qr, kv, t, scale = _mla_inputs(device, big, BF16, s=2)
     k = 2048 if big else 33
     idx = torch.stack([torch.randperm(t, device=device)[:k] for _ in range(2)]).to(torch.int32)
-    return (mla_decode_attention(qn, qr, kv, idx, t - 2, scale, force_triton=True),
-            mla_decode_attention_ref(qn, qr, kv, idx, t - 2, scale))
+    return (_seq_mla(mla_attention_paged, qn, qr, kv, idx, t - 2, scale, force_triton=True),
+            _seq_mla(mla_attention_paged_ref, qn, qr, kv, idx, t - 2, scale))
 
 
 def _moe_inputs(device, dtype, n, k, e, hid, inter, id_dtype=torch.int64):
@@ -381,8 +392,6 @@ def test_cuda_matches_reference(monkeypatch, name):
 
 def test_dispatch_picks_reference_on_cpu(monkeypatch):
     import kernels.fp8_block as f
-    import kernels.indexer as i
-    import kernels.mla_decode as m
     import kernels.moe as e
     import kernels.paged as pg
     import kernels.rmsnorm as r
@@ -392,8 +401,7 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
         raise AssertionError("Triton path taken for CPU tensors")
 
     for mod, name in [(r, "rmsnorm_triton"), (p, "rope_interleaved_triton"), (f, "fp8_block_dequant_triton"),
-                      (f, "fp8_block_matmul_triton"), (i, "indexer_scores_triton"),
-                      (m, "mla_decode_attention_triton"), (e, "moe_experts_triton"),
+                      (f, "fp8_block_matmul_triton"), (e, "moe_experts_triton"),
                       (pg, "indexer_scores_paged_triton"), (pg, "mla_attention_paged_triton")]:
         monkeypatch.setattr(mod, name, boom)
     x, w = torch.randn(3, 16), torch.randn(16)
@@ -403,11 +411,9 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     wq, s = _fp8(16, 16, "cpu")
     assert torch.equal(fp8_block_dequant(wq, s), fp8_block_dequant_ref(wq, s))
     assert torch.equal(fp8_block_matmul(x, wq, s), fp8_block_matmul_ref(x, wq, s))
-    q, k, iw = torch.randn(2, 3, 16), torch.randn(5, 16), torch.randn(2, 3)
-    assert torch.equal(indexer_scores(q, k, iw, 3, 0.5), indexer_scores_ref(q, k, iw, 3, 0.5))
     qn, qr, kv = torch.randn(2, 4, 8), torch.randn(2, 4, 4), torch.randn(6, 12)
-    assert torch.equal(mla_decode_attention(qn, qr, kv, None, 4, 0.3),
-                       mla_decode_attention_ref(qn, qr, kv, None, 4, 0.3))
+    assert torch.equal(_seq_mla(mla_attention_paged, qn, qr, kv, None, 4, 0.3),
+                       _seq_mla(mla_attention_paged_ref, qn, qr, kv, None, 4, 0.3))
     me = _moe_inputs("cpu", torch.float32, 2, 2, 3, 16, 8)
     assert torch.equal(moe_experts(*me), moe_experts_ref(*me))
     pool, slots, st = torch.randn(9, 12), torch.tensor([[3, 1, 4, 0]]), torch.tensor([2])
@@ -428,8 +434,8 @@ def test_kernels_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
             "import torch, kernels\n"
             "from kernels.rmsnorm import rmsnorm\n"
-            "from kernels.mla_decode import mla_decode_attention\n"
-            "import kernels.fp8_block, kernels.indexer, kernels.moe, kernels.rope\n"
+            "from kernels.paged import mla_attention_paged\n"
+            "import kernels.fp8_block, kernels.moe, kernels.rope\n"
             "assert kernels.HAVE_TRITON is False and not hasattr(kernels, '__version__')\n"
             "print(rmsnorm(torch.ones(2, 4), torch.ones(4), 1e-5).sum().item())\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -481,9 +487,9 @@ def test_fp8_dequant_ref_partial_blocks():
         assert d[i, j] == w[i, j].float() * s[i // 128, j // 128]
 
 
-def test_indexer_scores_ref_explicit_and_topk():
+def test_indexer_scores_ref_explicit():
     q, k, w = torch.randn(2, 3, 8), torch.randn(6, 8), torch.randn(2, 3)
-    sc = indexer_scores_ref(q, k, w, 2, 0.25)
+    sc = _seq_indexer(indexer_scores_paged_ref, q, k, w, 2, 0.25)
     for s in range(2):
         for t in range(6):
             want = sum(w[s, h] * torch.relu(q[s, h] @ k[t]) for h in range(3)) * 0.25
@@ -491,10 +497,6 @@ def test_indexer_scores_ref_explicit_and_topk():
                 assert sc[s, t] == float("-inf")
             else:
                 torch.testing.assert_close(sc[s, t], want)
-    idx = indexer_topk(sc, 5)
-    assert idx.shape == (2, 5)
-    assert torch.equal(idx[:, :3], torch.topk(sc, 5).indices[:, :3])
-    assert (idx[0, 3:] == -1).all() and idx[1, 4] == -1 and idx[1, 3] != -1  # masked picks -> -1
 
 
 def test_mla_ref_matches_naive_loop():
@@ -502,7 +504,7 @@ def test_mla_ref_matches_naive_loop():
     qn, qr, kv = torch.randn(s_len, h, lkv), torch.randn(s_len, h, r), torch.randn(t, lkv + r)
     idx = torch.tensor([[0, 3, -1, 8], [9, 1, 2, -1], [5, 0, 4, 7]])
     for index in (None, idx):
-        out = mla_decode_attention_ref(qn, qr, kv, index, off, scale)
+        out = _seq_mla(mla_attention_paged_ref, qn, qr, kv, index, off, scale)
         for s in range(s_len):
             keys = range(t) if index is None else [int(p) for p in index[s] if p >= 0]
             keys = [p for p in keys if p <= off + s]
@@ -511,9 +513,9 @@ def test_mla_ref_matches_naive_loop():
                 want = (torch.softmax(sc, 0)[:, None] * kv[keys, :lkv]).sum(0)
                 torch.testing.assert_close(out[s, hh], want)
     full = torch.arange(t).expand(s_len, t).contiguous()
-    torch.testing.assert_close(mla_decode_attention_ref(qn, qr, kv, full, off, scale),
-                               mla_decode_attention_ref(qn, qr, kv, None, off, scale))
-    assert (mla_decode_attention_ref(qn, qr, kv, None, -1, scale)[0] == 0).all()
+    torch.testing.assert_close(_seq_mla(mla_attention_paged_ref, qn, qr, kv, full, off, scale),
+                               _seq_mla(mla_attention_paged_ref, qn, qr, kv, None, off, scale))
+    assert (_seq_mla(mla_attention_paged_ref, qn, qr, kv, None, -1, scale)[0] == 0).all()
 
 
 def test_moe_ref_matches_naive_loop():

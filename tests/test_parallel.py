@@ -62,9 +62,10 @@ def _rank_checks(folder: str, report_path: str) -> None:
     import torch.distributed as dist
 
     from glm5mtp_cli.engine.cache import CachePools
-    from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+    from glm5mtp_cli.checkpoint.load import load_models
+    from glm5mtp_cli.checkpoint.resolve import resolve_model
     from glm5mtp_cli.engine.mtp_head import MtpHead
-    from glm5mtp_cli.engine.parallel import strip_comm
+    from glm5mtp_cli.models.glm5.sharding import strip_comm
     from glm5mtp_cli.engine.runtime import Runtime, make_engine
     from glm5mtp_cli.engine.sampling import SamplingParams
 
@@ -246,7 +247,7 @@ def _trained_drafter_without_reductions(report_path: str) -> None:
     present, then removed (the head run as if it were unsharded)."""
     import torch.distributed as dist
 
-    from glm5mtp_cli.engine.parallel import strip_comm
+    from glm5mtp_cli.models.glm5.sharding import strip_comm
     from glm5mtp_cli.engine.runtime import load_runtime
     from glm5mtp_cli.engine.speculate import Request
 

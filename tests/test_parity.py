@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools
-from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+from glm5mtp_cli.checkpoint.load import load_models
+from glm5mtp_cli.checkpoint.resolve import resolve_model
 
 
 def _rel(a, b):
@@ -76,7 +77,8 @@ def test_truncating_a_cache_drops_rows(hf_ckpt):
 def test_fp8_checkpoint_matches_its_dequantized_twin(hf_ckpt, tmp_path):
     """The oracle checkpoint written as FP8 (e4m3 + 128x128 weight_scale_inv) loads, and its logits
     equal those of a bf16/fp32 twin holding the dequantized weights."""
-    from glm5mtp_cli.checkpoint.load import CheckpointReader, local_weight_map
+    from glm5mtp_cli.checkpoint.read import CheckpointReader
+    from glm5mtp_cli.checkpoint.resolve import local_weight_map
     from glm5mtp_cli.models.glm5.config import ModelConfig
     from glm5mtp_cli.checkpoint.write import save_checkpoint
 

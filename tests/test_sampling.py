@@ -82,18 +82,6 @@ def test_the_bound_rejects_broken_samplers():
     assert _tv(_emitted(resample_from_p, 4000), want) > BOUND
 
 
-def test_greedy_acceptance_is_a_prefix_match():
-    from glm5mtp_cli.engine.sampling import accept_greedy
-
-    logits = torch.full((4, V), -5.0)
-    for i, t in enumerate([2, 4, 1, 3]):
-        logits[i, t] = 5.0
-    assert accept_greedy(torch.tensor([2, 4, 0]), logits, 3) == (2, 1)
-    assert accept_greedy(torch.tensor([2, 4, 1]), logits, 3) == (3, 3)
-    assert accept_greedy(torch.tensor([0, 4, 1]), logits, 3) == (0, 2)
-    assert accept_greedy(torch.tensor([2, 4, 1]), logits, 1) == (1, 4)  # only the first draft proposed
-
-
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.7))

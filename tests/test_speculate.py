@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+from glm5mtp_cli.checkpoint.load import load_models
+from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftProposer
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams

@@ -114,7 +114,8 @@ def test_train_toy_loss_goes_down_and_checkpoint_loads(tmp_path):
     assert res2.exit_code == 2 and "--force" in res2.output
 
     try:
-        from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+        from glm5mtp_cli.checkpoint.load import load_models
+        from glm5mtp_cli.checkpoint.resolve import resolve_model
     except ImportError as e:  # pragma: no cover - the loader lands separately
         pytest.skip(f"glm5mtp_cli.checkpoint.load not available yet: {e}")
     target, mtp, extras = load_models(resolve_model(str(out), progress=False), dtype=torch.float32)

@@ -11,11 +11,16 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from glm5mtp_cli.models.glm5 import layout
-from glm5mtp_cli.checkpoint.load import CheckpointReader, dequant_fp8_block, local_weight_map
+from glm5mtp_cli.checkpoint.read import CheckpointReader
+from glm5mtp_cli.checkpoint.resolve import local_weight_map
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
+from glm5mtp_cli.checkpoint.resolve import profile_path
+from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.checkpoint.write import init_random, parse_size, quantize_fp8_block, save_checkpoint
+from kernels.fp8_block import fp8_block_dequant_ref
+
+F32 = torch.float32
 
 TINY = ModelConfig.from_json_file(profile_path("glm5-tiny") / "config.json")
 
@@ -126,10 +131,10 @@ def test_dequant_matches_per_block_loop_with_partial_edges():
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(300, 200, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.rand(3, 2, generator=g) + 0.1  # 300 = 128+128+44 rows, 200 = 128+72 cols
-    assert torch.equal(dequant_fp8_block(w, s), _dequant_by_hand(w, s, 128, 128))
-    assert torch.equal(dequant_fp8_block(w, s[:, :1].repeat(1, 4), (128, 64)), _dequant_by_hand(w, s[:, :1].repeat(1, 4), 128, 64))
+    assert torch.equal(fp8_block_dequant_ref(w, s, out_dtype=F32), _dequant_by_hand(w, s, 128, 128))
+    assert torch.equal(fp8_block_dequant_ref(w, s[:, :1].repeat(1, 4), (128, 64), F32), _dequant_by_hand(w, s[:, :1].repeat(1, 4), 128, 64))
     with pytest.raises(ValueError):
-        dequant_fp8_block(w, s[:2])
+        fp8_block_dequant_ref(w, s[:2])
 
 
 def test_quantize_roundtrip_and_zero_block():
@@ -138,7 +143,7 @@ def test_quantize_roundtrip_and_zero_block():
     w[:128, :128] = 0
     q, s = quantize_fp8_block(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2) and s.dtype == torch.float32
-    back = dequant_fp8_block(q, s)
+    back = fp8_block_dequant_ref(q, s, out_dtype=F32)
     assert torch.all(back[:128, :128] == 0)
     # e4m3 has 3 mantissa bits: relative error <= 2^-4, plus subnormal steps near zero
     assert torch.all((back - w).abs() <= w.abs() * 2**-4 + s.max() * 2**-9)

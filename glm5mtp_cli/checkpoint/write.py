@@ -1,4 +1,5 @@
-"""Write checkpoints in exactly the Hub layout, shard by shard, and make random ones (init-random).
+"""Write checkpoints in exactly the Hub layout, shard by shard, and make random ones (init-random,
+with checkpoint.random's initialiser).
 
 Memory rule: at most one shard's worth of tensors (plus the tensor being made) is held at a time,
 so a full-width GLM-5 with a few layers can be written on a small machine.
@@ -11,19 +12,19 @@ import json
 import os
 import re
 import shutil
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from glm5mtp_cli.models.glm5 import layout
-from glm5mtp_cli.checkpoint.load import INDEX_FILE, SINGLE_FILE
-from glm5mtp_cli.models.glm5.config import ModelConfig, profile_path
+from glm5mtp_cli.checkpoint.random import random_tensor
+from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, config_from_spec
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models import family_of
+from glm5mtp_cli.models.glm5 import layout
+from glm5mtp_cli.models.glm5.config import ModelConfig
 
-_CHUNK_ELEMS = 1 << 25  # fp32 values sampled at once by random_tensor
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
@@ -195,58 +196,17 @@ def tokenizer_files(src: str | os.PathLike) -> list[str]:
 
 # ---- random checkpoints --------------------------------------------------------------------------------
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    # One generator per tensor, seeded by (seed, name): a tensor's values depend neither on the
-    # order of generation nor on --layers, so a truncated model equals the full one's first layers.
-    g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return g
-
-
-def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """The init for one checkpoint tensor: N(0, 0.02) matrices, unit norms, zero LayerNorm bias,
-    and a small random fp32 e_score_correction_bias so the routing bias actually matters."""
-    if name.endswith("e_score_correction_bias"):
-        return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.01, generator=_generator(seed, name))
-    if name.endswith("k_norm.bias"):
-        return torch.zeros(shape, dtype=dtype)
-    if len(shape) == 1:
-        return torch.ones(shape, dtype=dtype)
-    # Sampled in fp32 a slab of rows at a time: the fp32 copy of a full-width embedding (4 GB)
-    # would otherwise double the peak memory of a bf16 write.
-    g = _generator(seed, name)
-    out = torch.empty(shape, dtype=dtype)
-    rows = max(1, _CHUNK_ELEMS // shape[1])
-    for r in range(0, shape[0], rows):
-        out[r:r + rows] = torch.empty(min(rows, shape[0] - r), shape[1]).normal_(0.0, 0.02, generator=g)
-    return out
-
-
 def random_tensors(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """All tensors of target + MTP, made one at a time in checkpoint order."""
-    for name, shape in layout.all_tensor_shapes(cfg, mtp=True):
+    for name, shape in family_of(cfg).tensor_shapes(cfg):
         yield name, random_tensor(name, shape, seed, dtype)
-
-
-def load_config(profile_or_config: str | os.PathLike | ModelConfig) -> ModelConfig:
-    if isinstance(profile_or_config, ModelConfig):
-        return profile_or_config
-    spec = str(profile_or_config)
-    p = profile_path(spec)
-    if p is None:
-        p = Path(spec).expanduser()
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise UserError(f"'{spec}' is neither a profile nor a config.json (or a folder holding one)")
-    return ModelConfig.from_json_file(p)
 
 
 def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
                 dtype: torch.dtype | str | None = None, fp8: bool = False, layers: int | None = None,
                 max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None) -> WriteSummary:
     """A random target (layers 0..L-1) plus its MTP layer at model.layers.{L}, L after --layers."""
-    cfg = load_config(profile_or_config)
+    cfg = config_from_spec(profile_or_config) if isinstance(profile_or_config, (str, os.PathLike)) else profile_or_config
     if layers is not None:
         cfg = cfg.with_layers(layers)
     if dtype is None:

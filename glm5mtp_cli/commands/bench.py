@@ -14,13 +14,14 @@ from rich.console import Console
 from rich.table import Table
 
 from glm5mtp_cli.engine import launch
-from glm5mtp_cli.diagnostics.bench import (BenchConfig, add_ratios, copy_bandwidth, draft_step_bytes, random_drafter, random_target,
-                    run_glm5mtp, run_transformers, target_step_bytes, time_draft_step, time_target_step)
-from glm5mtp_cli.checkpoint.load import resolve_config
+from glm5mtp_cli.diagnostics.bench import (BenchConfig, add_ratios, copy_bandwidth, random_drafter, random_target,
+                    run_glm5mtp, run_transformers, time_draft_step, time_target_step)
+from glm5mtp_cli.diagnostics.sizing import draft_step_bytes, target_step_bytes
+from glm5mtp_cli.checkpoint.resolve import resolve_config
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.engine.runtime import pick_device, pick_dtype
 from glm5mtp_cli.commands.generate import read_prompts
-from glm5mtp_cli.models.glm5.config import profile_path
+from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, graph_mode, load_runtime
 

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.checkpoint.load import resolve_model
+from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.engine.draft_vocab import COUNTS_FILE, count_tokens, write_counts
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, Tokenizer

@@ -9,18 +9,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from glm5mtp_cli.checkpoint.load import resolve_config
+from glm5mtp_cli.checkpoint.resolve import resolve_config
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.diagnostics.info import GIB, info_dict
+from glm5mtp_cli.diagnostics.info import info_dict
+from glm5mtp_cli.diagnostics.sizing import fmt_bytes
 
 
 def _b(n: float) -> str:
     """Billions of parameters, readable at both GLM-5 and tiny sizes."""
     return f"{n / 1e9:.3f} B" if n >= 1e7 else f"{n:,}"
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"
 
 
 def _render(d: dict, console: Console) -> None:
@@ -31,10 +28,10 @@ def _render(d: dict, console: Console) -> None:
     for name, c in d["components"].items():
         if c["all"]["params"]:
             t.add_row(name, _b(c["target"]["params"]), _b(c["mtp"]["params"]), str(c["all"]["tensors"]),
-                      _gib(c["all"]["bytes"]))
+                      fmt_bytes(c["all"]["bytes"]))
     tot = d["totals"]
     t.add_row("[bold]total[/bold]", _b(tot["target"]["params"]), _b(tot["mtp_layer"]["params"]),
-              str(tot["all"]["tensors"]), _gib(tot["all"]["bytes"]), end_section=True)
+              str(tot["all"]["tensors"]), fmt_bytes(tot["all"]["bytes"]), end_section=True)
     t.add_row("active / token", _b(tot["active_params_per_token_target"]), _b(tot["active_params_per_token_mtp"]), "", "")
     console.print(t)
     cache = d["cache"]
@@ -46,7 +43,7 @@ def _render(d: dict, console: Console) -> None:
               "indexer_bf16": "indexer keys bf16", "indexer_fp8": "indexer keys fp8+scale"}
     for kind, v in cache["per_kind"].items():
         c.add_row(labels[kind], str(v["bytes_per_token_per_layer"]), str(v["bytes_per_token_all"]),
-                  _gib(v["bytes_at_tokens_all"]), _gib(v["bytes_at_tokens_mtp"]))
+                  fmt_bytes(v["bytes_at_tokens_all"]), fmt_bytes(v["bytes_at_tokens_mtp"]))
     console.print(c)
 
 

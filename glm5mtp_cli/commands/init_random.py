@@ -11,14 +11,7 @@ from rich.table import Table
 
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+from glm5mtp_cli.diagnostics.sizing import fmt_bytes
 
 
 def init_random_cmd(
@@ -44,6 +37,6 @@ def init_random_cmd(
     table = Table(title=f"init-random {profile} -> {summary.out_dir}", show_header=False)
     table.add_row("weight files", str(len(summary.files)))
     table.add_row("tensors", str(summary.tensors))
-    table.add_row("bytes", f"{summary.total_bytes} ({_human(summary.total_bytes)})")
+    table.add_row("bytes", f"{summary.total_bytes} ({fmt_bytes(summary.total_bytes)})")
     table.add_row("fp8", "yes (e4m3, 128x128 blocks)" if fp8 else "no")
     Console().print(table)

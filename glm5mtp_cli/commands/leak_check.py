@@ -12,6 +12,7 @@ from rich.table import Table
 
 from glm5mtp_cli.engine import launch
 from glm5mtp_cli.engine.cache import COMPONENTS
+from glm5mtp_cli.diagnostics.sizing import fmt_bytes
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, check_flags, run_leakcheck
 from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, graph_mode, load_runtime
@@ -20,14 +21,7 @@ _SHORT = {"target_mla": "tgt mla", "target_indexer": "tgt idx", "drafter_mla": "
 
 
 def _fmt(n: float | int | None) -> str:
-    if n is None:
-        return "-"
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div:
-            return f"{sign}{n / div:.1f} {unit}"
-    return f"{sign}{int(n)} B"
+    return fmt_bytes(n, digits=1)
 
 
 def leakcheck_cmd(

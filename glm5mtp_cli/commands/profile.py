@@ -15,23 +15,15 @@ from rich.progress import Progress
 from rich.table import Table
 
 from glm5mtp_cli.engine import launch
-from glm5mtp_cli.checkpoint.load import resolve_config
+from glm5mtp_cli.checkpoint.resolve import resolve_config
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.parallel import check_tp, weight_bytes_per_rank
+from glm5mtp_cli.engine.parallel import check_tp
 from glm5mtp_cli.diagnostics.profile import POLICIES, ProfileConfig, check_flags, parse_lengths, run_profile
 from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, load_runtime, pick_device, pick_dtype
 from glm5mtp_cli.checkpoint.write import parse_size
+from glm5mtp_cli.diagnostics.sizing import fmt_bytes as _fmt, tp_table
 
 _COMPS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer", "scratch", "cuda_graphs")
-
-
-def _fmt(n) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def profile_cmd(
@@ -89,7 +81,7 @@ def profile_cmd(
     doc["predict_only"] = predict_only
     doc["tp"] = tp
     if tp > 1 or predict_only:
-        doc["tp_per_gpu"] = tp_table(cfg, c, doc, tp, with_mtp=gamma > 0)
+        doc["tp_per_gpu"] = tp_table(cfg, c.gpu_mem, doc, tp, with_mtp=gamma > 0)
     plot_note = None
     if plot is not None:
         plot_note = _plot(plot, doc)
@@ -198,32 +190,3 @@ def _bars(out: Console, doc: dict) -> None:
         v = r["per_sequence_bytes"]["total"]
         out.print(f"{r['max_seq_len']:>8} {r['policy']:<8} {'█' * max(1, round(40 * v / top)):<40} {_fmt(v)}",
                   highlight=False)
-
-
-def tp_table(cfg, c: ProfileConfig, doc: dict, tp: int, with_mtp: bool) -> dict:
-    """Weights, cache per sequence and concurrent sequences per GPU for tp in {1, 2, 4, 8, --tp} that
-    divide the model, for the bf16 and the FP8 checkpoint (weights as served: FP8 stays 1 byte +
-    block scales). The per-sequence cache is the same on every rank: the MLA latent is shared by
-    all heads, so tensor parallelism replicates it (vLLM's MLA does the same) instead of splitting it."""
-    rows = []
-    for n in sorted({1, 2, 4, 8, tp}):
-        try:
-            check_tp(cfg, n)
-        except UserError:
-            continue
-        for fmt in ("bf16", "fp8"):
-            w = weight_bytes_per_rank(cfg, n, fmt, with_mtp)
-            for r_ceil, r_bud in zip(doc["rows"][0::2], doc["rows"][1::2]):
-                per = {"ceiling": r_ceil["per_sequence_bytes"]["total"], "budget": r_bud["per_sequence_bytes"]["total"]}
-                free = c.gpu_mem - w["total"]
-                rows.append({"tp": n, "format": fmt, "weights_per_gpu_bytes": w["total"],
-                             "sharded_per_gpu_bytes": w["sharded"], "replicated_per_gpu_bytes": w["replicated"],
-                             "max_seq_len": r_ceil["max_seq_len"], "per_sequence_bytes": per,
-                             "max_concurrent_sequences": {k: max(0, free // v) for k, v in per.items()}})
-    return {"rows": rows, "notes": [
-        "MLA latent cache (and the DSA indexer keys) are replicated on every rank, not split by heads: the latent "
-        "is shared by all heads, as in vLLM's tensor parallel MLA; per-sequence cache per GPU equals the tp 1 value.",
-        "weights/GPU: q_b/kv_b/o_proj split by heads, routed experts E/N per rank, shared expert and dense MLPs "
-        "column/row split, embed_tokens and lm_head split by vocabulary; q_a/kv_a, norms, router, DSA indexer, "
-        "eh_proj replicated. fp8: quantized matrices 1 byte + fp32 scale per 128x128 block (as served).",
-        "max seqs = (gpu-mem - weights/GPU) // cache per sequence (no activation or CUDA-graph reserve)."]}

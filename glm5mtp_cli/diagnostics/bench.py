@@ -3,7 +3,8 @@
 Every configuration runs once as a warm-up (excluded), then `repeats` times; the tables report
 medians. The draft-step floor is the bytes one chained draft step must read at batch 1 (the MTP
 layer's non-expert weights, the chosen experts, the lm_head rows drafted over, the indexer keys of
-the whole context and the selected latent rows) over a copy bandwidth measured in the same run.
+the whole context and the selected latent rows: sizing.draft_step_bytes) over a copy bandwidth
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.models.glm5 import layout
 from glm5mtp_cli.commands.generate import run_generate
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.runtime import Runtime
 from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.checkpoint.load import build_loaded
+from glm5mtp_cli.checkpoint.random import RandomReader
+from glm5mtp_cli.models import family_of
 
 
 @dataclass
@@ -114,41 +117,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
     return nbytes / statistics.median(times)
 
 
-def _weight_bytes(cfg: ModelConfig, layer: int | None, dtype_bytes: int) -> int:
-    """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts."""
-    total = 0
-    for name, shape in layout.tensor_shapes(cfg, layer).items():
-        n = math.prod(shape)
-        if ".mlp.experts." in name:
-            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
-        total += n * (4 if layout.keeps_fp32(name) else dtype_bytes)
-    return total
-
-
-def _cache_bytes(cfg: ModelConfig, layer: int, dtype_bytes: int, context: int) -> int:
-    """Cache bytes one query reads in a layer: every indexer key (a full layer), the selected latents."""
-    keys = context * cfg.index_head_dim if cfg.has_indexer(layer) else 0
-    return (keys + min(context, cfg.index_topk) * cfg.kv_cache_width) * dtype_bytes
-
-
-def draft_step_bytes(cfg: ModelConfig, dtype_bytes: int, context: int, draft_vocab: int | None = None) -> dict:
-    """Bytes one chained draft step reads at batch 1 (the floor's numerator)."""
-    weights = _weight_bytes(cfg, cfg.mtp_layer_index, dtype_bytes)
-    head = (draft_vocab or cfg.vocab_size) * cfg.hidden_size * dtype_bytes
-    cache = _cache_bytes(cfg, cfg.mtp_layer_index, dtype_bytes, context)
-    return {"mtp_weights": weights, "lm_head": head, "cache": cache, "total": weights + head + cache}
-
-
-def target_step_bytes(cfg: ModelConfig, dtype_bytes: int, context: int) -> dict:
-    """Bytes one batch-1 decode step of the (truncated) target reads: its layers' active weights,
-    one embedding row, the final norm and the head, and each layer's cache reads."""
-    layers = sum(_weight_bytes(cfg, i, dtype_bytes) for i in range(cfg.num_hidden_layers))
-    h = cfg.hidden_size
-    top = (h + cfg.vocab_size * h) * dtype_bytes + h * dtype_bytes
-    cache = sum(_cache_bytes(cfg, i, dtype_bytes, context) for i in range(cfg.num_hidden_layers))
-    return {"layer_weights": layers, "embed_norm_head": top, "cache": cache, "total": layers + top + cache}
-
-
 def _graph_step_seconds(f, context: int, repeats: int) -> float:
     """Capture a one-row static forward (graphs.StaticForward) appending at row `context` and
     return the median device time of its replays."""
@@ -240,40 +208,27 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
         cache.release()
 
 
-def _init_random(modules, device: torch.device, dtype: torch.dtype) -> None:
-    for m in modules:
-        m.to_empty(device=device)
-        for name, p in m.named_parameters():
-            keep32 = layout.keeps_fp32(name)
-            p.data = p.data.to(torch.float32 if keep32 else dtype)
-            with torch.no_grad():
-                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-        for name, b in m.named_buffers():
-            b.zero_()
-
-
 def random_target(cfg: ModelConfig, layers: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """The target truncated to `layers` layers with random weights built on the device."""
-    from glm5mtp_cli.models.glm5 import Glm5ForCausalLM
-
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        target = Glm5ForCausalLM(cfg.with_layers(layers))
-    _init_random([target], device, dtype)
-    return target.eval()
+    """The target truncated to `layers` layers with random weights (checkpoint.random's initialiser)
+    built on the device."""
+    family = family_of(cfg)
+    reader = RandomReader(cfg, seed)
+    return build_loaded(lambda: family.build_target(cfg.with_layers(layers)), reader, "", dtype, device,
+                        family.keeps_fp32, what="target").eval()
 
 
 def random_drafter(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """The MTP layer, embeddings and head with random weights built on the device: real dimensions
-    without a checkpoint on disk (the draft step's time does not depend on the values)."""
+    """The MTP layer, embeddings and head with random weights (checkpoint.random's initialiser)
+    built on the device: real dimensions without a checkpoint on disk (the draft step's time does
+    not depend on the values)."""
     from torch import nn
 
-    from glm5mtp_cli.models.glm5 import Glm5MtpLayer
-
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        mtp = Glm5MtpLayer(cfg)
-        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    _init_random([mtp, embed, head], device, dtype)
+    family = family_of(cfg)
+    reader = RandomReader(cfg, seed)
+    mtp = build_loaded(lambda: family.build_mtp(cfg), reader, family.mtp_prefix(cfg), dtype, device,
+                       family.keeps_fp32, what="MTP layer")
+    embed = build_loaded(lambda: nn.Embedding(cfg.vocab_size, cfg.hidden_size), reader, "model.embed_tokens.",
+                         dtype, device)
+    head = build_loaded(lambda: nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False), reader, "lm_head.",
+                        dtype, device)
     return mtp.eval(), embed, head

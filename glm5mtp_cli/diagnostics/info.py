@@ -1,5 +1,6 @@
 """Sizes of a GLM-5 model computed from its config alone: parameters and checkpoint bytes per
-component, active parameters per token, and cache bytes per token (REFERENCE section 5).
+component, active parameters per token, and cache bytes per token (REFERENCE section 5); the
+byte formulas themselves live in diagnostics/sizing.py.
 
 Every count comes from layout.tensor_shapes, the same function init-random writes from.
 """
@@ -11,10 +12,7 @@ from dataclasses import dataclass, field
 
 from glm5mtp_cli.models.glm5 import layout
 from glm5mtp_cli.models.glm5.config import ModelConfig
-
-GIB = 2**30
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
-BF16 = 2
+from glm5mtp_cli.diagnostics.sizing import GIB, cache_bytes_per_token, cache_layers, checkpoint_tensor_bytes
 
 
 @dataclass
@@ -42,25 +40,10 @@ class ModelInfo:
         return t
 
 
-def weight_dtype_bytes(cfg: ModelConfig) -> int:
-    return _DTYPE_BYTES.get(str(cfg.torch_dtype).lower(), 2)
-
-
-def tensor_bytes(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> int:
-    """Bytes a checkpoint stores for one tensor (fp8: 1 byte a weight plus fp32 block scales)."""
-    n = math.prod(shape)
-    if layout.stored_fp32(name):
-        return 4 * n
-    if cfg.fp8 and layout.is_fp8_quantized(name, shape):
-        b0, b1 = cfg.fp8_block
-        return n + 4 * (-(-shape[0] // b0)) * (-(-shape[1] // b1))
-    return weight_dtype_bytes(cfg) * n
-
-
 def _count(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], into: dict[str, Part]) -> None:
     for name, shape in shapes.items():
         part = into.setdefault(layout.component_of(name), Part())
-        part.add(Part(1, math.prod(shape), tensor_bytes(cfg, name, shape)))
+        part.add(Part(1, math.prod(shape), checkpoint_tensor_bytes(cfg, name, shape)))
 
 
 def model_info(cfg: ModelConfig) -> ModelInfo:
@@ -78,25 +61,6 @@ def active_params(cfg: ModelConfig, parts: dict[str, Part]) -> int:
     routed = parts.get("routed experts", Part()).params
     rest = sum(p.params for k, p in parts.items() if k != "routed experts")
     return rest + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
-
-
-def cache_bytes_per_token(cfg: ModelConfig) -> dict[str, int]:
-    """Bytes per token per layer for each cache layout (REFERENCE section 5)."""
-    block = 128  # one fp32 scale per 128 values in the fp8 layouts
-    return {
-        "mla_bf16": cfg.kv_cache_width * BF16,
-        # vLLM fp8_ds_mla: latent in fp8 with fp32 scales per 128, rope part kept bf16
-        "mla_fp8": cfg.kv_lora_rank + 4 * (-(-cfg.kv_lora_rank // block)) + cfg.qk_rope_head_dim * BF16,
-        "indexer_bf16": cfg.index_head_dim * BF16,
-        "indexer_fp8": cfg.index_head_dim + 4 * (-(-cfg.index_head_dim // block)),
-    }
-
-
-def cache_layers(cfg: ModelConfig) -> dict[str, int]:
-    """Layers holding each cache: every layer has MLA; only 'full' indexer layers keep index keys."""
-    mtp = 1 if cfg.num_nextn_predict_layers else 0
-    full = sum(1 for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i))
-    return {"mla_target": cfg.num_hidden_layers, "indexer_target": full, "mla_mtp": mtp, "indexer_mtp": mtp}
 
 
 def _part_dict(p: Part) -> dict[str, int]:

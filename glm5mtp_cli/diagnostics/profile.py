@@ -1,8 +1,8 @@
 """profile: per-sequence memory by component and latency per phase, over --max-seq-len values and the
 two allocation policies (ceiling: state sized to --max-seq-len; budget: sized to the request).
 
-Predicted numbers come from the config alone (cache.bytes_per_token x tokens rounded up to whole
-blocks), measured ones from the pools' ledger after allocating one sequence exactly as SpecEngine
+Predicted numbers come from the config alone (diagnostics/sizing.py: the family's state components x
+tokens rounded up to whole blocks), measured ones from the pools' ledger after allocating one sequence exactly as SpecEngine
 does, plus the CUDA allocator's delta of creating those pools. Latency at a context of L tokens is
 measured without prefilling L tokens: the pools' rows 0..L-1 are filled with random values and the
 caches' lengths set to L, then propose and verify run through the engine's public pieces.
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import COMPONENTS, CachePools, bytes_per_token
+from glm5mtp_cli.engine.cache import COMPONENTS, CachePools
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.diagnostics.info import model_info
+from glm5mtp_cli.diagnostics.sizing import bytes_per_token, growth_bytes, predicted_bytes, predicted_weight_bytes
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.speculate import Request, reserve_tokens
 
@@ -77,64 +77,9 @@ def check_flags(c: ProfileConfig, max_position: int | None = None) -> None:
             raise UserError(f"--max-seq-len {L} is over the model's max_position_embeddings {max_position}")
 
 
-def _dsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def policy_tokens(c: ProfileConfig, policy: str, max_seq_len: int) -> int:
     """Rows reserved per cache for a request of c.budget tokens (prompt + new) under a policy."""
     return reserve_tokens(1, c.budget - 1, c.gamma, policy, max_seq_len)
-
-
-def scratch_bytes(cfg: ModelConfig, dtype: torch.dtype, context: int, gamma: int) -> int:
-    """Transient bytes of one verify forward of gamma+1 rows at `context` cached rows: the peak of one
-    layer (layers run one after another), read off the PyTorch attention path:
-    gathered MLA rows [L, kv_width] + gathered indexer keys [L, index_dim] (model dtype),
-    scores [T, heads, L] fp32 x2 (scores, masked softmax) + probs [T, heads, L] (model dtype),
-    indexer scores [T, index_heads, L] fp32 x2, masks [T, L] bool x3, top-k ids [T, topk] int64,
-    plus the verify's logits [T, vocab] and the hidden rows [T, hidden] x4."""
-    d = _dsize(dtype)
-    t = gamma + 1
-    L = context + t
-    attn = (L * cfg.kv_cache_width * d + L * cfg.index_head_dim * d
-            + t * cfg.num_attention_heads * L * (4 * 2 + d)
-            + t * cfg.index_n_heads * L * 4 * 2 + 3 * t * L + t * min(cfg.index_topk, L) * 8)
-    return attn + t * cfg.vocab_size * max(d, 4) + 4 * t * cfg.hidden_size * d
-
-
-def graph_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int, block_size: int, gamma: int) -> int:
-    """What one batch slot's CUDA graphs keep allocated between replays (graphs.BatchGraphs): the
-    static inputs (ids, lengths, block tables of each cache component, drafter hiddens) and the
-    outputs the graphs own (the verify's logits and hiddens; the greedy chain's drafts). Their
-    intermediates live in the graphs' private pool, the same peak as `scratch`."""
-    d, t = _dsize(dtype), gamma + 1
-    tables = 8 * math.ceil(tokens / block_size)
-    verify = t * 8 + 8 + 2 * tables + t * cfg.vocab_size * d + t * cfg.hidden_size * d
-    if gamma == 0:
-        return verify
-    draft = t * 8 + 8 + 8 + 2 * tables + t * cfg.hidden_size * d + gamma * 8
-    return verify + draft
-
-
-def predicted_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int, block_size: int, gamma: int,
-                    scratch_context: int) -> dict[str, int]:
-    bpt = bytes_per_token(cfg, dtype)
-    rows = math.ceil(tokens / block_size) * block_size
-    out = {k: v * rows for k, v in bpt.items()}
-    if gamma == 0:
-        out["drafter_mla"] = out["drafter_indexer"] = 0
-    out["scratch"] = scratch_bytes(cfg, dtype, scratch_context, gamma)
-    out["cuda_graphs"] = graph_bytes(cfg, dtype, tokens, block_size, gamma)
-    out["total"] = sum(out.values())
-    return out
-
-
-def predicted_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = True) -> int:
-    """Parameters (layout.tensor_shapes, via info.model_info) x the runtime dtype's size: weights are
-    held dequantized in --dtype whatever the checkpoint stores."""
-    info = model_info(cfg)
-    params = info.total(info.target).params + (info.total(info.mtp).params if with_mtp else 0)
-    return params * _dsize(dtype)
 
 
 def _sync(device: torch.device) -> None:
@@ -254,9 +199,7 @@ def run_profile(cfg: ModelConfig, dtype: torch.dtype, c: ProfileConfig, rt: Runt
     weights_pred = predicted_weight_bytes(cfg, dtype, with_mtp)
     weights_meas = sum(rt.weight_bytes().values()) if rt is not None else None
     weights = weights_meas if weights_meas is not None else weights_pred
-    bpt = bytes_per_token(cfg, dtype)
-    if not with_mtp:
-        bpt["drafter_mla"] = bpt["drafter_indexer"] = 0
+    bpt = bytes_per_token(cfg, dtype, with_drafter=with_mtp)
     rows = []
     for L in c.max_seq_lens:
         lat = None
@@ -270,7 +213,7 @@ def run_profile(cfg: ModelConfig, dtype: torch.dtype, c: ProfileConfig, rt: Runt
             meas = measure_state(rt, c, policy, L) if rt is not None else None
             per_seq = pred["total"]
             free = c.gpu_mem - weights
-            growth = sum(bpt.values()) * 1000 + (scratch_bytes(cfg, dtype, 1000, c.gamma) - scratch_bytes(cfg, dtype, 0, c.gamma))
+            growth = growth_bytes(cfg, dtype, c.gamma, with_mtp)
             rows.append({"max_seq_len": L, "policy": policy, "reserved_tokens": tokens,
                          "per_sequence_bytes": pred, "measured_per_sequence_bytes": meas,
                          "max_concurrent_sequences": max(0, free // per_seq),
@@ -282,9 +225,9 @@ def run_profile(cfg: ModelConfig, dtype: torch.dtype, c: ProfileConfig, rt: Runt
             "bytes_per_token": bpt, "weights_bytes": weights, "weights_bytes_predicted": weights_pred,
             "weights_bytes_measured": weights_meas, "rows": rows,
             "notes": {"scratch": "verify activations of gamma+1 rows at the row's longest context, peak of one "
-                                 "layer of the PyTorch path (see profile.scratch_bytes)",
+                                 "layer of the PyTorch path (see sizing.scratch_bytes)",
                       "cuda_graphs": "per batch slot on CUDA: static inputs and the outputs the graphs own "
-                                     "(profile.graph_bytes); their intermediates share the scratch peak",
+                                     "(sizing.graph_bytes); their intermediates share the scratch peak",
                       "latency": "context filled with random rows (no prefill of L tokens); prefill = "
                                  f"{PREFILL_TOKENS} tokens appended at that context; medians of --repeats runs",
                       "max_concurrent_sequences": "(gpu_mem - weights) // predicted per-sequence total"}}

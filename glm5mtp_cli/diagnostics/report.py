@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from glm5mtp_cli.diagnostics.sizing import fmt_bytes
 from glm5mtp_cli.engine.metrics import Acceptance, Latency
 from glm5mtp_cli.engine.speculate import SeqResult
 
@@ -30,16 +31,6 @@ def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_
     lat.total_seconds = wall_prefill_s + wall_decode_s
     lat.capture_seconds = wall_capture_s
     return acc, lat
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _f(x, spec=".3f", none="-"):

@@ -308,19 +308,6 @@ class SequenceCache:
         return out
 
 
-def bytes_per_token(cfg, dtype: torch.dtype, num_target_layers: int | None = None) -> dict[str, int]:
-    """Cache bytes per token by component, predicted from the config (REFERENCE section 5)."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    layers = cfg.num_hidden_layers if num_target_layers is None else num_target_layers
-    full = sum(1 for i in range(layers) if cfg.has_indexer(i))
-    return {
-        "target_mla": layers * cfg.kv_cache_width * size,
-        "target_indexer": full * cfg.index_head_dim * size,
-        "drafter_mla": cfg.num_nextn_predict_layers * cfg.kv_cache_width * size,
-        "drafter_indexer": cfg.num_nextn_predict_layers * cfg.index_head_dim * size,
-    }
-
-
 @dataclass
 class CachePools:
     """The pools of a run, one per state component of the model family (models/family.py):
@@ -337,9 +324,9 @@ class CachePools:
         pools, owners = {}, {}
         for c in family_of(cfg).state_components(cfg, dtype, with_drafter):
             if c.kind == SLOT:
-                pools[c.name] = SlotPool(c.name, c.layers, c.shape, num_blocks, dtype, device)
+                pools[c.name] = SlotPool(c.name, c.layers, c.shape, num_blocks, c.dtype, device)
             else:
-                pools[c.name] = BlockPool(c.name, c.layers, c.shape[0], block_size, num_blocks, dtype, device)
+                pools[c.name] = BlockPool(c.name, c.layers, c.shape[0], block_size, num_blocks, c.dtype, device)
             owners.setdefault(c.owner, []).append(c.name)
         return cls(pools, owners)
 

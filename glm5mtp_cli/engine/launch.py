@@ -58,7 +58,7 @@ def precheck(tp: int, model: str, device: str) -> None:
         raise UserError(f"--tp must be >= 1, got {tp}")
     if tp == 1:
         return
-    from glm5mtp_cli.checkpoint.load import resolve_config
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
 
     cfg, _ = resolve_config(model)
     check_tp(cfg, tp)

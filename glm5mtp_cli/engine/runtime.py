@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools
-from glm5mtp_cli.checkpoint.load import ResolvedModel, load_models, resolve_model
+from glm5mtp_cli.checkpoint.load import load_models
+from glm5mtp_cli.checkpoint.resolve import ResolvedModel, resolve_model
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.speculate import SpecEngine

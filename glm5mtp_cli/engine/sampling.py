@@ -49,18 +49,6 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return draw(probs, gen), probs
 
 
-def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor, num_drafts: int):
-    """Greedy verification of one sequence.
-
-    drafts [g]; target_logits [g+1, V] at the verified positions. Returns (n accepted, next token):
-    the target's own choice after the accepted prefix (the correction, or the bonus when all pass).
-    """
-    target_tokens = target_logits.argmax(-1)
-    match = (target_tokens[:num_drafts] == drafts[:num_drafts]).int()
-    accepted = int(match.cumprod(0).sum().item()) if num_drafts else 0
-    return accepted, int(target_tokens[accepted].item())
-
-
 def accept_rejection(drafts: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
                      num_drafts: int, params: SamplingParams, gen: torch.Generator):
     """Speculative sampling (Leviathan et al.): the emitted tokens follow the target's distribution.

@@ -6,6 +6,9 @@ Families are imported on first use, so resolving a config never pulls in another
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from glm5mtp_cli.errors import UserError
@@ -41,3 +44,22 @@ def family_of(cfg: Any) -> ModelFamily:
 def parse_config(raw: dict[str, Any], source: str = "<dict>") -> Any:
     """The config object of whichever family config.json's model_type names."""
     return family_for(raw.get("model_type"), source).parse_config(raw, source)
+
+
+def read_config_file(path: str | os.PathLike, error: type[Exception] = UserError) -> dict[str, Any]:
+    """config.json as a dict, or one line naming the file (`error` lets a family raise its own class)."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path}: not a JSON object")
+    return raw
+
+
+def load_config(path: str | os.PathLike) -> Any:
+    """The config object of a config.json file, parsed by the family its model_type names."""
+    return parse_config(read_config_file(path), source=str(path))

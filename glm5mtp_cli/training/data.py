@@ -7,7 +7,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,8 +16,7 @@ from glm5mtp_cli.training import corpus
 from glm5mtp_cli.training import tokenizer as tt
 from glm5mtp_cli.errors import UserError
 
-if TYPE_CHECKING:
-    from glm5mtp_cli.training.train import TrainOptions
+# `opts` below is a training.train.TrainOptions, typed Any: train imports this module, not the reverse.
 
 
 def default_cache_dir() -> Path:
@@ -29,7 +28,7 @@ def _file_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def prepare_tokenizer(opts: TrainOptions, vocab_size: int, cache: Path, manifest: dict, log) -> Path:
+def prepare_tokenizer(opts: Any, vocab_size: int, cache: Path, manifest: dict, log) -> Path:
     """A folder holding tokenizer.json + tokenizer_config.json whose vocab is `vocab_size`."""
     if opts.tokenizer is not None:
         tok_dir = Path(opts.tokenizer)
@@ -47,7 +46,7 @@ def prepare_tokenizer(opts: TrainOptions, vocab_size: int, cache: Path, manifest
     return tok_dir
 
 
-def _corpus_manifest(opts: TrainOptions, cache: Path) -> dict:
+def _corpus_manifest(opts: Any, cache: Path) -> dict:
     """The manifest of the corpus this run reads (hashes computed from the stdlib, no files kept)."""
     h = {s: hashlib.sha256() for s in corpus.SPLITS}
     counts = {s: [0, 0] for s in corpus.SPLITS}
@@ -72,7 +71,7 @@ def _corpus_manifest(opts: TrainOptions, cache: Path) -> dict:
     }
 
 
-def tokenize_split(tok_dir: Path, split: str, cache: Path, manifest: dict, opts: TrainOptions, log) -> np.ndarray:
+def tokenize_split(tok_dir: Path, split: str, cache: Path, manifest: dict, opts: Any, log) -> np.ndarray:
     """Token ids of a split as one uint16/int32 array: each document followed by <|endoftext|>.
     The train split adds the chat samples when `opts.chat_samples`. Cached as .npy."""
     chat = opts.chat_samples and split == "train"

@@ -42,7 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5mtp_cli.models.glm5 import layout
-from glm5mtp_cli.models.glm5.config import ModelConfig, profiles_dir
+from glm5mtp_cli.checkpoint.random import fill_random
+from glm5mtp_cli.checkpoint.resolve import profiles_dir
+from glm5mtp_cli.diagnostics.sizing import tensor_bytes
+from glm5mtp_cli.models import family_of
+from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.training.data import (WindowSampler, _corpus_manifest, _file_sha, default_cache_dir, heldout_windows,
                          prepare_tokenizer, tokenize_split)
@@ -152,30 +156,6 @@ def load_train_config(spec: str) -> tuple[ModelConfig, dict, Path]:
 
 # ---- model setup -----------------------------------------------------------------------------------
 
-def init_weights(module: nn.Module, seed: int) -> None:
-    """N(0, 0.02) for matrices (experts too), ones for norm weights, zeros for biases and the
-    routers' e_score_correction_bias. Drawn on CPU with a per-tensor seed, so the same seed gives
-    the same weights on every device."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() >= 2:
-                g = torch.Generator().manual_seed((seed * 1_000_003 + _crc(name)) % (2**63))
-                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g))
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.fill_(1.0)
-        for name, b in module.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.zero_()
-
-
-def _crc(name: str) -> int:
-    import zlib
-
-    return zlib.crc32(name.encode())
-
-
 def _routers_outside_autocast(module: nn.Module, device_type: str) -> None:
     """Run every router in fp32 even under autocast (its own .float() casts are undone by autocast)."""
     from glm5mtp_cli.models.glm5.layers import Router
@@ -234,7 +214,7 @@ def count_params(cfg: ModelConfig) -> dict:
     for name, shape in layout.all_tensor_shapes(cfg, mtp=True):
         n = math.prod(shape)
         total += n
-        nbytes += n * (4 if layout.stored_fp32(name) else 2)
+        nbytes += tensor_bytes(name, shape, 2)
         if name.startswith(mtp_prefix):
             mtp += n
         if ".mlp.experts." in name:
@@ -388,7 +368,8 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
     if opts.mtp_only:
         if opts.init is None:
             raise UserError("--mtp-only needs --init DIR (the trained target to freeze)")
-        from glm5mtp_cli.checkpoint.load import load_models, resolve_model
+        from glm5mtp_cli.checkpoint.load import load_models
+        from glm5mtp_cli.checkpoint.resolve import resolve_model
 
         resolved = resolve_model(str(opts.init), need="target", progress=False)
         cfg = resolved.config
@@ -425,9 +406,9 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
         target.requires_grad_(False)
     else:
         target = Glm5ForCausalLM(cfg)
-        init_weights(target, opts.seed)
+        fill_random(target, "", opts.seed)
     mtp = Glm5MtpLayer(cfg)
-    init_weights(mtp, opts.seed + 1)
+    fill_random(mtp, family_of(cfg).mtp_prefix(cfg), opts.seed + 1)
     target.to(device)
     mtp.to(device)
     _routers_outside_autocast(target, device.type)

@@ -28,7 +28,7 @@ from glm5mtp_cli.models.glm5.layers import RMSNorm
 
 def rope_gt(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved rope of x [G, T, ..., D] with each sequence's positions' cos/sin [G, T, D/2]
-    (the same arithmetic as layers.apply_rope_interleaved, element for element). At inference on
+    (pairs (x0,x1),(x2,x3),... rotated, laid out as [rotated evens, rotated odds]). At inference on
     CUDA: kernels/rope.py, one kernel instead of about nine, fp32 math rounded once."""
     if x.is_cuda and not torch.is_grad_enabled():
         n = cos.shape[0] * cos.shape[1]

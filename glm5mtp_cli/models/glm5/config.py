@@ -8,10 +8,8 @@ so the CLI can print one line and stop.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from glm5mtp_cli.errors import UserError
@@ -247,16 +245,9 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: not a JSON object")
-        return cls.from_dict(raw, source=str(path))
+        from glm5mtp_cli.models import read_config_file
+
+        return cls.from_dict(read_config_file(path, ConfigError), source=str(path))
 
 
 def _as_id_list(v: Any, source: str) -> list[int]:
@@ -278,24 +269,3 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, str]:
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"{source}: field 'rope_theta' must be a positive number")
     return float(theta), str(rope_type)
-
-
-# ---- profiles ---------------------------------------------------------------------------------
-
-def profiles_dir() -> Path:
-    """The folder of named profiles: the `profiles` package shipped beside glm5mtp_cli."""
-    import profiles  # a package so that it installs with the tool
-
-    return Path(profiles.__file__).resolve().parent
-
-
-def list_profiles() -> list[str]:
-    return sorted(p.name for p in profiles_dir().iterdir() if (p / "config.json").is_file())
-
-
-def profile_path(name: str) -> Path | None:
-    """The folder of profile `name`, or None when no such profile ships."""
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        return None
-    p = profiles_dir() / name
-    return p if (p / "config.json").is_file() else None

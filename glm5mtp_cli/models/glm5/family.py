@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from glm5mtp_cli.engine.parallel import shard_mtp, shard_target
 from glm5mtp_cli.models.family import ROWS, StateComponent
 from glm5mtp_cli.models.glm5 import layout
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.decoder import Glm5ForCausalLM, Glm5MtpLayer
 from glm5mtp_cli.engine.mtp_head import MtpHead
+from glm5mtp_cli.models.glm5 import sharding
 
 
 class Glm5Family:
@@ -41,11 +41,17 @@ class Glm5Family:
     def build_mtp(self, cfg: ModelConfig) -> Glm5MtpLayer:
         return Glm5MtpLayer(cfg)
 
+    def keeps_fp32(self, name: str) -> bool:
+        return layout.keeps_fp32(name)
+
+    def check_tp(self, cfg: ModelConfig, tp: int) -> None:
+        sharding.check_tp(cfg, tp)
+
     def shard_target(self, model, comm):
-        return shard_target(model, comm)
+        return sharding.shard_target(model, comm)
 
     def shard_mtp(self, layer, comm, prefix: str):
-        return shard_mtp(layer, comm, prefix)
+        return sharding.shard_mtp(layer, comm, prefix)
 
     def make_proposer(self, target, mtp, pools, **options) -> MtpHead:
         return MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools,

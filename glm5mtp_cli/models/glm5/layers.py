@@ -40,18 +40,6 @@ def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x0,x1),(x2,x3),...; output laid out as [rotated evens, rotated odds].
-
-    x: [T, ..., D]; cos/sin: [T, D/2], broadcast over the middle dimensions.
-    """
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos = cos.view(shape).to(x.dtype)
-    sin = sin.view(shape).to(x.dtype)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """silu(gate) * up; with `limit` (GLM-5-Next) the clamp is asymmetric: gate only from above,
     up to [-limit, limit]. GLM-5 has no clamp (limit None)."""

@@ -121,6 +121,13 @@ class NextConfig:
             return True
         return self.mlp_layer_types[layer] == "sparse"
 
+    def with_layers(self, num_layers: int) -> "NextConfig":
+        """A depth-truncated copy (the first `num_layers` trunk layers; the MTP layer stays)."""
+        if not 1 <= num_layers <= self.num_hidden_layers:
+            raise NextConfigError(f"{self.source}: --layers must be in 1..{self.num_hidden_layers}, got {num_layers}")
+        return dataclasses.replace(self, num_hidden_layers=num_layers, layer_types=list(self.layer_types[:num_layers]),
+                                   mlp_layer_types=list(self.mlp_layer_types[:num_layers]))
+
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> "NextConfig":

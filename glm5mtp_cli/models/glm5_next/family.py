@@ -52,6 +52,13 @@ class Glm5NextFamily:
     def build_mtp(self, cfg: NextConfig) -> PooledMtp:
         return PooledMtp(Glm5NextMtpLayer(cfg))
 
+    def keeps_fp32(self, name: str) -> bool:
+        return layout.keeps_fp32(name)
+
+    def check_tp(self, cfg: NextConfig, tp: int) -> None:
+        if tp > 1:
+            raise UserError("--tp is not supported for glm5_next yet")
+
     def shard_target(self, model, comm):
         raise UserError("--tp is not supported for glm5_next yet")
 

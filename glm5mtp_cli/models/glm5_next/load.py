@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from glm5mtp_cli.checkpoint.load import CheckpointReader, local_weight_map
+from glm5mtp_cli.checkpoint.read import CheckpointReader
+from glm5mtp_cli.checkpoint.resolve import local_weight_map
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.glm5_next import layout
 from glm5mtp_cli.models.glm5_next.config import NextConfig

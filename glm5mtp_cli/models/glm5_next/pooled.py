@@ -28,6 +28,7 @@ import torch
 from glm5mtp_cli.engine.cache import CachedRows, cached_rows
 from glm5mtp_cli.models.glm5_next.attention import MlaPast, MlaPending
 from glm5mtp_cli.models.glm5_next.decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM
+from glm5mtp_cli.models.glm5_next.layout import LM_HEAD, PREFIX
 from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
 from glm5mtp_cli.models.glm5_next.state import KdaSlot
 
@@ -41,6 +42,17 @@ class ForwardOut:
     hidden: torch.Tensor  # [B, R, D] post-norm (target: model.norm; MTP: shared_head.norm)
     prenorm: torch.Tensor | None = None
     hidden_all: torch.Tensor | None = None  # target: post-norm hiddens of every appended row
+
+
+def _checkpoint_names(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + "model.")]:
+        rest = key[len(prefix) + len("model."):]
+        state_dict[prefix + (rest if rest == LM_HEAD else PREFIX + rest)] = state_dict.pop(key)
+
+
+def _unwrap_names(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + "layer.")]:
+        state_dict[prefix + key[len(prefix) + len("layer."):]] = state_dict.pop(key)
 
 
 class PagedIndexed:
@@ -94,6 +106,8 @@ class PooledTarget(torch.nn.Module):
         super().__init__()
         self.model = model
         self.cfg = model.cfg
+        # state_dict keys are the checkpoint's names, as the loader reads them
+        self.register_state_dict_post_hook(_checkpoint_names)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all") -> ForwardOut:
@@ -147,6 +161,7 @@ class PooledMtp(torch.nn.Module):
         super().__init__()
         self.layer = layer
         self.cfg = layer.cfg
+        self.register_state_dict_post_hook(_unwrap_names)  # keys relative to `layers.{N}.`
 
     def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows]) -> _Ctx:
         return _Ctx(starts, t, rows)
