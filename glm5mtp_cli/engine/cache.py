@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: a runtime import would close the cycle cache -> models.glm5 -> decoder -> cache
+    from glm5mtp_cli.models.glm5.config import ModelConfig
 
 COMPONENTS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")
 
