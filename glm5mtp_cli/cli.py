@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from glm5mtp_cli import __version__
 from glm5mtp_cli.errors import UserError
@@ -76,7 +77,7 @@ def guarded(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
 
     return run
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0) if not isinstance(e.code, str) else 1
     except UserError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         return e.exit_code
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/red]")

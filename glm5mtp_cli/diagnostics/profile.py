@@ -21,6 +21,7 @@ from glm5mtp_cli.engine.cache import COMPONENTS, CachePools, bytes_per_token
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.info import model_info
+from glm5mtp_cli.engine.parallel import check_tp, weight_bytes_per_rank
 from glm5mtp_cli.engine.runtime import Runtime
 from glm5mtp_cli.engine.speculate import Request, SpecEngine, reserve_tokens
 
@@ -74,7 +75,7 @@ def check_flags(c: ProfileConfig, max_position: int | None = None) -> None:
             raise UserError(f"--budget {c.budget} + gamma {c.gamma} = {need} rows is over --max-seq-len {L}: "
                             f"refused (the engine would refuse that request); lower --budget or drop {L}")
         if max_position is not None and L > max_position:
-            raise UserError(f"--max-seq-len {L} is over the model's max_position_embeddings {max_position}")
+            raise UserError(f"--max-seq-len {L} is over the model's limit (max_position_embeddings {max_position})")
 
 
 def _dsize(dtype: torch.dtype) -> int:
@@ -294,3 +295,32 @@ def run_profile(cfg: ModelConfig, dtype: torch.dtype, c: ProfileConfig, rt: Runt
                       "latency": "context filled with random rows (no prefill of L tokens); prefill = "
                                  f"{PREFILL_TOKENS} tokens appended at that context; medians of --repeats runs",
                       "max_concurrent_sequences": "(gpu_mem - weights) // predicted per-sequence total"}}
+
+
+def tp_table(cfg, c: ProfileConfig, doc: dict, tp: int, with_mtp: bool) -> dict:
+    """Weights, cache per sequence and concurrent sequences per GPU for tp in {1, 2, 4, 8, --tp} that
+    divide the model, for the bf16 and the FP8 checkpoint (weights as served: FP8 stays 1 byte +
+    block scales). The per-sequence cache is the same on every rank: the MLA latent is shared by
+    all heads, so tensor parallelism replicates it (vLLM's MLA does the same) instead of splitting it."""
+    rows = []
+    for n in sorted({1, 2, 4, 8, tp}):
+        try:
+            check_tp(cfg, n)
+        except UserError:
+            continue
+        for fmt in ("bf16", "fp8"):
+            w = weight_bytes_per_rank(cfg, n, fmt, with_mtp)
+            for r_ceil, r_bud in zip(doc["rows"][0::2], doc["rows"][1::2]):
+                per = {"ceiling": r_ceil["per_sequence_bytes"]["total"], "budget": r_bud["per_sequence_bytes"]["total"]}
+                free = c.gpu_mem - w["total"]
+                rows.append({"tp": n, "format": fmt, "weights_per_gpu_bytes": w["total"],
+                             "sharded_per_gpu_bytes": w["sharded"], "replicated_per_gpu_bytes": w["replicated"],
+                             "max_seq_len": r_ceil["max_seq_len"], "per_sequence_bytes": per,
+                             "max_concurrent_sequences": {k: max(0, free // v) for k, v in per.items()}})
+    return {"rows": rows, "notes": [
+        "MLA latent cache (and the DSA indexer keys) are replicated on every rank, not split by heads: the latent "
+        "is shared by all heads, as in vLLM's tensor parallel MLA; per-sequence cache per GPU equals the tp 1 value.",
+        "weights/GPU: q_b/kv_b/o_proj split by heads, routed experts E/N per rank, shared expert and dense MLPs "
+        "column/row split, embed_tokens and lm_head split by vocabulary; q_a/kv_a, norms, router, DSA indexer, "
+        "eh_proj replicated. fp8: quantized matrices 1 byte + fp32 scale per 128x128 block (as served).",
+        "max seqs = (gpu-mem - weights/GPU) // cache per sequence (no activation or CUDA-graph reserve)."]}
