@@ -46,7 +46,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 app = typer.Typer(
     name="glm5mtp",
     help="Speculative generation with the GLM-5 multi-token-prediction (MTP) draft head.\n\n"
-         "Start with: glm5mtp generate --prompt 'import os' (the shipped demo model, glm5-nano, on the CPU). "
+         "Start with: glm5mtp generate --prompt 'class Point:' (glm5-nano, a 16 M-parameter demo model trained on "
+         "Python sources, on the CPU). "
          "Each command has --help with examples.",
     no_args_is_help=True,
     add_completion=False,

@@ -189,7 +189,7 @@ def test_single_prompt_shows_header_finish_and_cut_mark():
                             "--device", "cpu"], env=NARROW)
     assert r.exit_code == 0, r.output
     out = r.stdout
-    assert out.splitlines()[0].startswith("glm5-nano on cpu: gamma 3, greedy")
+    assert out.splitlines()[0].startswith("glm5-nano, cpu, gamma 3, greedy")
     assert "def add(a, b):" in out and "finish: length" in out
     assert "─" * 20 in out.split("finish:")[1]  # a rule between the text and the tables
     _fits_80(out)

@@ -25,7 +25,7 @@ EXAMPLES = """
 
 Examples:
 
-  glm5mtp generate --prompt 'import os' --max-new-tokens 48
+  glm5mtp generate --prompt 'class Point:' --temperature 0.5 --top-p 0.9
 
   glm5mtp generate --prompts prompts.jsonl --batch-size 4 --json > out.json
 
@@ -253,8 +253,9 @@ def _cut_mark(r: dict) -> str:
 
 def _header(out: Console, model: str, rt, gamma: int, kw: dict) -> None:
     s = kw["sampling"]
-    how = "greedy" if s.temperature == 0 else f"temperature {s.temperature:g}, top-p {s.top_p:g}, seed {s.seed}"
-    out.rule(f"{model} on {rt.device}: gamma {gamma}, {how}, up to {kw['max_new_tokens']} new tokens",
+    how = "greedy" if s.temperature == 0 else f"T {s.temperature:g}, top-p {s.top_p:g}, seed {s.seed}"
+    name = Path(model).name if "/" in model and Path(model).exists() else model
+    out.rule(f"{name}, {rt.device}, gamma {gamma}, {how}, max {kw['max_new_tokens']} new tokens",
              align="left", style="dim")
 
 
