@@ -14,6 +14,7 @@ into token ids once the tokenizer is known. Nothing here imports torch.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,3 +106,8 @@ def encode_prompts(prompts: list[Prompt], tokenizer, chat: bool = False, folder:
         out.append(ids)
     return out
 
+
+def random_prompts(vocab_size: int, count: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random token ids of code-prompt length (24-63 tokens), for checkpoints without a tokenizer."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randrange(24, 64))] for _ in range(count)]

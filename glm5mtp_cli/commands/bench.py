@@ -5,7 +5,6 @@ Parse and print only: the runs and the step timings are diagnostics.bench's."""
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,7 +15,7 @@ from rich.console import Console
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
                                           ModelOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.prompts import encode_prompts, read_file
+from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
 def _ints(text: str, flag: str, low: int) -> list[int]:
     try:
@@ -39,8 +38,7 @@ def _prompts(rt, items, need: int) -> list[list[int]]:
     if items is not None:
         ids = encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder)
     else:
-        rng = random.Random(0)
-        ids = [[rng.randrange(rt.cfg.vocab_size) for _ in range(rng.randrange(24, 64))] for _ in range(need)]
+        ids = random_prompts(rt.cfg.vocab_size, need)
     while len(ids) < need:
         ids = ids + ids
     return ids[:need]
