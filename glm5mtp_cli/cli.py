@@ -1,20 +1,54 @@
-"""The Typer app: parse flags, call one function per command, print. No model logic here."""
+"""The Typer app: one entry point, commands registered lazily. No model logic here.
+
+`glm5mtp --help` and `--version` must not pay for torch (a few seconds): each command is registered
+as a thin stand-in that only knows its name and one-line help; running it (or its `--help`) imports
+the command's module, builds that one command with Typer and hands it the remaining arguments.
+Command modules keep torch and the engine out of their module level too, so `glm5mtp CMD --help`
+stays fast as well.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from glm5mtp_cli import __version__
 from glm5mtp_cli.errors import UserError
 
+# name -> ("module:function", one-line help shown by `glm5mtp --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("glm5mtp_cli.commands.generate:generate_cmd",
+                 "Speculative generation: the MTP head drafts, the target verifies; output equals the target's."),
+    "info": ("glm5mtp_cli.commands.info:info_cmd",
+             "Parameters, bytes per component and cache bytes per token, from the config alone."),
+    "init-random": ("glm5mtp_cli.commands.init_random:init_random_cmd",
+                    "Write a random-weight checkpoint in the Hub layout (real dimensions, no download)."),
+    "leak-check": ("glm5mtp_cli.commands.leak_check:leakcheck_cmd",
+                   "Run sequences to every end (length, EOS, cancel, error); check every cache pool for leaks."),
+    "profile": ("glm5mtp_cli.commands.profile:profile_cmd",
+                "Per-sequence memory by component and latency per phase, ceiling vs budget allocation."),
+    "train": ("glm5mtp_cli.commands.train:train_cmd",
+              "Train a GLM-5-architecture model jointly with its MTP layer (how glm5-nano was made)."),
+    "acceptance": ("glm5mtp_cli.commands.acceptance:acceptance_cmd",
+                   "Acceptance length and per-position acceptance over a prompt set, per gamma and temperature."),
+    "bench": ("glm5mtp_cli.commands.bench:bench_cmd",
+              "Tokens/s and TPOT of gamma 0..4 beside transformers; one draft step against its memory floor."),
+    "draft-vocab": ("glm5mtp_cli.commands.draft_vocab:draft_vocab_cmd",
+                    "Count token frequencies on a corpus for `generate --draft-vocab K`."),
+}
+
 app = typer.Typer(
     name="glm5mtp",
-    help="Speculative generation with the GLM-5 multi-token-prediction (MTP) draft head.",
+    help="Speculative generation with the GLM-5 multi-token-prediction (MTP) draft head.\n\n"
+         "Start with: glm5mtp generate --prompt 'class Point:' (glm5-nano, a 16 M-parameter demo model trained on "
+         "Python sources, on the CPU). "
+         "Each command has --help with examples.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -44,50 +78,45 @@ def guarded(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
 
     return run
 
 
-def command(name: str, fn) -> None:
-    app.command(name)(guarded(fn))
+def load_command(name: str):
+    """The command's own function (imported now), e.g. for launch.spawn or tests."""
+    module, fn = COMMANDS[name][0].split(":")
+    return getattr(importlib.import_module(module), fn)
 
 
-def _register() -> None:
-    """Commands live one module each (cmd_*.py); registering them here keeps one entry point."""
-    from glm5mtp_cli.commands import generate as cmd_generate
-    from glm5mtp_cli.commands import info as cmd_info
-    from glm5mtp_cli.commands import init_random as cmd_init
-    from glm5mtp_cli.commands import leak_check as cmd_leakcheck
-    from glm5mtp_cli.commands import profile as cmd_profile
-    from glm5mtp_cli.commands import train as cmd_train
-    from glm5mtp_cli.commands import acceptance as cmd_acceptance
-    from glm5mtp_cli.commands import bench as cmd_bench
-    from glm5mtp_cli.commands import draft_vocab as cmd_draftvocab
-
-    command("generate", cmd_generate.generate_cmd)
-    command("profile", cmd_profile.profile_cmd)
-    command("leak-check", cmd_leakcheck.leakcheck_cmd)
-    command("info", cmd_info.info_cmd)
-    command("init-random", cmd_init.init_random_cmd)
-    command("train", cmd_train.train_cmd)
-    command("acceptance", cmd_acceptance.acceptance_cmd)
-    command("bench", cmd_bench.bench_cmd)
-    command("draft-vocab", cmd_draftvocab.draft_vocab_cmd)
+def command_app(name: str) -> typer.Typer:
+    """A Typer app holding just this command, built from the function's signature and docstring."""
+    sub = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    sub.command(name)(guarded(load_command(name)))
+    return sub
 
 
-_register()
+def _register(name: str, short: str) -> None:
+    @app.command(name, help=short, add_help_option=False,
+                 context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def stand_in(ctx: typer.Context) -> None:
+        # the real command parses everything after its name, --help included (SystemExit carries its code)
+        command_app(name)(args=list(ctx.args), prog_name=f"glm5mtp {name}")
+
+
+for _name, (_target, _short) in COMMANDS.items():
+    _register(_name, _short)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: user errors become one red line and exit code 2."""
     try:
-        app(args=argv, standalone_mode=True)
+        app(args=argv, standalone_mode=True, prog_name="glm5mtp")
     except SystemExit as e:
         return int(e.code or 0) if not isinstance(e.code, str) else 1
     except UserError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         return e.exit_code
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/red]")

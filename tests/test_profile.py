@@ -56,9 +56,15 @@ def test_predict_only_glm5_matches_reference():
     assert _rows(doc)[(131072, "budget")]["per_sequence_bytes"]["total"] < row["per_sequence_bytes"]["total"] / 50
 
 
-def test_plot_without_matplotlib_falls_back(tmp_path):
+def test_plot_without_matplotlib_exits_with_the_install_hint(tmp_path, monkeypatch):
+    """Issue 16 item 4: no silent fallback; one line naming the plot extra, before any work."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     r = _run("--model", "glm5", "--predict-only", "--max-seq-len", "4096", "--plot", str(tmp_path / "p.png"))
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 2, r.output
+    assert "glm5mtp[plot]" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "p.png").exists()
 
 
 @pytest.mark.parametrize("args", [["--max-seq-len", "0"], ["--max-seq-len", "-4096"], ["--max-seq-len", "abc"],

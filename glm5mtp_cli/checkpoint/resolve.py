@@ -204,6 +204,18 @@ def _finish(spec, kind, folder, cfg, full_map, need, layers, check_files) -> Res
 
 # ---- the Hub ------------------------------------------------------------------------------------
 
+def _hub_status(repo: str, filename: str, offline: bool):
+    """A spinner on stderr while the Hub client tries (it retries for ~25 s without network)."""
+    import contextlib
+
+    from rich.console import Console
+
+    if offline:
+        return contextlib.nullcontext()
+    return Console(stderr=True).status(f"asking the Hugging Face Hub for {repo} ({filename}); without network "
+                                       "it retries for ~25 s: set HF_HUB_OFFLINE=1 to use only the local cache")
+
+
 def _hub_file(repo: str, filename: str, revision: str | None, token: str | None, what: str) -> Path:
     """One file of a Hub repo through huggingface_hub's cache (offline: the cache only)."""
     from huggingface_hub import hf_hub_download
@@ -215,8 +227,9 @@ def _hub_file(repo: str, filename: str, revision: str | None, token: str | None,
     # The client logs each retry of an unreachable Hub; the user gets one line from us instead.
     hub_logging.set_verbosity_error()
     try:
-        return Path(hf_hub_download(repo, filename, revision=revision, token=token,
-                                    cache_dir=hub_cache_dir(), local_files_only=offline))
+        with _hub_status(repo, filename, offline):
+            return Path(hf_hub_download(repo, filename, revision=revision, token=token,
+                                        cache_dir=hub_cache_dir(), local_files_only=offline))
     except hub_errors.GatedRepoError:
         raise UserError(f"model '{repo}' is gated: accept its terms on the Hub and pass --token") from None
     except hub_errors.RepositoryNotFoundError:
@@ -225,7 +238,9 @@ def _hub_file(repo: str, filename: str, revision: str | None, token: str | None,
         raise UserError(f"model '{repo}': revision '{revision}' not found on the Hub") from None
     except hub_errors.EntryNotFoundError:  # includes LocalEntryNotFoundError
         if what == "config.json":
-            where = "in the Hugging Face cache (offline)" if offline else "reachable on the Hugging Face Hub or in its cache"
+            where = ("in the Hugging Face cache (offline)" if offline else
+                     "reachable on the Hugging Face Hub or in its cache (without network, set HF_HUB_OFFLINE=1 "
+                     "to skip the Hub's retries)")
             raise UserError(f"model '{repo}' not found: not a profile, not a local folder, and not {where}") from None
         raise
     except hub_errors.HfHubHTTPError as e:

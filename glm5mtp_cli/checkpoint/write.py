@@ -159,11 +159,20 @@ def _remove_old_weights(out: Path) -> None:
             p.unlink()
 
 
+def _file_mode() -> int:
+    """0666 less the process umask: the mode an ordinary open() would give."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _finalize_shards(out: Path, temp_files: list[str], weight_map: dict[str, str], total: int) -> list[str]:
     """Rename the temp shards now that their count is known; write the index when there are several."""
     k = len(temp_files)
     names = [SINGLE_FILE] if k == 1 else [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+    mode = _file_mode()
     for tmp, final in zip(temp_files, names):
+        os.chmod(out / tmp, mode)  # safetensors writes 0600; a checkpoint is shared like any other file
         os.replace(out / tmp, out / final)
     if k > 1:
         wm = {n: names[int(i)] for n, i in sorted(weight_map.items())}

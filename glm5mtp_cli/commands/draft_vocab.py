@@ -9,10 +9,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.checkpoint.resolve import resolve_model
-from glm5mtp_cli.engine.draft_vocab import COUNTS_FILE, count_tokens, write_counts
+from glm5mtp_cli.commands.options import DEFAULT_MODEL, ModelOpt
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, Tokenizer
+
+COUNTS_FILE = "token_counts.json"  # engine.draft_vocab.COUNTS_FILE
 
 
 def _texts(corpus: str):
@@ -34,11 +34,28 @@ def _texts(corpus: str):
 
 
 def draft_vocab_cmd(
-    model: Annotated[str, typer.Option("--model", "-m", help="Profile name, local folder or Hub repo id.")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     corpus: Annotated[str, typer.Option(help="'stdlib' (the training corpus's train split), a .txt or a .jsonl.")] = "stdlib",
-    out: Annotated[Optional[Path], typer.Option(help=f"Where to write (default: {COUNTS_FILE} in the model folder).")] = None,
+    out: Annotated[Optional[Path], typer.Option(metavar="FILE", help=f"Where to write (default: {COUNTS_FILE} in the model folder).")] = None,
 ) -> None:
-    """Count how often each token occurs on a corpus; `generate --draft-vocab K` drafts over the top K."""
+    """Count how often each token occurs on a corpus; `generate --draft-vocab K` drafts over the top K.
+
+    Examples:
+
+      glm5mtp draft-vocab    (the stdlib corpus, written beside the shipped model)
+
+      glm5mtp draft-vocab --corpus prompts.jsonl --out counts.json
+
+      glm5mtp generate --draft-vocab 1024 --draft-vocab-file counts.json --prompt 'import os'
+    """
+    from glm5mtp_cli.checkpoint.resolve import resolve_model
+    from glm5mtp_cli.engine.draft_vocab import count_tokens, write_counts
+    from glm5mtp_cli.engine.runtime import Tokenizer
+
+    if out is not None:
+        from glm5mtp_cli.commands.generate import check_output
+
+        check_output(out, "--out")
     resolved = resolve_model(model, need="target", progress=False)
     tok = Tokenizer.maybe(resolved.folder)
     if tok is None:

@@ -9,23 +9,39 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from glm5mtp_cli.units import fmt_bytes
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size
-from glm5mtp_cli.diagnostics.sizing import fmt_bytes
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def init_random_cmd(
-    profile: Annotated[str, typer.Argument(help="Profile name (e.g. glm5-tiny) or a folder/config.json.")],
-    out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
+    profile: Annotated[str, typer.Argument(metavar="PROFILE", help="Profile name (e.g. glm5-tiny) or a folder/config.json.")],
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Folder to write the checkpoint into.")],
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same weights).")] = 0,
     dtype: Annotated[Optional[str], typer.Option(help="bf16 | fp16 | fp32 (default: the config's torch_dtype).")] = None,
-    fp8: Annotated[bool, typer.Option("--fp8", help="Store quantizable weights as FP8 e4m3 with 128x128 block scales.")] = False,
+    fp8: Annotated[bool, typer.Option("--fp8", metavar="", help="Store quantizable weights as FP8 e4m3 with 128x128 block scales.")] = False,
     layers: Annotated[Optional[int], typer.Option(help="Keep only the first K target layers (the MTP layer stays).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB, 500MB, 64KiB.")] = "5GB",
     tokenizer: Annotated[Optional[Path], typer.Option(help="Copy tokenizer files from this folder.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite a folder that already holds a checkpoint.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Overwrite a folder that already holds a checkpoint.")] = False,
 ) -> None:
-    """Write random weights for a profile's target and MTP layer, streamed layer by layer."""
+    """Write random weights for a profile's target and MTP layer, streamed layer by layer.
+
+    Examples:
+
+      glm5mtp init-random glm5-tiny /tmp/tiny
+
+      glm5mtp init-random glm5 /tmp/glm5-4l --layers 4 --fp8    (GLM-5's real shapes, 4 layers)
+    """
+    from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size
+
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"output '{out_dir}' exists and is not a folder")
     holds_checkpoint = out_dir.is_dir() and ((out_dir / "config.json").exists() or any(out_dir.glob("*.safetensors")))

@@ -8,15 +8,15 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from glm5mtp_cli.engine import launch
-from glm5mtp_cli.engine.cache import COMPONENTS
-from glm5mtp_cli.diagnostics.sizing import fmt_bytes
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
+                                          ModelOpt, ThreadsOpt, TpOpt)
+from glm5mtp_cli.diagnostics.report import fit_table
+from glm5mtp_cli.units import fmt_bytes
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, check_flags, run_leakcheck
-from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, graph_mode, load_runtime
 
+COMPONENTS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")  # engine.cache.COMPONENTS
 _SHORT = {"target_mla": "tgt mla", "target_indexer": "tgt idx", "drafter_mla": "drf mla", "drafter_indexer": "drf idx"}
 
 
@@ -25,38 +25,62 @@ def _fmt(n: float | int | None) -> str:
 
 
 def leakcheck_cmd(
-    model: Annotated[str, typer.Option("--model", "-m", help="Profile name, local folder or Hub repo id.")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     sequences: Annotated[int, typer.Option(help="Sequences after the warm-up, cycling length/eos/cancelled/failed.")] = 24,
     gamma: Annotated[int, typer.Option(help="Drafts per verify step.")] = 3,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence (the 'length' lifecycle's end).")] = 16,
-    alloc: Annotated[str, typer.Option(help="budget: state sized to each request; ceiling: to --max-seq-len.")] = "budget",
+    alloc: Annotated[str, typer.Option(metavar="budget|ceiling",
+                                       help="budget: state sized to each request; ceiling: to --max-seq-len.")] = "budget",
     max_seq_len: Annotated[int, typer.Option(help="Ceiling on prompt + new tokens (what ceiling allocation sizes to).")] = 256,
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     inject_leak: Annotated[Optional[str], typer.Option(
+        metavar="COMPONENT",
         help=f"Self-test: never free this component ({', '.join(COMPONENTS)}); the check must catch it.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout, nothing else there.")] = False,
+    json_out: JsonOpt = False,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
-    layers: Annotated[Optional[int], typer.Option(help="Use only the first K target layers.")] = None,
-    tp: launch.TpOpt = 1,
-    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs",
-                                              help="On CUDA, run the engine with CUDA graphs (their slot reuse is checked too).")] = True,
+    layers: LayersOpt = None,
+    tp: TpOpt = 1,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
+                                              help="On CUDA, run the engine with CUDA graphs (their slot reuse is "
+                                                   "checked too).")] = True,
+    threads: ThreadsOpt = None,
 ) -> None:
-    """Run sequences to every end (length, EOS, cancel, error) and check the cache pools for leaks."""
+    """Run sequences to every end (length, EOS, cancel, error) and check the cache pools for leaks.
+
+    Exit code 1 when a leak is found.
+
+    Examples:
+
+      glm5mtp leak-check
+
+      glm5mtp leak-check --sequences 100 --alloc ceiling --json
+
+      glm5mtp leak-check --inject-leak drafter_mla    (must report the leak and exit 1)
+    """
     kwargs = dict(locals())
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
+    from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, check_flags, run_leakcheck
+
     cfg = LeakCheckConfig(sequences, gamma, max_new_tokens, alloc, max_seq_len, inject_leak, seed)
     check_flags(cfg)  # refuse bad flags before loading anything
+    limit = resolve_config(model)[0].max_position_embeddings
+    if max_seq_len > limit:
+        raise UserError(f"--max-seq-len {max_seq_len} is over the model's limit (max_position_embeddings {limit})")
+    from glm5mtp_cli.engine import launch
+    from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, set_threads
+
+    set_threads(threads)
     if launch.maybe_spawn(tp, device, model, leakcheck_cmd, kwargs):
         return
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, layers, with_mtp=True, progress=not json_out,
                       comm=launch.rank_comm(tp, device))
-    if max_seq_len > rt.cfg.max_position_embeddings:
-        raise UserError(f"--max-seq-len {max_seq_len} is over the model's max_position_embeddings "
-                        f"{rt.cfg.max_position_embeddings}")
     cfg.graphs = graph_mode(rt, cuda_graphs)
-    with out.status("running sequences...", spinner="dots") if not json_out else _Null():
-        doc = run_leakcheck(rt, cfg)
+    with Progress(TextColumn("leak-check"), BarColumn(), MofNCompleteColumn(), TextColumn("sequences"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:
+        task = prog.add_task("sequences", total=sequences)
+        doc = run_leakcheck(rt, cfg, on_sequence=lambda row: prog.advance(task))
     leaked = doc["leaked_bytes_per_sequence"]
     if json_out:
         sys.stdout.write(json.dumps(doc) + "\n")
@@ -68,33 +92,32 @@ def leakcheck_cmd(
         raise typer.Exit(1)
 
 
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _print(out: Console, doc: dict) -> None:
     comps = list(doc["baseline"]["bytes_held"])
     cuda = doc["device"].startswith("cuda")
-    t = Table(title=f"leak-check: {doc['model']} on {doc['device']}, gamma {doc['gamma']}, alloc {doc['alloc']}, "
-                    f"max-seq-len {doc['max_seq_len']}" + (f", injected leak: {doc['inject_leak']}" if doc["inject_leak"] else ""))
+    wide = out.width >= 100
+    t = fit_table(out, f"leak-check: {doc['model']} on {doc['device']}, gamma {doc['gamma']}, alloc {doc['alloc']}, "
+                       f"max-seq-len {doc['max_seq_len']}" +
+                       (f", injected leak: {doc['inject_leak']}" if doc["inject_leak"] else ""),
+                  caption=None if wide else "held: pool bytes held after the sequence, all components (--json or a "
+                                            "terminal of 100+ columns: per component)")
     t.add_column("seq", justify="right")
     t.add_column("lifecycle")
     t.add_column("finish")
-    for c in comps:
+    for c in comps if wide else ["all"]:
         t.add_column(f"{_SHORT.get(c, c)} held", justify="right")
     t.add_column("growth", justify="right")
     t.add_column("cuda growth" if cuda else "RSS growth", justify="right")
     base = doc["baseline"]
-    t.add_row("base", "warm-up", "", *[_fmt(base["bytes_held"][c]) for c in comps], "", "")
+
+    def held(r):
+        return [_fmt(r["bytes_held"][c]) for c in comps] if wide else [_fmt(sum(r["bytes_held"].values()))]
+
+    t.add_row("base", "warm-up", "", *held(base), "", "")
     for r in doc["sequences"]:
         grow = sum(r["growth_bytes"].values())
         style = "red" if grow > 0 else None
-        t.add_row(str(r["sequence"]), r["lifecycle"], r["finish_reason"],
-                  *[_fmt(r["bytes_held"][c]) for c in comps], _fmt(grow),
+        t.add_row(str(r["sequence"]), r["lifecycle"], r["finish_reason"], *held(r), _fmt(grow),
                   _fmt(r.get("cuda_growth_bytes") if cuda else r["rss_growth_bytes"]), style=style)
     out.print(t)
     if not cuda:
@@ -103,7 +126,7 @@ def _print(out: Console, doc: dict) -> None:
         out.print(f"[green]clean[/green]: every pool component back to its baseline after {len(doc['sequences'])} "
                   f"sequences ({', '.join(doc['lifecycles_seen'])})")
     else:
-        lt = Table(title="leaked bytes per sequence")
+        lt = fit_table(out, "leaked bytes per sequence")
         lt.add_column("component")
         lt.add_column("bytes/sequence", justify="right")
         for k, v in doc["leaked_bytes_per_sequence"].items():

@@ -8,54 +8,127 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
-from glm5mtp_cli.engine import launch
-from glm5mtp_cli.checkpoint.resolve import resolve_config
+from glm5mtp_cli.commands.generate import check_output
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, DeviceOpt, JsonOpt, LayersOpt, ModelOpt, ThreadsOpt,
+                                          TpOpt)
+from glm5mtp_cli.diagnostics.report import fit_table
+from glm5mtp_cli.units import fmt_bytes as _fmt
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.parallel import check_tp
-from glm5mtp_cli.diagnostics.profile import POLICIES, ProfileConfig, check_flags, parse_lengths, run_profile
-from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, load_runtime, pick_device, pick_dtype
-from glm5mtp_cli.checkpoint.write import parse_size
-from glm5mtp_cli.diagnostics.sizing import fmt_bytes as _fmt, tp_table
 
 _COMPS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer", "scratch", "cuda_graphs")
+_SHORT = {"target_mla": "target MLA", "target_indexer": "target indexer", "drafter_mla": "drafter MLA",
+          "drafter_indexer": "drafter indexer", "scratch": "scratch", "cuda_graphs": "CUDA graphs"}
+DEFAULT_LENGTHS = (4096, 32768, 131072)
+PLOT_HINT = "--plot needs matplotlib: pip install 'glm5mtp[plot]' (or pip install matplotlib)"
+
+
+def _short_bytes(n) -> str:
+    """Bytes in at most 7 characters (K/M/G/T = KiB/MiB/GiB/TiB), for the narrow transposed table."""
+    if n is None:
+        return "-"
+    for unit, div in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if abs(n) >= div:
+            v = n / div
+            return f"{v:.2f}{unit}" if v < 100 else f"{v:.0f}{unit}"
+    return f"{int(n)}B"
+
+
+def default_lengths(limit: int) -> tuple[list[int], str | None]:
+    """4096, 32768, 131072 up to the model's limit; the limit itself when some were over it (with a note)."""
+    fits = [n for n in DEFAULT_LENGTHS if n <= limit]
+    if len(fits) == len(DEFAULT_LENGTHS):
+        return fits, None
+    lengths = fits + [limit] if limit not in fits else fits
+    if len(lengths) == 1:  # a small model: a short sweep below its limit
+        lengths = sorted({max(16, limit // 4), max(16, limit // 2), limit})
+    return lengths, (f"--max-seq-len: swept {','.join(map(str, lengths))} (the defaults "
+                     f"{','.join(map(str, DEFAULT_LENGTHS))} clipped to the model's limit, "
+                     f"max_position_embeddings {limit})")
 
 
 def profile_cmd(
-    model: Annotated[str, typer.Option("--model", "-m", help="Profile name, local folder or Hub repo id.")] = DEFAULT_MODEL,
-    max_seq_len: Annotated[str, typer.Option(help="Comma-separated --max-seq-len values to sweep.")] = "4096,32768,131072",
-    budget: Annotated[int, typer.Option(help="The request budget in tokens (prompt + new) for budget allocation.")] = 2048,
+    model: ModelOpt = DEFAULT_MODEL,
+    max_seq_len: Annotated[Optional[str], typer.Option(
+        metavar="LIST", help="Comma-separated --max-seq-len values to sweep, e.g. 4096,32k (default: 4096,32768,131072 "
+                             "up to the model's limit).")] = None,
+    budget: Annotated[Optional[int], typer.Option(
+        metavar="TOKENS", help="The request budget in tokens (prompt + new) for budget allocation "
+                               "(default: 2048, at most half the smallest --max-seq-len).")] = None,
     gamma: Annotated[int, typer.Option(help="Drafts per verify step.")] = 3,
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU; bf16 with --predict-only), fp32, bf16, fp16.")] = "auto",
-    layers: Annotated[Optional[int], typer.Option(help="Use only the first K target layers.")] = None,
-    predict_only: Annotated[bool, typer.Option(help="From the config only: no weights loaded, nothing measured.")] = False,
-    gpu_mem: Annotated[Optional[str], typer.Option(help="Memory for the concurrency estimate, e.g. 141GB "
-                                                        "(default: the device's total on CUDA, else 141GB).")] = None,
+    device: DeviceOpt = "auto",
+    dtype: Annotated[str, typer.Option(metavar="DTYPE", help="auto (bf16 on CUDA, fp32 on CPU; bf16 with "
+                                                             "--predict-only), fp32, bf16, fp16.")] = "auto",
+    layers: LayersOpt = None,
+    predict_only: Annotated[bool, typer.Option("--predict-only", metavar="",
+                                               help="From the config only: no weights loaded, nothing measured.")] = False,
+    gpu_mem: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the concurrency estimate, e.g. "
+                                                   "141GB (default: the device's total on CUDA, else 141GB).")] = None,
     block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
     repeats: Annotated[int, typer.Option(help="Timed runs per phase (the median is reported).")] = 5,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout, nothing else there.")] = False,
-    plot: Annotated[Optional[Path], typer.Option(help="Write a bar chart PNG (needs matplotlib; else terminal bars).")] = None,
+    json_out: JsonOpt = False,
+    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Write a bar chart PNG of the per-sequence "
+                                                 "bytes (needs the plot extra: pip install 'glm5mtp[plot]').")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random cache rows and tokens.")] = 0,
-    tp: launch.TpOpt = 1,
+    tp: TpOpt = 1,
+    threads: ThreadsOpt = None,
 ) -> None:
-    """Per-sequence memory by component and latency per phase, ceiling vs budget allocation."""
+    """Per-sequence memory by component and latency per phase, ceiling vs budget allocation.
+
+    Examples:
+
+      glm5mtp profile
+
+      glm5mtp profile --model glm5 --predict-only --max-seq-len 4096,32k,128k --tp 8
+
+      glm5mtp profile --max-seq-len 512,2048 --budget 256 --json > profile.json
+    """
     kwargs = dict(locals())
-    lengths = parse_lengths(max_seq_len)
-    c = ProfileConfig(lengths, budget, gamma, block_size, 0, repeats, seed)
-    check_flags(c)
-    out = Console(stderr=json_out)
+    from glm5mtp_cli.diagnostics.profile import ProfileConfig, check_flags, parse_lengths
+
+    lengths = parse_lengths(max_seq_len) if max_seq_len is not None else None
     if tp < 1:
         raise UserError(f"--tp must be >= 1, got {tp}")
+    if plot is not None:
+        check_output(plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError(PLOT_HINT) from None
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
+
+    cfg, _ = resolve_config(model)  # the config alone: every flag is checked before any weights load
+    limit = cfg.max_position_embeddings
+    note = None
+    if lengths is None:
+        lengths, note = default_lengths(limit)
+    if budget is None:
+        budget = min(2048, min(lengths) // 2)
+    c = ProfileConfig(lengths, budget, gamma, block_size, 0, repeats, seed)
+    check_flags(c, limit)
+    import torch
+
+    from glm5mtp_cli.engine import launch
+    from glm5mtp_cli.engine.runtime import set_threads
+
+    set_threads(threads)
     if not predict_only and launch.maybe_spawn(tp, device, model, profile_cmd, kwargs):
         return
+    from glm5mtp_cli.checkpoint.write import parse_size
+    from glm5mtp_cli.diagnostics.profile import POLICIES, run_profile
+    from glm5mtp_cli.diagnostics.sizing import tp_table
+    from glm5mtp_cli.engine.parallel import check_tp
+    from glm5mtp_cli.engine.runtime import load_runtime, pick_device, pick_dtype
+
+    gpu_bytes = parse_size(gpu_mem) if gpu_mem is not None else None
+    out = Console(stderr=json_out)
+    err = Console(stderr=True)
+    if note:
+        err.print(f"[dim]{note}[/dim]", highlight=False)
     if predict_only:
-        cfg, _ = resolve_config(model)
         check_tp(cfg, tp)
         if layers is not None:
             cfg = cfg.with_layers(layers)
@@ -66,14 +139,13 @@ def profile_cmd(
         rt = load_runtime(model, device, dtype, layers, with_mtp=gamma > 0, progress=not json_out,
                           comm=launch.rank_comm(tp, device))
         cfg, dev, dt = rt.cfg, rt.device, rt.dtype
-    check_flags(c, cfg.max_position_embeddings)
-    if gpu_mem is not None:
-        c.gpu_mem = parse_size(gpu_mem)
+    if gpu_bytes is not None:
+        c.gpu_mem = gpu_bytes
     elif dev.type == "cuda":
         c.gpu_mem = torch.cuda.get_device_properties(dev).total_memory
     else:
         c.gpu_mem = 141 * 10**9
-    with Progress(console=out, transient=True, disable=json_out) as prog:
+    with Progress(console=err, transient=True) as prog:
         task = prog.add_task("profiling", total=len(lengths) * len(POLICIES))
         doc = run_profile(cfg, dt, c, rt, progress=lambda: prog.advance(task))
     doc["model"] = model
@@ -82,53 +154,58 @@ def profile_cmd(
     doc["tp"] = tp
     if tp > 1 or predict_only:
         doc["tp_per_gpu"] = tp_table(cfg, c.gpu_mem, doc, tp, with_mtp=gamma > 0)
-    plot_note = None
     if plot is not None:
-        plot_note = _plot(plot, doc)
+        _plot(plot, doc)
+        doc["plot"] = "written"
     if json_out:
-        if plot_note:
-            doc["plot"] = plot_note
         sys.stdout.write(json.dumps(doc) + "\n")
         return
     _print(out, doc)
     if "tp_per_gpu" in doc and (tp > 1 or predict_only):
         _print_tp(out, doc)
     if plot is not None:
-        if plot_note == "written":
-            out.print(f"plot written to {plot}")
-        else:
-            out.print(f"{plot_note}; terminal bars instead:")
-            _bars(out, doc)
+        out.print(f"plot written to {plot}")
 
 
 def _print(out: Console, doc: dict) -> None:
+    from glm5mtp_cli.diagnostics.profile import POLICIES
+
     measured = not doc["predict_only"]
-    t = Table(title=f"per-sequence bytes: {doc['model']} ({doc['model_layers']} target layers, {doc['dtype']}), "
-                    f"budget {doc['budget']} tokens, gamma {doc['gamma']}" + ("" if measured else " - predicted only"))
-    for col in ("max-seq-len", "policy", "rows"):
-        t.add_column(col, justify="right")
-    for comp in _COMPS:
-        t.add_column(comp.replace("_", " "), justify="right")
-    t.add_column("total", justify="right")
+    title = (f"per-sequence bytes: {doc['model']} ({doc['model_layers']} target layers, {doc['dtype']}), "
+             f"budget {doc['budget']} tokens, gamma {doc['gamma']}" + ("" if measured else ", predicted only"))
+    rows = doc["rows"]
+    narrow = out.width < 100 or len(rows) <= 4
+    b = _short_bytes if narrow else _fmt
+    lines = [(_SHORT[k], lambda r, k=k: b(r["per_sequence_bytes"][k])) for k in _COMPS]
+    lines.append(("total", lambda r: b(r["per_sequence_bytes"]["total"])))
     if measured:
-        t.add_column("measured (ledger)", justify="right")
-    t.add_column("max seqs", justify="right")
-    for r in doc["rows"]:
-        p = r["per_sequence_bytes"]
-        cells = [str(r["max_seq_len"]), r["policy"], str(r["reserved_tokens"]), *[_fmt(p[k]) for k in _COMPS],
-                 _fmt(p["total"])]
-        if measured:
-            m = r["measured_per_sequence_bytes"]
-            cells.append(_fmt(m["total"]) + (f" (cuda {_fmt(m['cuda_pool_allocation'])})" if "cuda_pool_allocation" in m else ""))
-        cells.append(f"{r['max_concurrent_sequences']:,}")
-        t.add_row(*cells)
+        lines.append(("measured (ledger)", lambda r: b(r["measured_per_sequence_bytes"]["total"])))
+        if any("cuda_pool_allocation" in r["measured_per_sequence_bytes"] for r in doc["rows"]):
+            lines.append(("CUDA allocator", lambda r: b(r["measured_per_sequence_bytes"].get("cuda_pool_allocation"))))
+    lines.append(("max seqs", lambda r: f"{r['max_concurrent_sequences']:,}"))
+    if narrow:
+        # transposed: one column per (max-seq-len, policy); fits 80 columns for up to 3 lengths
+        t = fit_table(out, title, caption="ceil: state sized to --max-seq-len; budg: sized to the request budget; "
+                                          "rows: cache rows reserved per sequence; K/M/G: KiB/MiB/GiB")
+        t.add_column("", no_wrap=True)
+        for r in rows:
+            t.add_column(f"{r['max_seq_len']}\n{'ceil' if r['policy'] == 'ceiling' else 'budg'}", justify="right")
+        t.add_row("rows", *[str(r["reserved_tokens"]) for r in rows], end_section=True)
+        for label, cell in lines:
+            t.add_row(label, *[cell(r) for r in rows])
+    else:
+        t = fit_table(out, title, caption="rows: cache rows reserved per sequence")
+        for col in ("max-seq-len", "policy", "rows", *[label for label, _ in lines]):
+            t.add_column(col, justify="right")
+        for r in rows:
+            t.add_row(str(r["max_seq_len"]), r["policy"], str(r["reserved_tokens"]), *[cell(r) for _, cell in lines])
     out.print(t)
     out.print(f"weights: {_fmt(doc['weights_bytes'])} ({'measured' if measured else 'predicted from the config'}); "
               f"max seqs = (gpu-mem {_fmt(doc['gpu_mem_bytes'])} - weights) // per-sequence total; "
-              f"growth per 1k tokens: {_fmt(doc['rows'][0]['growth_per_1k_tokens_bytes'])}")
-    out.print(f"scratch: {doc['notes']['scratch']}; cuda graphs: {doc['notes']['cuda_graphs']}")
+              f"growth per 1k tokens: {_fmt(doc['rows'][0]['growth_per_1k_tokens_bytes'])}", highlight=False)
+    out.print(f"scratch: {doc['notes']['scratch']}; cuda graphs: {doc['notes']['cuda_graphs']}", highlight=False)
     if measured:
-        lt = Table(title="latency per phase (ms, median) at a context of max-seq-len tokens (random rows)")
+        lt = fit_table(out, "latency per phase (ms, median) at a context of max-seq-len tokens (random rows)")
         for col in ("context", f"prefill {doc['rows'][0]['latency_ms']['prefill_tokens']} tok", "propose/draft",
                     f"verify {doc['gamma'] + 1} tok", "step"):
             lt.add_column(col, justify="right")
@@ -143,15 +220,27 @@ def _print(out: Console, doc: dict) -> None:
 
 
 def _print_tp(out: Console, doc: dict) -> None:
+    """Two tables that each fit 80 columns: weights per GPU, then cache and concurrency per GPU."""
     tpd = doc["tp_per_gpu"]
-    t = Table(title=f"per GPU under tensor/expert parallelism ({doc['model']}, {doc['model_layers']} target layers, "
-                    f"gpu-mem {_fmt(doc['gpu_mem_bytes'])}, cache {doc['dtype']}, budget {doc['budget']} tokens)")
-    for col in ("tp", "ckpt", "weights/GPU", "of it replicated", "max-seq-len", "cache/seq (ceiling)",
-                "seqs (ceiling)", "cache/seq (budget)", "seqs (budget)"):
+    mark = lambda n: f"{n} *" if n == doc["tp"] else str(n)  # noqa: E731
+    legend = f"* the --tp of this run ({doc['tp']})"
+    w = fit_table(out, f"weights per GPU under tensor/expert parallelism ({doc['model']}, {doc['model_layers']} "
+                       "target layers)", caption=legend)
+    for col in ("tp", "ckpt", "weights/GPU", "of it replicated"):
+        w.add_column(col, justify="right")
+    seen = set()
+    for r in tpd["rows"]:
+        if (r["tp"], r["format"]) not in seen:
+            seen.add((r["tp"], r["format"]))
+            w.add_row(mark(r["tp"]), r["format"], _fmt(r["weights_per_gpu_bytes"]), _fmt(r["replicated_per_gpu_bytes"]))
+    out.print(w)
+    t = fit_table(out, f"sequences per GPU (gpu-mem {_fmt(doc['gpu_mem_bytes'])}, cache {doc['dtype']}, "
+                       f"budget {doc['budget']} tokens)",
+                  caption=legend + "; cache/seq is the same on every rank (the MLA latent is replicated)")
+    for col in ("tp", "ckpt", "max-seq-len", "cache/seq ceil", "seqs", "cache/seq budg", "seqs"):
         t.add_column(col, justify="right")
     for r in tpd["rows"]:
-        t.add_row(str(r["tp"]) + (" *" if r["tp"] == doc["tp"] else ""), r["format"], _fmt(r["weights_per_gpu_bytes"]),
-                  _fmt(r["replicated_per_gpu_bytes"]), str(r["max_seq_len"]),
+        t.add_row(mark(r["tp"]), r["format"], str(r["max_seq_len"]),
                   _fmt(r["per_sequence_bytes"]["ceiling"]), f"{r['max_concurrent_sequences']['ceiling']:,}",
                   _fmt(r["per_sequence_bytes"]["budget"]), f"{r['max_concurrent_sequences']['budget']:,}")
     out.print(t)
@@ -159,14 +248,14 @@ def _print_tp(out: Console, doc: dict) -> None:
         out.print(note, highlight=False)
 
 
-def _plot(path: Path, doc: dict) -> str:
+def _plot(path: Path, doc: dict) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed, no PNG written"
+        raise UserError(PLOT_HINT) from None
     labels = [f"{r['max_seq_len']}\n{r['policy']}" for r in doc["rows"]]
     fig, ax = plt.subplots(figsize=(max(6, len(labels)), 4))
     bottom = [0.0] * len(labels)
@@ -181,12 +270,3 @@ def _plot(path: Path, doc: dict) -> str:
         fig.savefig(path)
     except OSError as e:
         raise UserError(f"--plot {path}: {e.strerror}") from None
-    return "written"
-
-
-def _bars(out: Console, doc: dict) -> None:
-    top = max(r["per_sequence_bytes"]["total"] for r in doc["rows"]) or 1
-    for r in doc["rows"]:
-        v = r["per_sequence_bytes"]["total"]
-        out.print(f"{r['max_seq_len']:>8} {r['policy']:<8} {'█' * max(1, round(40 * v / top)):<40} {_fmt(v)}",
-                  highlight=False)

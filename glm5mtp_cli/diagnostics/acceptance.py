@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.run import run_generate
 from glm5mtp_cli.engine.runtime import Runtime
 from glm5mtp_cli.engine.sampling import SamplingParams
 
@@ -107,8 +108,6 @@ def repetition(results) -> dict:
 def sweep(rt: Runtime, prompts: PromptSet, *, gammas: list[int], temperatures: list[float], max_new_tokens: int,
           seed: int, batch_size: int, max_seq_len: int, ignore_eos: bool, log=None) -> dict:
     """Run every (temperature, gamma); gamma 0 runs too at temperature 0 (the losslessness reference)."""
-    from glm5mtp_cli.commands.generate import run_generate
-
     runs = []
     lossless = None
     lossless_detail = []

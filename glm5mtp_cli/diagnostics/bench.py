@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.commands.generate import run_generate
+from glm5mtp_cli.engine.draft_vocab import load_draft_ids
+from glm5mtp_cli.engine.run import run_generate
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.runtime import Runtime
 from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.diagnostics.sizing import draft_step_bytes, target_step_bytes
 from glm5mtp_cli.checkpoint.load import build_loaded
 from glm5mtp_cli.checkpoint.random import RandomReader
 from glm5mtp_cli.models import family_of
@@ -232,3 +234,30 @@ def random_drafter(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, s
     head = build_loaded(lambda: nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False), reader, "lm_head.",
                         dtype, device)
     return mtp.eval(), embed, head
+
+
+def target_step(cfg: ModelConfig, layers: int, dev: torch.device, dt: torch.dtype, context: int, bw: float) -> dict:
+    """One decode step of a random target truncated to `layers`, timed and set against its memory floor."""
+    target = random_target(cfg, layers, dev, dt)
+    step_s = time_target_step(target, dev, dt, context)
+    nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=dt).element_size(), context)
+    del target
+    torch.cuda.empty_cache()
+    return {"layers": layers, "context": context, "step_ms": step_s * 1e3, "bytes": nbytes,
+            "floor_ms": nbytes["total"] / bw * 1e3, "ratio_to_floor": step_s / (nbytes["total"] / bw)}
+
+
+def draft_step(mtp, embed, head, cfg: ModelConfig, dev: torch.device, dt: torch.dtype, context: int, k: int,
+               folder, bw: float | None, graphs: bool, counts_file=None) -> dict:
+    """One chained draft step over a vocabulary of k tokens (0: all), timed and set against its memory floor.
+    folder/counts_file: where the token counts for k come from (random weights: the first k ids)."""
+    ids = None
+    if k:
+        # a checkpoint drafts over its most frequent tokens; random weights have no counts: first k ids
+        ids = (load_draft_ids(folder, k, cfg.vocab_size, dev, path=counts_file) if folder is not None
+               else torch.arange(min(k, cfg.vocab_size), device=dev))
+    step_s = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs)
+    nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=dt).element_size(), context, k or None)
+    return {"draft_vocab": k or None, "context": context, "step_ms": step_s * 1e3, "bytes": nbytes,
+            "copy_bandwidth_bytes_per_s": bw, "floor_ms": nbytes["total"] / bw * 1e3 if bw else None,
+            "ratio_to_floor": step_s / (nbytes["total"] / bw) if bw else None}

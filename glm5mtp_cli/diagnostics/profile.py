@@ -74,7 +74,7 @@ def check_flags(c: ProfileConfig, max_position: int | None = None) -> None:
             raise UserError(f"--budget {c.budget} + gamma {c.gamma} = {need} rows is over --max-seq-len {L}: "
                             f"refused (the engine would refuse that request); lower --budget or drop {L}")
         if max_position is not None and L > max_position:
-            raise UserError(f"--max-seq-len {L} is over the model's max_position_embeddings {max_position}")
+            raise UserError(f"--max-seq-len {L} is over the model's limit (max_position_embeddings {max_position})")
 
 
 def policy_tokens(c: ProfileConfig, policy: str, max_seq_len: int) -> int:

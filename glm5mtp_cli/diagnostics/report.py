@@ -1,36 +1,24 @@
-"""What generate reports: one JSON document, and the same numbers as Rich tables."""
+"""What generate reports: the JSON blocks computed from a run, and the same numbers as Rich tables
+(each fits 80 columns)."""
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from glm5mtp_cli.diagnostics.sizing import fmt_bytes
-from glm5mtp_cli.engine.metrics import Acceptance, Latency
-from glm5mtp_cli.engine.speculate import SeqResult
+from glm5mtp_cli.units import fmt_bytes
+from glm5mtp_cli.engine.metrics import Acceptance
+
+WIDE = 100  # terminals at least this wide get ruled tables; narrower ones (80 columns, pipes) lighter ones
 
 
-def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_decode_s: float,
-              wall_capture_s: float = 0.0) -> tuple[Acceptance, Latency]:
-    """End to end = prefill + decode; CUDA-graph capture is one-time setup (as in vLLM and SGLang,
-    which capture at start-up), reported on its own."""
-    acc = Acceptance(gamma)
-    lat = Latency()
-    for r in results:
-        acc.merge(r.acceptance)
-        lat.ttft.append(r.ttft_s)
-        lat.prefill.append(r.prefill_s)
-        lat.propose_per_draft += r.propose_s
-        lat.verify += r.verify_s
-        if len(r.tokens) > 1:
-            lat.tpot.append(r.decode_s / (len(r.tokens) - 1))
-    lat.total_tokens = sum(len(r.tokens) for r in results)
-    # the first token of each request comes from the prefill; the rest are decode tokens
-    lat.decode_tokens = lat.total_tokens - len(results)
-    lat.decode_seconds = wall_decode_s
-    lat.total_seconds = wall_prefill_s + wall_decode_s
-    lat.capture_seconds = wall_capture_s
-    return acc, lat
+def fit_table(console: Console, title: str, **kw) -> Table:
+    """A table that fits the console: vertical rules only when there is room for them."""
+    if console.width < WIDE:
+        kw.setdefault("box", box.SIMPLE_HEAD)
+        kw.setdefault("pad_edge", False)
+    return Table(title=title, **kw)
 
 
 def _f(x, spec=".3f", none="-"):
@@ -85,29 +73,55 @@ def print_tables(console: Console, doc: dict, acc: Acceptance) -> None:
     console.print(memory_table(doc["memory"]))
     cmp = doc.get("compare")
     if cmp:
-        t = Table(title="speculation against gamma 0 (same engine, same requests)")
+        t = Table(title="against gamma 0 (same engine, same requests)")
         for c in ("", "decode tok/s", "e2e tok/s", "TPOT p50 ms"):
             t.add_column(c, justify="right")
         for name, lat in (("gamma 0", cmp["baseline"]), (f"gamma {doc['gamma']}", doc["latency"])):
             t.add_row(name, _f(lat["decode_tokens_per_s"], ".1f"), _f(lat["e2e_tokens_per_s"], ".1f"),
                       _f(lat["tpot_ms_p50"], ".2f"))
         t.add_row("speedup", _f(cmp["speedup_decode"], ".2f") + "x", _f(cmp["speedup_e2e"], ".2f") + "x", "")
+        t.add_row("same tokens", "[green]yes[/green]" if cmp["same_tokens"] else "[red]no[/red]", "", "")
         console.print(t)
         if not cmp["same_tokens"]:
             console.print("[red]speculative output differs from gamma 0[/red]")
 
 
+def compare_block(lat: dict, base_lat: dict, same_tokens: bool) -> dict:
+    """generate --compare's JSON block: speculation's latency against gamma 0's on the same engine."""
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    return {"baseline": base_lat,
+            "speedup_decode": ratio(lat["decode_tokens_per_s"], base_lat["decode_tokens_per_s"]),
+            "speedup_e2e": ratio(lat["e2e_tokens_per_s"], base_lat["e2e_tokens_per_s"]),
+            "same_tokens": same_tokens}
+
+
+def conversation_doc(chats, base, info: dict, tokenizer) -> dict:
+    """generate --conversation's JSON document: per turn, what was prefilled and carried, and the TTFT
+    beside the same turn run without a carry (base)."""
+    same = all(a.tokens == b.tokens for ca, cb in zip(chats, base) for a, b in zip(ca.turns, cb.turns))
+    return {"carry": {**info, "same_tokens_as_no_carry": same}, "conversations": [
+        {"turns": [{"tokens": t.tokens, "text": tokenizer.decode(t.tokens) if tokenizer else None,
+                    "prompt_tokens": len(t.prompt), "prefilled_target_rows": t.prefilled_target_rows,
+                    "prefilled_drafter_rows": t.prefilled_drafter_rows, "carried_rows": t.carried_target_rows,
+                    "carried_drafter_rows": t.carried_drafter_rows, "ttft_ms": t.ttft_s * 1e3,
+                    "ttft_ms_no_carry": b.ttft_s * 1e3, "finish_reason": t.finish_reason}
+                   for t, b in zip(c.turns, cb.turns)]} for c, cb in zip(chats, base)]}
+
+
 def conversation_table(doc: dict) -> Table:
     c = doc["carry"]
     t = Table(title=f"conversations, carry {c['mode']} (evictions {c['evictions']}; "
-                    f"same tokens as no carry: {c['same_tokens_as_no_carry']})")
-    for col in ("chat", "turn", "prompt", "target rows prefilled", "drafter rows prefilled", "rows carried",
-                "TTFT ms", "TTFT ms, no carry"):
+                    f"same tokens as no carry: {c['same_tokens_as_no_carry']})",
+              caption="prefilled: target / drafter rows computed; carried: target / drafter rows reused")
+    for col in ("chat", "turn", "prompt", "prefilled", "carried", "TTFT ms", "no carry"):
         t.add_column(col, justify="right")
     for ci, conv in enumerate(doc["conversations"]):
         for ti, turn in enumerate(conv["turns"]):
-            t.add_row(str(ci), str(ti + 1), str(turn["prompt_tokens"]), str(turn["prefilled_target_rows"]),
-                      str(turn["prefilled_drafter_rows"]),
+            t.add_row(str(ci), str(ti + 1), str(turn["prompt_tokens"]),
+                      f"{turn['prefilled_target_rows']} / {turn['prefilled_drafter_rows']}",
                       f"{turn['carried_rows']} / {turn['carried_drafter_rows']}",
                       f"{turn['ttft_ms']:.1f}", f"{turn['ttft_ms_no_carry']:.1f}")
     return t

@@ -1,6 +1,6 @@
 """Every byte formula in one place: checkpoint and in-memory weight bytes (whole, per --tp rank,
 read per decode step), per-sequence state bytes, verify scratch, CUDA-graph buffers, the cache
-layouts `info` compares, and the one human-readable byte formatter.
+layouts `info` compares (the byte formatter is glm5mtp_cli/units.py, free of torch for the commands).
 
 Per-sequence state comes from the model family's `state_components(cfg, dtype)`: each component's
 StateComponent.unit_bytes (a row of all its layers, or a whole recurrent slot) and bytes_for(tokens,
@@ -23,17 +23,6 @@ from glm5mtp_cli.models.glm5 import layout
 GIB = 2**30
 BF16 = 2
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
-
-
-def fmt_bytes(n: int | float | None, digits: int = 2) -> str:
-    """1536 -> '1.50 KiB' (binary units up to TiB; whole bytes below 1 KiB); None -> '-'."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:

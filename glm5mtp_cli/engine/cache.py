@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
 import torch
 
 from glm5mtp_cli.errors import UserError

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5mtp_cli.engine.carry import CARRY_MODES, CarryStore
+from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_jsonl
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
@@ -30,6 +31,7 @@ class Turn:
     carried_target_rows: int
     carried_drafter_rows: int
     finish_reason: str
+    trace: list[dict] = field(default_factory=list)  # the engine's verify steps of this turn (--trace)
 
 
 @dataclass
@@ -78,20 +80,31 @@ def _record_reply(rt: Runtime, chat: Chat, prompt: list[int], tokens: list[int])
         chat.messages.append({"role": "assistant", "content": chat.reply_text})
 
 
-def run_conversations(rt: Runtime, convs: list[list], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
-                      max_seq_len: int, alloc: str, carry: str, carry_budget: int | None, use_template: bool,
-                      ignore_eos: bool) -> tuple[list[Chat], dict]:
+def check_carry_flags(carry: str, carry_budget: int | None) -> None:
     if carry not in CARRY_MODES:
         raise UserError(f"--carry must be one of {', '.join(CARRY_MODES)}, got {carry!r}")
     if carry_budget is not None and carry_budget < 0:
         raise UserError(f"--carry-budget must be >= 0, got {carry_budget}")
+
+
+def run_conversations(rt: Runtime, convs: list[list], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
+                      max_seq_len: int, alloc: str, carry: str, carry_budget: int | None, use_template: bool,
+                      ignore_eos: bool, draft_conf_tau: float | None = None, draft_vocab: int | None = None,
+                      draft_vocab_file: Path | None = None, graphs: str = "eager") -> tuple[list[Chat], dict]:
+    """Every turn of every chat (round-robin), with generate's flags: draft_conf_tau, draft_vocab
+    (+ draft_vocab_file) and graphs reach the engine as in a single run."""
+    check_carry_flags(carry, carry_budget)
+    draft_ids = None
+    if draft_vocab is not None and gamma > 0:
+        draft_ids = load_draft_ids(rt.resolved.folder, draft_vocab, rt.cfg.vocab_size, rt.device, path=draft_vocab_file)
     # Every chat may hold a carry while one turn runs: size the pools for all of them at their longest.
     longest = max(sum(len(t) if isinstance(t, list) else 4 * len(t) + 8 for t in c) + len(c) * (max_new_tokens + gamma)
                   for c in convs)
     per_seq = min(max_seq_len, budget_tokens(longest, 0, 0)) if alloc == "budget" else max_seq_len
     pools = rt.make_pools(per_seq, len(convs) + 1)
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
-                        alloc=alloc, eos_ids=[] if ignore_eos else None, device=rt.device)
+                        alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
+                        device=rt.device, draft_ids=draft_ids, graphs=graphs)
     store = CarryStore(engine.head, carry_budget)
     chats = [Chat(list(c)) for c in convs]
     try:
@@ -108,7 +121,7 @@ def run_conversations(rt: Runtime, convs: list[list], *, gamma: int, max_new_tok
                     store.put(ci, res.carry_out)
                 chat.turns.append(Turn(prompt, res.tokens, res.ttft_s, res.prefilled_target_rows,
                                        res.prefilled_drafter_rows, res.carried_target_rows,
-                                       res.carried_drafter_rows, res.finish_reason))
+                                       res.carried_drafter_rows, res.finish_reason, res.trace))
                 _record_reply(rt, chat, prompt, res.tokens)
     finally:
         store.clear()

@@ -36,14 +36,23 @@ def write_counts(path: Path, counts: list[int], source: str) -> Path:
     return path
 
 
-def load_draft_ids(folder: Path, k: int, vocab_size: int, device) -> torch.Tensor:
-    """Ids of the k most frequent tokens, ascending (so the sliced head keeps the vocabulary's order)."""
+def load_draft_ids(folder: Path, k: int, vocab_size: int, device, path: Path | None = None) -> torch.Tensor:
+    """Ids of the k most frequent tokens, ascending (so the sliced head keeps the vocabulary's order).
+    path: a counts file written by `draft-vocab --out` (default: token_counts.json in folder)."""
     if not 1 <= k <= vocab_size:
         raise UserError(f"--draft-vocab must be in 1..{vocab_size}, got {k}")
+    if path is not None:
+        if not Path(path).is_file():
+            raise UserError(f"--draft-vocab-file {path}: no such file")
+        return _ranked_ids(Path(path), k, vocab_size, device)
     path = Path(folder) / COUNTS_FILE
     if not path.is_file():
         raise UserError(f"--draft-vocab: no {COUNTS_FILE} beside the checkpoint in {folder}; "
-                        "make one with `glm5mtp draft-vocab`")
+                        "make one with `glm5mtp draft-vocab`, or give --draft-vocab-file")
+    return _ranked_ids(path, k, vocab_size, device)
+
+
+def _ranked_ids(path: Path, k: int, vocab_size: int, device) -> torch.Tensor:
     try:
         ranking = json.loads(path.read_text())["ranking"]
     except (json.JSONDecodeError, KeyError, TypeError):

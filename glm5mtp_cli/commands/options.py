@@ -1,0 +1,34 @@
+"""Flags shared by several commands, as `Annotated` aliases (one wording everywhere).
+
+Nothing here imports torch: `glm5mtp CMD --help` builds its help from these and the command's signature
+alone; a command imports the engine inside its body, when it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+DEFAULT_MODEL = "glm5-nano"  # engine.runtime.DEFAULT_MODEL says the same; a test keeps them equal
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", metavar="MODEL",
+                                       help="Profile name (glm5, glm5-tiny, glm5-nano), local folder or Hub repo id.")]
+DeviceOpt = Annotated[str, typer.Option(metavar="DEVICE", help="cpu, cuda, cuda:N or auto (cuda when available).")]
+DtypeOpt = Annotated[str, typer.Option(metavar="DTYPE", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16.")]
+LayersOpt = Annotated[Optional[int], typer.Option(metavar="K", help="Use only the first K target layers.")]
+JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="One JSON document on stdout, nothing else there "
+                                                      "(progress and notes go to stderr).")]
+TpOpt = Annotated[int, typer.Option("--tp", metavar="N", help="Tensor/expert parallel ranks (one GPU each; gloo "
+                                                             "processes on the CPU). Started by the command itself, "
+                                                             "or by torchrun.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    metavar="N", help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the cores, at most 4: "
+                      "torch's own default, every core, collapses when another process is busy).")]
+CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
+                                             help="On one CUDA device, replay decode, verify and draft forwards as "
+                                                  "CUDA graphs (ignored on the CPU and under --tp).")]
+# On/off flags pass metavar="" so that help shows no "<bool>" beside them.
+
+PromptOpt = Annotated[Optional[str], typer.Option(metavar="TEXT", help="Prompt text (needs the checkpoint's tokenizer).")]
+PromptIdsOpt = Annotated[Optional[str], typer.Option(metavar="IDS", help="Comma-separated token ids, e.g. 3,17,99.")]

@@ -1,0 +1,84 @@
+"""One engine run over a list of prompts: what `generate`, `bench` and `acceptance` all time.
+
+Lives in the engine (not in a command) so that diagnostics can drive exactly what `generate` drives.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import torch
+
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.draft_vocab import load_draft_ids
+from glm5mtp_cli.engine.metrics import Acceptance, Latency
+from glm5mtp_cli.engine.runtime import Runtime, make_engine
+from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.speculate import Request, SeqResult, budget_tokens, reserve_tokens
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """Peak bytes of this process: the CUDA allocator's on CUDA, else the process's max RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
+
+
+def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_decode_s: float,
+              wall_capture_s: float = 0.0) -> tuple[Acceptance, Latency]:
+    """End to end = prefill + decode; CUDA-graph capture is one-time setup (as in vLLM and SGLang,
+    which capture at start-up), reported on its own."""
+    acc = Acceptance(gamma)
+    lat = Latency()
+    for r in results:
+        acc.merge(r.acceptance)
+        lat.ttft.append(r.ttft_s)
+        lat.prefill.append(r.prefill_s)
+        lat.propose_per_draft += r.propose_s
+        lat.verify += r.verify_s
+        if len(r.tokens) > 1:
+            lat.tpot.append(r.decode_s / (len(r.tokens) - 1))
+    lat.total_tokens = sum(len(r.tokens) for r in results)
+    # the first token of each request comes from the prefill; the rest are decode tokens
+    lat.decode_tokens = lat.total_tokens - len(results)
+    lat.decode_seconds = wall_decode_s
+    lat.total_seconds = wall_prefill_s + wall_decode_s
+    lat.capture_seconds = wall_capture_s
+    return acc, lat
+
+
+def check_fits(token_lists: list[list[int]], max_new_tokens: int, gamma: int, limit: int, limit_name: str) -> None:
+    """Refuse a prompt that cannot fit, before anything is allocated. limit_name says where the limit
+    comes from in the user's terms: "--max-seq-len" when given, else "the model's limit"."""
+    for i, ids in enumerate(token_lists):
+        need = budget_tokens(len(ids), max_new_tokens, gamma)
+        if need > limit:
+            raise UserError(f"prompt {i}: {len(ids)} tokens + {max_new_tokens} new + gamma {gamma} = {need} rows, "
+                            f"over {limit_name} ({limit})")
+
+
+def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
+                 batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
+                 on_tokens=None, draft_vocab: int | None = None, graphs: str = "eager",
+                 draft_vocab_file: Path | None = None):
+    """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes).
+
+    draft_vocab_file: the token counts for --draft-vocab (default: token_counts.json beside the checkpoint)."""
+    draft_ids = None
+    if draft_vocab is not None and gamma > 0:
+        draft_ids = load_draft_ids(rt.resolved.folder, draft_vocab, rt.cfg.vocab_size, rt.device,
+                                   path=draft_vocab_file)
+    requests = [Request(p, max_new_tokens, i) for i, p in enumerate(prompts)]
+    per_seq = max(reserve_tokens(len(r.prompt), r.max_new_tokens, gamma, alloc, max_seq_len) for r in requests)
+    pools = rt.make_pools(per_seq, min(batch_size, len(requests)))
+    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
+                        alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
+                        device=rt.device, draft_ids=draft_ids, graphs=graphs)
+    engine.on_tokens = on_tokens
+    results = engine.generate(requests, batch_size=batch_size)
+    acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s, engine.wall_capture_s)
+    leftover = pools.blocks_held()
+    if any(leftover.values()):
+        raise RuntimeError(f"cache blocks still held after generate: {leftover}")
+    return results, acc, lat.to_json(), results[0].state_bytes, pools.bytes_total()
