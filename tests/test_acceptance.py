@@ -28,18 +28,46 @@ def test_json_document_on_default_model(tmp_path):
     assert doc["lossless"] is True
     assert [d["gamma"] for d in doc["lossless_detail"]] == [1, 2]
     assert [(r["temperature"], r["gamma"]) for r in doc["runs"]] == [(0.0, 0), (0.0, 1), (0.0, 2), (0.7, 1), (0.7, 2)]
+    base = {run["temperature"]: run["decode_tokens_per_s"] for run in doc["runs"] if run["gamma"] == 0}
     for run in doc["runs"]:
         assert run["prompts"] == 2 and run["decode_tokens_per_s"] > 0
+        # decode speedup: to the gamma-0 run of the same temperature; none where that temperature has none
+        if run["temperature"] in base:
+            assert run["speedup_decode"] == pytest.approx(run["decode_tokens_per_s"] / base[run["temperature"]],
+                                                          rel=1e-9)
+        else:
+            assert run["speedup_decode"] is None
         acc = run["acceptance"]
         if run["gamma"] == 0:
-            assert acc is None and run["speedup_decode"] == pytest.approx(1.0)
+            assert acc is None
             continue
         assert len(acc["per_position"]) == run["gamma"]
         assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["accepted"] / acc["verify_steps"])
         assert acc["draft_acceptance_rate"] == pytest.approx(acc["accepted"] / acc["proposed"])
         assert all(a >= b for a, b in zip(acc["per_position"], acc["per_position"][1:]))
+    # the held-out numbers are the loaded model's own train_report.json, passed through unchanged
+    from glm5mtp_cli.checkpoint.load import resolve_model
+
+    report = json.loads((resolve_model("glm5-nano", progress=False).folder / "train_report.json").read_text())
     held = doc["heldout_losses"]
-    assert held["target_ce"] == pytest.approx(2.4749, abs=1e-3) and held["mtp_ce"] == pytest.approx(2.4748, abs=1e-3)
+    assert {k: held[k] for k in ("target_ce", "mtp_ce", "tokens")} == \
+        {k: report["heldout"][k] for k in ("target_ce", "mtp_ce", "tokens")}
+    assert held["steps_done"] == report["steps_done"] and held["parameters"] == report["parameters"]["total"]
+
+
+def test_heldout_losses_pick_the_report_fields(tmp_path):
+    from glm5mtp_cli.diagnostics.acceptance import heldout_losses
+
+    assert heldout_losses(tmp_path) is None  # no report
+    (tmp_path / "train_report.json").write_text("{not json")
+    assert heldout_losses(tmp_path) is None
+    (tmp_path / "train_report.json").write_text(json.dumps({"heldout": [1.0]}))
+    assert heldout_losses(tmp_path) is None
+    report = {"heldout": {"target_ce": 1.25, "mtp_ce": 1.5, "tokens": 99, "unlisted": 7}, "steps_done": 12,
+              "device": "cpu", "parameters": {"total": 1234, "mtp": 34}, "history": [1, 2]}
+    (tmp_path / "train_report.json").write_text(json.dumps(report))
+    assert heldout_losses(tmp_path) == {"target_ce": 1.25, "mtp_ce": 1.5, "tokens": 99, "steps_done": 12,
+                                        "device": "cpu", "parameters": 1234}
 
 
 def test_repeated_share_and_repetition_split():

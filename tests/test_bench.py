@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
+from glm5mtp_cli.diagnostics.bench import add_ratios
 from glm5mtp_cli.diagnostics.sizing import draft_step_bytes
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.checkpoint.resolve import profile_path
@@ -22,13 +24,24 @@ def test_bench_json_rows_and_ratios(spec_ckpt):
     systems = [(row["batch"], row["system"]) for row in doc["rows"]]
     assert systems == [(1, "transformers"), (1, "gamma 0"), (1, "gamma 2"),
                        (2, "transformers"), (2, "gamma 0"), (2, "gamma 2")]
+    rate = {(row["batch"], row["gamma"]): row["e2e_tokens_per_s"] for row in doc["rows"]}
     for row in doc["rows"]:
         assert row["e2e_tokens_per_s"] > 0
-        if row["gamma"] == 0:
-            assert row["speedup_vs_gamma0"] == 1.0
-        if row["gamma"] is None:
-            assert row["speedup_vs_transformers"] == 1.0
+        # each ratio is to the same batch size's baseline row (the rates differ per row on any machine)
+        b = row["batch"]
+        assert row["speedup_vs_gamma0"] == pytest.approx(row["e2e_tokens_per_s"] / rate[(b, 0)], rel=1e-9)
+        assert row["speedup_vs_transformers"] == pytest.approx(row["e2e_tokens_per_s"] / rate[(b, None)], rel=1e-9)
     assert doc["draft_step"]["step_ms"] > 0 and doc["draft_step"]["floor_ms"] is None  # no floor on the CPU
+
+
+def test_ratios_are_to_the_same_batch_baseline():
+    rows = [{"batch": 1, "gamma": None, "e2e_tokens_per_s": 10.0}, {"batch": 1, "gamma": 0, "e2e_tokens_per_s": 20.0},
+            {"batch": 1, "gamma": 2, "e2e_tokens_per_s": 30.0}, {"batch": 4, "gamma": 0, "e2e_tokens_per_s": 50.0},
+            {"batch": 4, "gamma": 2, "e2e_tokens_per_s": 125.0}]
+    add_ratios(rows)
+    assert [r["speedup_vs_gamma0"] for r in rows] == [0.5, 1.0, 1.5, 1.0, 2.5]
+    # batch 4 has no transformers row: no ratio, not one to batch 1's baseline
+    assert [r["speedup_vs_transformers"] for r in rows] == [1.0, 2.0, 3.0, None, None]
 
 
 def test_draft_step_bytes_of_glm5_match_the_issue():

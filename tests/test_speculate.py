@@ -183,15 +183,53 @@ def test_ceiling_and_budget_give_the_same_tokens(spec_rt):
     assert out["budget"][1]["drafter_mla"] < out["ceiling"][1]["drafter_mla"]
 
 
+def _spy_chains(engine):
+    """Every (chain, confidence the head reports for its state right after proposing) of a run."""
+    seen = []
+    original = engine.head.propose_batch
+
+    def spy(tokens, hiddens, positions, num_drafts, states, *args, **kwargs):
+        chains = original(tokens, hiddens, positions, num_drafts, states, *args, **kwargs)
+        seen.extend((c, engine.head.last_confidence(st)) for c, st in zip(chains, states))
+        return chains
+
+    engine.head.propose_batch = spy
+    return seen
+
+
 def test_confidence_stop_is_lossless_and_shortens_chains(spec_rt):
     rt, _ = spec_rt
     base, _ = _engine(rt, 4, batch=1)
+    base_chains = _spy_chains(base)
     ref = base.generate([Request(PROMPTS[2], 16, 0)])[0]
     engine, pools = _engine(rt, 4, batch=1, tau=0.999)
+    chains = _spy_chains(engine)
     res = engine.generate([Request(PROMPTS[2], 16, 0)])[0]
     assert res.tokens == ref.tokens
     assert res.acceptance.proposed < ref.acceptance.proposed
-    assert engine.head.last_confidence is not None
+    assert all(c.confidence is None and conf is None for c, conf in base_chains)  # no tau: nothing measured
+    assert chains and all(isinstance(conf, float) and 0 < conf <= 1 and conf == c.confidence for c, conf in chains)
+
+
+def test_confidence_stop_follows_the_draft_distributions(spec_rt):
+    """Sampled drafts carry their distributions q, so the stop rule is checked draft by draft: the
+    first draft is always proposed, a later one only while max(q) >= tau, the chain stops at the
+    first draft under tau, and its confidence is the least max(q) among the drafts it proposed."""
+    rt, _ = spec_rt
+    tau = 0.1  # the tiny drafter's max(q) at temperature 1 spreads around 0.1 (measured: chains of 1, 3 and 4)
+    engine, _ = _engine(rt, 4, batch=1, tau=tau, sampling=SamplingParams(temperature=1.0, seed=5))
+    chains = _spy_chains(engine)
+    engine.generate([Request(PROMPTS[2], 16, 0)])
+    lengths = set()
+    for chain, conf in chains:
+        n = chain.num_drafts
+        top = chain.probs.max(-1).values.tolist()
+        lengths.add(n)
+        assert n >= 1 and all(t >= tau for t in top[1:n]), (n, top)
+        if n < 4:
+            assert top[n] < tau, (n, top)
+        assert conf == chain.confidence == pytest.approx(min(top[:n]), rel=1e-6), (conf, n, top)
+    assert min(lengths) < 4 and max(lengths) > 1, lengths  # both outcomes of the rule were exercised
 
 
 def test_sampling_runs_reproducibly(spec_rt):
