@@ -46,7 +46,7 @@ def test_json_document_on_default_model(tmp_path):
         assert acc["draft_acceptance_rate"] == pytest.approx(acc["accepted"] / acc["proposed"])
         assert all(a >= b for a, b in zip(acc["per_position"], acc["per_position"][1:]))
     # the held-out numbers are the loaded model's own train_report.json, passed through unchanged
-    from glm5mtp_cli.checkpoint.load import resolve_model
+    from glm5mtp_cli.checkpoint.resolve import resolve_model
 
     report = json.loads((resolve_model("glm5-nano", progress=False).folder / "train_report.json").read_text())
     held = doc["heldout_losses"]

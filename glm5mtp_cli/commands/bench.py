@@ -30,7 +30,7 @@ def _ints(text: str, flag: str, low: int) -> list[int]:
 def _prompts(rt, items, need: int) -> list[list[int]]:
     """--prompts (any form of prompts.py), else the shipped model's code prompts when the checkpoint has a
     tokenizer, else random prompts of code-prompt length, seeded."""
-    from glm5mtp_cli.models.glm5.config import profile_path
+    from glm5mtp_cli.checkpoint.resolve import profile_path
 
     default = profile_path(DEFAULT_MODEL)
     if items is None and rt.tokenizer is not None and default is not None:

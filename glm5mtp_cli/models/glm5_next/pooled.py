@@ -109,6 +109,10 @@ class PooledTarget(torch.nn.Module):
         # state_dict keys are the checkpoint's names, as the loader reads them
         self.register_state_dict_post_hook(_checkpoint_names)
 
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.lm_head
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all") -> ForwardOut:
         cfg, t = self.cfg, input_ids.shape[1]
