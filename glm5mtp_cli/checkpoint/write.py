@@ -22,7 +22,6 @@ from glm5mtp_cli.checkpoint.random import random_tensor
 from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, config_from_spec
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.glm5 import layout
 from glm5mtp_cli.models.glm5.config import ModelConfig
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -78,8 +77,8 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     return q.view(gr * b0, gc * b1)[:rows, :cols].contiguous(), scale
 
 
-def _maybe_quantize(name: str, t: torch.Tensor, block) -> Iterator[tuple[str, torch.Tensor]]:
-    if layout.is_fp8_quantized(name, tuple(t.shape)) and t.dtype != torch.float8_e4m3fn:
+def _maybe_quantize(family, name: str, t: torch.Tensor, block) -> Iterator[tuple[str, torch.Tensor]]:
+    if family.is_fp8_quantized(name, tuple(t.shape)) and t.dtype != torch.float8_e4m3fn:
         q, s = quantize_fp8_block(t, block)
         yield name, q
         yield name + "_scale_inv", s
@@ -113,6 +112,8 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
     from safetensors.torch import save_file
 
     tok_files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []  # fail before writing
+    family = family_of(config)
+    config_json = family.config_dict(config, dict(FP8_QUANT_CONFIG) if fp8 else None)  # refuses before writing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(out)
@@ -134,7 +135,7 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
         shard, shard_bytes = {}, 0
 
     for name, t in items:
-        for n, q in _maybe_quantize(name, t, block) if fp8 else ((name, t),):
+        for n, q in _maybe_quantize(family, name, t, block) if fp8 else ((name, t),):
             if n in weight_map or n in shard:
                 raise ValueError(f"tensor '{n}' given twice")
             size = _nbytes(q)
@@ -146,7 +147,7 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
             total += size
     flush()
     files = _finalize_shards(out, temp_files, weight_map, total)
-    _write_configs(out, config, fp8)
+    _write_configs(out, config, config_json)
     for f in tok_files:
         shutil.copyfile(Path(tokenizer_dir) / f, out / f)
     return WriteSummary(out, files, len(weight_map), total)
@@ -181,11 +182,10 @@ def _finalize_shards(out: Path, temp_files: list[str], weight_map: dict[str, str
     return names if k else []
 
 
-def _write_configs(out: Path, config: ModelConfig, fp8: bool) -> None:
-    cfg = dataclasses.replace(config, quantization_config=dict(FP8_QUANT_CONFIG)) if fp8 else config
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+def _write_configs(out: Path, cfg, config_json: dict) -> None:
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     gen = {"_from_model_config": True, "eos_token_id": list(cfg.eos_token_id)}
-    if cfg.bos_token_id is not None:
+    if getattr(cfg, "bos_token_id", None) is not None:
         gen["bos_token_id"] = cfg.bos_token_id
     if cfg.pad_token_id is not None:
         gen["pad_token_id"] = cfg.pad_token_id
@@ -222,6 +222,6 @@ def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str
         dtype = cfg.torch_dtype
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
-    cfg = dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype], quantization_config=None)
+    cfg = dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype])
     return save_checkpoint(random_tensors(cfg, seed, dtype), cfg, out_dir, max_shard_size=max_shard_size,
                            fp8=fp8, tokenizer_dir=tokenizer)

@@ -43,7 +43,25 @@ def _render(d: dict, console: Console) -> None:
               str(tot["all"]["tensors"]), _bytes(tot["all"]["bytes"]), end_section=True)
     t.add_row("active / token", p(tot["active_params_per_token_target"]), p(tot["active_params_per_token_mtp"]), "", "")
     console.print(t)
-    cache = d["cache"]
+    _render_state(d["state"], console)
+    if "cache" in d:
+        _render_cache(d["cache"], console)
+
+
+def _render_state(state: dict, console: Console) -> None:
+    n = state["tokens"]
+    s = fit_table(console, f"state per sequence, by component, at {n:,} tokens (bf16)",
+                  caption="rows grow with tokens; slots are one fixed-size state per sequence")
+    for col in ("component", "kind", "layers", "per token", "fixed", f"at {n:,}"):
+        s.add_column(col, justify="left" if col in ("component", "kind") else "right", no_wrap=col == "component")
+    for name, v in state["components"].items():
+        s.add_row(name, v["kind"], str(v["layers"]), f"{v['bytes_per_token']:,}" if v["bytes_per_token"] else "-",
+                  _bytes(v["bytes_per_sequence"]) if v["bytes_per_sequence"] else "-", _bytes(v["bytes_at_tokens"]))
+    s.add_row("[bold]total[/bold]", "", "", "", "", _bytes(state["total_at_tokens"]))
+    console.print(s)
+
+
+def _render_cache(cache: dict, console: Console) -> None:
     n = cache["tokens"]
     c = fit_table(console, f"cache bytes per token (target layers {cache['layers']['mla_target']}, "
                            f"indexer layers {cache['layers']['indexer_target']}, + MTP) and at {n:,} tokens",

@@ -19,9 +19,16 @@ from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.units import fmt_bytes as _fmt
 from glm5mtp_cli.errors import UserError
 
-_COMPS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer", "scratch", "cuda_graphs")
-_SHORT = {"target_mla": "target MLA", "target_indexer": "target indexer", "drafter_mla": "drafter MLA",
-          "drafter_indexer": "drafter indexer", "scratch": "scratch", "cuda_graphs": "CUDA graphs"}
+_SHORT = {"scratch": "scratch", "cuda_graphs": "CUDA graphs"}
+
+
+def _components(doc: dict) -> list[str]:
+    """The rows' per-sequence components in the family's order (state first, then scratch and graphs)."""
+    return [k for k in doc["rows"][0]["per_sequence_bytes"] if k != "total"]
+
+
+def _label(component: str) -> str:
+    return _SHORT.get(component, component.replace("_", " "))
 DEFAULT_LENGTHS = (4096, 32768, 131072)
 PLOT_HINT = "--plot needs matplotlib: pip install 'glm5mtp[plot]' (or pip install matplotlib)"
 
@@ -176,7 +183,7 @@ def _print(out: Console, doc: dict) -> None:
     rows = doc["rows"]
     narrow = out.width < 100 or len(rows) <= 4
     b = _short_bytes if narrow else _fmt
-    lines = [(_SHORT[k], lambda r, k=k: b(r["per_sequence_bytes"][k])) for k in _COMPS]
+    lines = [(_label(k), lambda r, k=k: b(r["per_sequence_bytes"][k])) for k in _components(doc)]
     lines.append(("total", lambda r: b(r["per_sequence_bytes"]["total"])))
     if measured:
         lines.append(("measured (ledger)", lambda r: b(r["measured_per_sequence_bytes"]["total"])))
@@ -259,7 +266,7 @@ def _plot(path: Path, doc: dict) -> None:
     labels = [f"{r['max_seq_len']}\n{r['policy']}" for r in doc["rows"]]
     fig, ax = plt.subplots(figsize=(max(6, len(labels)), 4))
     bottom = [0.0] * len(labels)
-    for comp in _COMPS:
+    for comp in _components(doc):
         vals = [r["per_sequence_bytes"][comp] / 2**20 for r in doc["rows"]]
         ax.bar(labels, vals, bottom=bottom, label=comp)
         bottom = [b + v for b, v in zip(bottom, vals)]

@@ -1,4 +1,4 @@
-"""Sizes of a GLM-5 model computed from its config alone: parameters and checkpoint bytes per
+"""Sizes of a model computed from its config alone: parameters and checkpoint bytes per
 component, active parameters per token, and cache bytes per token (REFERENCE section 5); the
 byte formulas themselves live in diagnostics/sizing.py.
 
@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from glm5mtp_cli.models.glm5 import layout
+import torch
+
+from glm5mtp_cli.models import family_of
+from glm5mtp_cli.models.family import ROWS
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.diagnostics.sizing import GIB, cache_bytes_per_token, cache_layers, checkpoint_tensor_bytes
 
@@ -40,18 +43,15 @@ class ModelInfo:
         return t
 
 
-def _count(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], into: dict[str, Part]) -> None:
-    for name, shape in shapes.items():
-        part = into.setdefault(layout.component_of(name), Part())
-        part.add(Part(1, math.prod(shape), checkpoint_tensor_bytes(cfg, name, shape)))
-
-
-def model_info(cfg: ModelConfig) -> ModelInfo:
+def model_info(cfg) -> ModelInfo:
+    """Parameters and checkpoint bytes per component of the target and of the MTP layer."""
+    family = family_of(cfg)
     info = ModelInfo(cfg)
-    for layer in layout.layer_order(cfg, mtp=False):
-        _count(cfg, layout.tensor_shapes(cfg, layer), info.target)
-    if cfg.num_nextn_predict_layers:
-        _count(cfg, layout.tensor_shapes(cfg, cfg.mtp_layer_index), info.mtp)
+    mtp = family.mtp_prefix(cfg)
+    for name, shape in family.tensor_shapes(cfg):
+        into = info.mtp if name.startswith(mtp) else info.target
+        part = into.setdefault(family.component_of(cfg, name), Part())
+        part.add(Part(1, math.prod(shape), checkpoint_tensor_bytes(cfg, name, shape)))
     return info
 
 
@@ -71,16 +71,51 @@ def info_dict(cfg: ModelConfig, tokens: int = 131072, model: str = "") -> dict:
     """The whole report as one JSON-ready document."""
     info = model_info(cfg)
     tgt, mtp = info.total(info.target), info.total(info.mtp)
-    everything = {k: Part() for k in layout.COMPONENTS}
+    family = family_of(cfg)
+    everything = {k: Part() for k in family.info_components(cfg)}
     for parts in (info.target, info.mtp):
         for k, p in parts.items():
             everything[k].add(p)
+    doc = {
+        "model": model,
+        "model_type": cfg.model_type,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "mtp_layer_index": cfg.mtp_layer_index,
+        "checkpoint_dtype": "fp8-e4m3 (block scales)" if getattr(cfg, "fp8", False) else str(cfg.torch_dtype),
+        "components": {k: {"target": _part_dict(info.target.get(k, Part())), "mtp": _part_dict(info.mtp.get(k, Part())),
+                           "all": _part_dict(p)} for k, p in everything.items()},
+        "totals": {
+            "target": _part_dict(tgt), "mtp_layer": _part_dict(mtp),
+            "all": _part_dict(Part(tgt.tensors + mtp.tensors, tgt.params + mtp.params, tgt.bytes + mtp.bytes)),
+            "active_params_per_token_target": active_params(cfg, info.target),
+            "active_params_per_token_mtp": active_params(cfg, info.mtp),
+        },
+        "state": state_doc(cfg, tokens),
+    }
+    if family.name == "glm5":
+        doc["cache"] = cache_doc(cfg, tokens)
+    return doc
+
+
+def state_doc(cfg, tokens: int) -> dict:
+    """Per-sequence state by component (bf16; recurrent state as the family keeps it): rows that
+    grow with tokens, slots that do not, and their bytes at `tokens` tokens."""
+    comps = family_of(cfg).state_components(cfg, torch.bfloat16)
+    rows = {c.name: {"kind": c.kind, "layers": c.layers, "dtype": str(c.dtype).removeprefix("torch."),
+                     "bytes_per_token": c.unit_bytes if c.kind == ROWS else 0,
+                     "bytes_per_sequence": 0 if c.kind == ROWS else c.unit_bytes,
+                     "bytes_at_tokens": c.bytes_for(tokens)} for c in comps}
+    return {"tokens": tokens, "components": rows, "total_at_tokens": sum(r["bytes_at_tokens"] for r in rows.values())}
+
+
+def cache_doc(cfg, tokens: int) -> dict:
+    """GLM-5's MLA and indexer cache layouts compared (bf16 vs fp8, REFERENCE section 5)."""
     per_tok = cache_bytes_per_token(cfg)
     lay = cache_layers(cfg)
     caches = {}
     for kind, per_layer in per_tok.items():
-        family = "mla" if kind.startswith("mla") else "indexer"
-        t_layers, m_layers = lay[f"{family}_target"], lay[f"{family}_mtp"]
+        part = "mla" if kind.startswith("mla") else "indexer"
+        t_layers, m_layers = lay[f"{part}_target"], lay[f"{part}_mtp"]
         caches[kind] = {
             "bytes_per_token_per_layer": per_layer,
             "bytes_per_token_target": per_layer * t_layers,
@@ -90,19 +125,4 @@ def info_dict(cfg: ModelConfig, tokens: int = 131072, model: str = "") -> dict:
             "bytes_at_tokens_mtp": per_layer * m_layers * tokens,
             "gib_at_tokens_all": round(per_layer * (t_layers + m_layers) * tokens / GIB, 3),
         }
-    return {
-        "model": model,
-        "model_type": "glm_moe_dsa",
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "mtp_layer_index": cfg.mtp_layer_index,
-        "checkpoint_dtype": "fp8-e4m3 (block scales)" if cfg.fp8 else str(cfg.torch_dtype),
-        "components": {k: {"target": _part_dict(info.target.get(k, Part())), "mtp": _part_dict(info.mtp.get(k, Part())),
-                           "all": _part_dict(p)} for k, p in everything.items()},
-        "totals": {
-            "target": _part_dict(tgt), "mtp_layer": _part_dict(mtp),
-            "all": _part_dict(Part(tgt.tensors + mtp.tensors, tgt.params + mtp.params, tgt.bytes + mtp.bytes)),
-            "active_params_per_token_target": active_params(cfg, info.target),
-            "active_params_per_token_mtp": active_params(cfg, info.mtp),
-        },
-        "cache": {"tokens": tokens, "layers": lay, "per_kind": caches},
-    }
+    return {"tokens": tokens, "layers": lay, "per_kind": caches}

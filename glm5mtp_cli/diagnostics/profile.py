@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import COMPONENTS, CachePools
+from glm5mtp_cli.engine.cache import CachePools
+from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.sizing import bytes_per_token, growth_bytes, predicted_bytes, predicted_weight_bytes
@@ -104,7 +105,7 @@ def measure_state(rt: Runtime, c: ProfileConfig, policy: str, max_seq_len: int) 
         held = pools.bytes_held()
     finally:
         engine.release(seq)
-    out = {k: held.get(k, 0) for k in COMPONENTS}
+    out = {c.name: held.get(c.name, 0) for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype)}
     out["total"] = sum(out.values())
     if cuda_delta is not None:
         out["cuda_pool_allocation"] = cuda_delta

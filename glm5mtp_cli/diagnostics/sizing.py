@@ -17,7 +17,7 @@ import torch
 
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.family import ROWS
+from glm5mtp_cli.models.family import ROWS, SLOT
 from glm5mtp_cli.models.glm5 import layout
 
 GIB = 2**30
@@ -34,15 +34,15 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 # ---- weights ------------------------------------------------------------------------------------
 
-def tensor_bytes(name: str, shape: tuple[int, ...], elem_bytes: int, fp8_block: tuple[int, int] | None = None,
-                 held: bool = False) -> int:
+def tensor_bytes(family, name: str, shape: tuple[int, ...], elem_bytes: int,
+                 fp8_block: tuple[int, int] | None = None, held: bool = False) -> int:
     """Bytes of one weight tensor: fp32 for the tensors the checkpoint stores in fp32 (held=False)
     or the model keeps in fp32 (held=True: routers, indexer weighting); FP8-quantized matrices at
     1 byte plus one fp32 scale per block when fp8_block is given; else `elem_bytes` each."""
     n = math.prod(shape)
-    if (layout.keeps_fp32(name) if held else layout.stored_fp32(name)):
+    if (family.keeps_fp32(name) if held else family.stored_fp32(name)):
         return 4 * n
-    if fp8_block is not None and layout.is_fp8_quantized(name, shape):
+    if fp8_block is not None and family.is_fp8_quantized(name, shape):
         b0, b1 = fp8_block
         return n + 4 * (-(-shape[0] // b0)) * (-(-shape[1] // b1))
     return elem_bytes * n
@@ -50,7 +50,8 @@ def tensor_bytes(name: str, shape: tuple[int, ...], elem_bytes: int, fp8_block: 
 
 def checkpoint_tensor_bytes(cfg, name: str, shape: tuple[int, ...]) -> int:
     """Bytes a checkpoint with cfg's dtype and quantization stores for one tensor."""
-    return tensor_bytes(name, shape, dtype_bytes(cfg.torch_dtype), cfg.fp8_block if cfg.fp8 else None)
+    fp8 = getattr(cfg, "fp8", False)  # only families with FP8 checkpoints have the field
+    return tensor_bytes(family_of(cfg), name, shape, dtype_bytes(cfg.torch_dtype), cfg.fp8_block if fp8 else None)
 
 
 def weight_bytes_per_rank(cfg, tp: int, fmt: str, with_mtp: bool = True) -> dict[str, int]:
@@ -59,9 +60,10 @@ def weight_bytes_per_rank(cfg, tp: int, fmt: str, with_mtp: bool = True) -> dict
     bf16; fp32 for router/bias tensors in both). Returns {'sharded': .., 'replicated': .., 'total': ..}."""
     from glm5mtp_cli.models.glm5.sharding import split_over_ranks
 
+    family = family_of(cfg)
     out = {"sharded": 0, "replicated": 0}
-    for name, shape in layout.all_tensor_shapes(cfg, mtp=with_mtp):
-        b = tensor_bytes(name, shape, BF16, (128, 128) if fmt == "fp8" else None, held=True)
+    for name, shape in model_tensors(cfg, with_mtp):
+        b = tensor_bytes(family, name, shape, BF16, (128, 128) if fmt == "fp8" else None, held=True)
         if split_over_ranks(name):
             out["sharded"] += -(-b // tp)
         else:
@@ -70,8 +72,15 @@ def weight_bytes_per_rank(cfg, tp: int, fmt: str, with_mtp: bool = True) -> dict
     return out
 
 
+def model_tensors(cfg, with_mtp: bool = True) -> list[tuple[str, tuple[int, ...]]]:
+    """The family's checkpoint tensors, without the MTP layer's unless with_mtp."""
+    family = family_of(cfg)
+    mtp = family.mtp_prefix(cfg)
+    return [(n, s) for n, s in family.tensor_shapes(cfg) if with_mtp or not n.startswith(mtp)]
+
+
 def param_count(cfg, with_mtp: bool = True) -> int:
-    return sum(math.prod(s) for _, s in layout.all_tensor_shapes(cfg, mtp=with_mtp))
+    return sum(math.prod(s) for _, s in model_tensors(cfg, with_mtp))
 
 
 def predicted_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool = True) -> int:
@@ -133,6 +142,32 @@ def state_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, with_draf
 
 
 def scratch_bytes(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
+    """Transient bytes of one verify forward of gamma+1 rows at `context` cached rows (the family's
+    PyTorch path; see _glm5_scratch and _next_scratch)."""
+    fn = _next_scratch if family_of(cfg).name == "glm5_next" else _glm5_scratch
+    return fn(cfg, dtype, context, gamma)
+
+
+def _next_scratch(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
+    """GLM-5-Next's verify, one sequence at a time, read off models/glm5_next: the larger of one
+    indexed layer (gathered latent rows [L, R] and raw indexer rows, pool scores [T, index heads,
+    L/P] fp32 x2, key mask [T, L] bool, attention scores [T, heads, L] fp32 x2 + probs in the model
+    dtype) and one KDA layer (the replay's fp32 inputs q, k, v, g [T, C] and beta, and two copies of
+    the fp32 state [H, d, d]), plus the verify's logits [T, vocab], the mHC streams [T, hc_mult, hidden]
+    x4 and the gathered rows of the pooled keys."""
+    d = dtype_bytes(dtype)
+    t = gamma + 1
+    L = context + t
+    P = cfg.index_kpool
+    attn = (L * cfg.kv_lora_rank * d + (P + t) * 2 * cfg.index_head_dim * d + (L // P) * cfg.index_head_dim * d
+            + t * cfg.index_n_heads * (L // P + 1) * 4 * 2 + t * L
+            + t * cfg.num_attention_heads * L * (4 * 2 + d))
+    h, k = cfg.linear_num_heads, cfg.linear_head_dim
+    kda = 4 * t * h * k * 4 + t * h * 4 + 2 * h * k * k * 4
+    return max(attn, kda) + t * cfg.vocab_size * max(d, 4) + 4 * t * cfg.hc_mult * cfg.hidden_size * d
+
+
+def _glm5_scratch(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
     """Transient bytes of one verify forward of gamma+1 rows at `context` cached rows: the peak of one
     layer (layers run one after another), read off the PyTorch attention path:
     gathered MLA rows [L, kv_width] + gathered indexer keys [L, index_dim] (model dtype),
@@ -153,6 +188,8 @@ def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: in
     static inputs (ids, lengths, block tables of each cache component, drafter hiddens) and the
     outputs the graphs own (the verify's logits and hiddens; the greedy chain's drafts). Their
     intermediates live in the graphs' private pool, the same peak as `scratch`."""
+    if any(c.kind == SLOT for c in family_of(cfg).state_components(cfg, dtype)):
+        return 0  # graph modes refuse fixed-size state (engine/graphs.py): such a family runs eagerly
     d, t = dtype_bytes(dtype), gamma + 1
     tables = 8 * math.ceil(tokens / block_size)
     verify = t * 8 + 8 + 2 * tables + t * cfg.vocab_size * d + t * cfg.hidden_size * d

@@ -137,6 +137,7 @@ class SlotPool:
     def __init__(self, name: str, num_layers: int, shape: tuple[int, ...], num_slots: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.name = name
+        self.num_layers = num_layers
         self.data = torch.zeros(num_layers, num_slots, *shape, dtype=dtype, device=device)
         self.slot_bytes = self.data[:, 0].numel() * self.data.element_size()
         self.num_slots = num_slots

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -40,6 +41,21 @@ class Glm5Family:
 
     def build_mtp(self, cfg: ModelConfig) -> Glm5MtpLayer:
         return Glm5MtpLayer(cfg)
+
+    def component_of(self, cfg: ModelConfig, name: str) -> str:
+        return layout.component_of(name)
+
+    def info_components(self, cfg: ModelConfig) -> tuple[str, ...]:
+        return layout.COMPONENTS
+
+    def stored_fp32(self, name: str) -> bool:
+        return layout.stored_fp32(name)
+
+    def is_fp8_quantized(self, name: str, shape: tuple[int, ...]) -> bool:
+        return layout.is_fp8_quantized(name, shape)
+
+    def config_dict(self, cfg: ModelConfig, quantization: dict | None) -> dict[str, Any]:
+        return dataclasses.replace(cfg, quantization_config=quantization).to_hf_dict()
 
     def keeps_fp32(self, name: str) -> bool:
         return layout.keeps_fp32(name)

@@ -128,6 +128,21 @@ class NextConfig:
         return dataclasses.replace(self, num_hidden_layers=num_layers, layer_types=list(self.layer_types[:num_layers]),
                                    mlp_layer_types=list(self.mlp_layer_types[:num_layers]))
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json in the published nested layout (what init-random writes); from_dict reads it back."""
+        text: dict[str, Any] = {"model_type": "glm5_next_text"}
+        for f in dataclasses.fields(self):
+            if f.name in ("source", "layer_types", "torch_dtype") or f.name.startswith("linear_"):
+                continue
+            text[f.name] = getattr(self, f.name)
+        text["layer_types"] = ["linear_attention" if t == KDA else "deepseek_sparse_attention" for t in self.layer_types]
+        text["linear_attn_config"] = {"num_heads": self.linear_num_heads, "head_dim": self.linear_head_dim,
+                                      "short_conv_kernel_size": self.linear_conv_kernel_dim,
+                                      "gate_lower_bound": self.linear_lower_bound}
+        text["dtype"] = self.torch_dtype
+        return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+                "text_config": text, "dtype": self.torch_dtype}
+
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> "NextConfig":

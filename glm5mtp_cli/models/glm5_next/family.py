@@ -52,6 +52,23 @@ class Glm5NextFamily:
     def build_mtp(self, cfg: NextConfig) -> PooledMtp:
         return PooledMtp(Glm5NextMtpLayer(cfg))
 
+    def component_of(self, cfg: NextConfig, name: str) -> str:
+        return layout.component_of(cfg, name)
+
+    def info_components(self, cfg: NextConfig) -> tuple[str, ...]:
+        return layout.COMPONENTS
+
+    def stored_fp32(self, name: str) -> bool:
+        return layout.stored_fp32(name)
+
+    def is_fp8_quantized(self, name: str, shape: tuple[int, ...]) -> bool:
+        return False  # bf16 checkpoints only so far (the FP8 variant is the deployed-form issue)
+
+    def config_dict(self, cfg: NextConfig, quantization: dict | None) -> dict[str, Any]:
+        if quantization:
+            raise UserError("glm5_next: FP8 checkpoints are not supported yet (write bf16 or fp32)")
+        return cfg.to_hf_dict()
+
     def keeps_fp32(self, name: str) -> bool:
         return layout.keeps_fp32(name)
 

@@ -11,6 +11,8 @@ strip: no renames to keep in step with transformers' conversion table.
 
 from __future__ import annotations
 
+import re
+
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 
 PREFIX = "model.language_model."
@@ -138,3 +140,40 @@ _FP32_SUFFIXES = ("self_attn.A_log", "self_attn.dt_bias", "_conv1d.weight", "mlp
 def keeps_fp32(key: str) -> bool:
     last = key.rsplit(".", 1)[-1]
     return key.endswith(_FP32_SUFFIXES) or last.startswith("hc_")
+
+
+# What `info` counts each tensor under (the order its table lists them).
+COMPONENTS = ("embeddings", "KDA (linear attention)", "attention (MLA)", "indexer (DSA)", "mHC", "routed experts",
+              "shared experts", "dense MLPs", "router", "norms", "MTP eh_proj", "head")
+_LAYER_NO = re.compile(r"layers\.(\d+)\.")
+
+
+def component_of(cfg: NextConfig, name: str) -> str:
+    if name.endswith("embed_tokens.weight"):
+        return "embeddings"
+    if name == LM_HEAD:
+        return "head"
+    if ".self_attn.indexer." in name:
+        return "indexer (DSA)"
+    if ".self_attn." in name:
+        m = _LAYER_NO.search(name)
+        return "KDA (linear attention)" if m and cfg.is_kda(int(m.group(1))) else "attention (MLA)"
+    if name.rsplit(".", 1)[-1].startswith("hc_"):
+        return "mHC"
+    if ".mlp.experts." in name:
+        return "routed experts"
+    if ".mlp.shared_experts." in name:
+        return "shared experts"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".mlp." in name:
+        return "dense MLPs"
+    if name.endswith("eh_proj.weight"):
+        return "MTP eh_proj"
+    return "norms"
+
+
+def stored_fp32(name: str) -> bool:
+    """Tensors the published checkpoint stores in fp32 (REFERENCE-glm5next section 2 and trap 15)."""
+    last = name.rsplit(".", 1)[-1]
+    return last in ("A_log", "dt_bias", "e_score_correction_bias") or (last.startswith("hc_") and not last.endswith("_fn"))
