@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.engine.cache import COMPONENTS as CACHES
+CACHES = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")  # GLM-5's state components
 
 
 def _run(*args):

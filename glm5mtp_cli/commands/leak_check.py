@@ -16,7 +16,6 @@ from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.units import fmt_bytes
 from glm5mtp_cli.errors import UserError
 
-COMPONENTS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")  # engine.cache.COMPONENTS
 _SHORT = {"target_mla": "tgt mla", "target_indexer": "tgt idx", "drafter_mla": "drf mla", "drafter_indexer": "drf idx"}
 
 
@@ -36,7 +35,8 @@ def leakcheck_cmd(
     dtype: DtypeOpt = "auto",
     inject_leak: Annotated[Optional[str], typer.Option(
         metavar="COMPONENT",
-        help=f"Self-test: never free this component ({', '.join(COMPONENTS)}); the check must catch it.")] = None,
+        help="Self-test: never free this state component (GLM-5: target_mla, target_indexer, drafter_mla, "
+             "drafter_indexer; GLM-5-Next also target_kda, target_conv, ...); the check must catch it.")] = None,
     json_out: JsonOpt = False,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
     layers: LayersOpt = None,
@@ -64,7 +64,9 @@ def leakcheck_cmd(
 
     cfg = LeakCheckConfig(sequences, gamma, max_new_tokens, alloc, max_seq_len, inject_leak, seed)
     check_flags(cfg)  # refuse bad flags before loading anything
-    limit = resolve_config(model)[0].max_position_embeddings
+    model_cfg = resolve_config(model)[0]
+    check_flags(cfg, model_cfg)
+    limit = model_cfg.max_position_embeddings
     if max_seq_len > limit:
         raise UserError(f"--max-seq-len {max_seq_len} is over the model's limit (max_position_embeddings {limit})")
     from glm5mtp_cli.engine import launch

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import COMPONENTS
+from glm5mtp_cli.models import family_of
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
@@ -38,7 +38,8 @@ class LeakCheckConfig:
     graphs: str = "eager"  # engine forward mode (runtime.graph_mode): CUDA graphs are checked too
 
 
-def check_flags(c: LeakCheckConfig, vocab_size: int | None = None) -> None:
+def check_flags(c: LeakCheckConfig, model_cfg=None) -> None:
+    """Flag checks; with the model's config, --inject-leak must name one of its state components."""
     if c.sequences < 1:
         raise UserError(f"--sequences must be >= 1, got {c.sequences}")
     if not 1 <= c.gamma <= 16:
@@ -47,8 +48,10 @@ def check_flags(c: LeakCheckConfig, vocab_size: int | None = None) -> None:
         raise UserError(f"--max-new-tokens must be >= 2, got {c.max_new_tokens}")
     if c.alloc not in ("budget", "ceiling"):
         raise UserError(f"--alloc must be 'budget' or 'ceiling', got {c.alloc!r}")
-    if c.inject_leak is not None and c.inject_leak not in COMPONENTS:
-        raise UserError(f"--inject-leak {c.inject_leak!r}: choose one of {', '.join(COMPONENTS)}")
+    if c.inject_leak is not None and model_cfg is not None:
+        names = [s.name for s in family_of(model_cfg).state_components(model_cfg, torch.bfloat16)]
+        if c.inject_leak not in names:
+            raise UserError(f"--inject-leak {c.inject_leak!r}: choose one of {', '.join(names)}")
     if c.max_seq_len < 1:
         raise UserError(f"--max-seq-len must be positive, got {c.max_seq_len}")
     need = budget_tokens(2, c.max_new_tokens, c.gamma)
@@ -77,7 +80,7 @@ def _snapshot(pools, device: torch.device) -> dict:
 
 def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     """Warm-up, baseline, then c.sequences lives cycling LIFECYCLES. Returns the JSON document."""
-    check_flags(c)
+    check_flags(c, rt.cfg)
     if rt.mtp is None:
         raise UserError(f"{rt.resolved.folder}: no MTP layer loaded; leak-check needs the drafter")
     rng = random.Random(c.seed)

@@ -18,9 +18,6 @@ from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.family import SLOT
 
-COMPONENTS = ("target_mla", "target_indexer", "drafter_mla", "drafter_indexer")
-
-
 class PoolExhausted(UserError):
     """A request needs more cache blocks than the pool has free."""
 
