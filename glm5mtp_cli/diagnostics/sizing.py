@@ -247,13 +247,16 @@ def tp_table(cfg, gpu_mem: int, doc: dict, tp: int, with_mtp: bool) -> dict:
     `doc` is run_profile's document (its rows alternate ceiling, budget)."""
     from glm5mtp_cli.engine.parallel import check_tp
 
+    family = family_of(cfg)
+    fp8 = any(family.is_fp8_quantized(name, shape) for name, shape in family.tensor_shapes(cfg))
+    formats = ("bf16", "fp8") if fp8 else ("bf16",)  # a family without an FP8 layout has no fp8 rows
     rows = []
     for n in sorted({1, 2, 4, 8, tp}):
         try:
             check_tp(cfg, n)
         except UserError:
             continue
-        for fmt in ("bf16", "fp8"):
+        for fmt in formats:
             w = weight_bytes_per_rank(cfg, n, fmt, with_mtp)
             for r_ceil, r_bud in zip(doc["rows"][0::2], doc["rows"][1::2]):
                 per = {"ceiling": r_ceil["per_sequence_bytes"]["total"], "budget": r_bud["per_sequence_bytes"]["total"]}

@@ -214,7 +214,7 @@ def count_params(cfg: ModelConfig) -> dict:
     for name, shape in layout.all_tensor_shapes(cfg, mtp=True):
         n = math.prod(shape)
         total += n
-        nbytes += tensor_bytes(name, shape, 2)
+        nbytes += tensor_bytes(family_of(cfg), name, shape, 2)
         if name.startswith(mtp_prefix):
             mtp += n
         if ".mlp.experts." in name:
