@@ -52,8 +52,8 @@ def bench_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     prompts: Annotated[Optional[Path], typer.Option(
         metavar="FILE", help="JSONL prompts, as for generate (default: the shipped model's code prompts).")] = None,
-    gammas: Annotated[str, typer.Option(metavar="LIST", help="Comma-separated gammas; 0 is the baseline.")] = "0,1,2,3,4",
-    batch_sizes: Annotated[str, typer.Option(metavar="LIST", help="Comma-separated batch sizes.")] = "1,8",
+    gammas: Annotated[str, typer.Option("--gammas", metavar="LIST", help="Comma-separated gammas; 0 is the baseline.")] = "0,1,2,3,4",
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST", help="Comma-separated batch sizes.")] = "1,8",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per request (at least 2).")] = 128,
     repeats: Annotated[int, typer.Option(help="Timed runs per configuration (after one warm-up).")] = 3,
     transformers: Annotated[bool, typer.Option("--transformers/--no-transformers", metavar="",
@@ -65,7 +65,7 @@ def bench_cmd(
     json_out: JsonOpt = False,
     random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Draft step only, with random "
                                                  "weights of the model's config built on the device (e.g. --model glm5).")] = False,
-    draft_vocab_sizes: Annotated[str, typer.Option(metavar="LIST", help="Draft-step vocabularies to time; 0 is the "
+    draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", help="Draft-step vocabularies to time; 0 is the "
                                                                         "full vocabulary.")] = "0",
     draft_vocab_file: Annotated[Optional[Path], typer.Option(
         metavar="FILE", help="Token counts for --draft-vocab-sizes (default: token_counts.json beside the checkpoint).")] = None,

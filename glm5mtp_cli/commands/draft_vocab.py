@@ -36,7 +36,7 @@ def _texts(corpus: str):
 def draft_vocab_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     corpus: Annotated[str, typer.Option(help="'stdlib' (the training corpus's train split), a .txt or a .jsonl.")] = "stdlib",
-    out: Annotated[Optional[Path], typer.Option(metavar="FILE", help=f"Where to write (default: {COUNTS_FILE} in the model folder).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", metavar="FILE", help=f"Where to write (default: {COUNTS_FILE} in the model folder).")] = None,
 ) -> None:
     """Count how often each token occurs on a corpus; `generate --draft-vocab K` drafts over the top K.
 

@@ -90,7 +90,7 @@ def generate_cmd(
     batch_size: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
     max_seq_len: Annotated[Optional[int], typer.Option(
         metavar="N", help="Ceiling on prompt + new tokens (default: the model's max_position_embeddings).")] = None,
-    alloc: Annotated[str, typer.Option(metavar="budget|ceiling",
+    alloc: Annotated[str, typer.Option("--alloc", metavar="budget|ceiling",
                                        help="budget: size state to each request; ceiling: to --max-seq-len.")] = "budget",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -101,14 +101,14 @@ def generate_cmd(
     compare: Annotated[bool, typer.Option("--compare", metavar="", help="Also run gamma 0 on the same engine; report the "
                                                             "speedup and whether the tokens matched.")] = False,
     json_out: JsonOpt = False,
-    trace: Annotated[Optional[Path], typer.Option(metavar="FILE",
+    trace: Annotated[Optional[Path], typer.Option("--trace", metavar="FILE",
                                                   help="Write JSON lines, one per verify step per request.")] = None,
     tp: TpOpt = 1,
     conversation: Annotated[Optional[Path], typer.Option(
         metavar="FILE", help='JSONL: {"turns": ["...", ...]} per line (text or token id lists); each reply is '
                              'appended before the next turn. Honours every flag except --batch-size and --compare, '
                              'which it refuses.')] = None,
-    carry: Annotated[str, typer.Option(metavar="all|drafter|none", help="With --conversation: keep caches between "
+    carry: Annotated[str, typer.Option("--carry", metavar="all|drafter|none", help="With --conversation: keep caches between "
                                                                         "turns: all (target + drafter), drafter, none.")] = "none",
     carry_budget: Annotated[Optional[int], typer.Option(
         metavar="BYTES", help="With --conversation: bytes of held carries; least recently used are freed past it "

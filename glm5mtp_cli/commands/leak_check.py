@@ -28,7 +28,7 @@ def leakcheck_cmd(
     sequences: Annotated[int, typer.Option(help="Sequences after the warm-up, cycling length/eos/cancelled/failed.")] = 24,
     gamma: Annotated[int, typer.Option(help="Drafts per verify step.")] = 3,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence (the 'length' lifecycle's end).")] = 16,
-    alloc: Annotated[str, typer.Option(metavar="budget|ceiling",
+    alloc: Annotated[str, typer.Option("--alloc", metavar="budget|ceiling",
                                        help="budget: state sized to each request; ceiling: to --max-seq-len.")] = "budget",
     max_seq_len: Annotated[int, typer.Option(help="Ceiling on prompt + new tokens (what ceiling allocation sizes to).")] = 256,
     device: DeviceOpt = "auto",

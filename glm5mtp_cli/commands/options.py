@@ -14,9 +14,9 @@ DEFAULT_MODEL = "glm5-nano"  # engine.runtime.DEFAULT_MODEL says the same; a tes
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", metavar="MODEL",
                                        help="Profile name (glm5, glm5-tiny, glm5-nano), local folder or Hub repo id.")]
-DeviceOpt = Annotated[str, typer.Option(metavar="DEVICE", help="cpu, cuda, cuda:N or auto (cuda when available).")]
-DtypeOpt = Annotated[str, typer.Option(metavar="DTYPE", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16.")]
-LayersOpt = Annotated[Optional[int], typer.Option(metavar="K", help="Use only the first K target layers.")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto (cuda when available).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16.")]
+LayersOpt = Annotated[Optional[int], typer.Option("--layers", metavar="K", help="Use only the first K target layers.")]
 JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="One JSON document on stdout, nothing else there "
                                                       "(progress and notes go to stderr).")]
 TpOpt = Annotated[int, typer.Option("--tp", metavar="N", help="Tensor/expert parallel ranks (one GPU each; gloo "
@@ -30,5 +30,5 @@ CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", m
                                                   "CUDA graphs (ignored on the CPU and under --tp).")]
 # On/off flags pass metavar="" so that help shows no "<bool>" beside them.
 
-PromptOpt = Annotated[Optional[str], typer.Option(metavar="TEXT", help="Prompt text (needs the checkpoint's tokenizer).")]
-PromptIdsOpt = Annotated[Optional[str], typer.Option(metavar="IDS", help="Comma-separated token ids, e.g. 3,17,99.")]
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text (needs the checkpoint's tokenizer).")]
+PromptIdsOpt = Annotated[Optional[str], typer.Option("--prompt-ids", metavar="IDS", help="Comma-separated token ids, e.g. 3,17,99.")]

@@ -67,17 +67,17 @@ def profile_cmd(
                                "(default: 2048, at most half the smallest --max-seq-len).")] = None,
     gamma: Annotated[int, typer.Option(help="Drafts per verify step.")] = 3,
     device: DeviceOpt = "auto",
-    dtype: Annotated[str, typer.Option(metavar="DTYPE", help="auto (bf16 on CUDA, fp32 on CPU; bf16 with "
+    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bf16 on CUDA, fp32 on CPU; bf16 with "
                                                              "--predict-only), fp32, bf16, fp16.")] = "auto",
     layers: LayersOpt = None,
     predict_only: Annotated[bool, typer.Option("--predict-only", metavar="",
                                                help="From the config only: no weights loaded, nothing measured.")] = False,
-    gpu_mem: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the concurrency estimate, e.g. "
+    gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", metavar="SIZE", help="Memory for the concurrency estimate, e.g. "
                                                    "141GB (default: the device's total on CUDA, else 141GB).")] = None,
     block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
     repeats: Annotated[int, typer.Option(help="Timed runs per phase (the median is reported).")] = 5,
     json_out: JsonOpt = False,
-    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Write a bar chart PNG of the per-sequence "
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Write a bar chart PNG of the per-sequence "
                                                  "bytes (needs the plot extra: pip install 'glm5mtp[plot]').")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random cache rows and tokens.")] = 0,
     tp: TpOpt = 1,

@@ -53,7 +53,7 @@ def train_cmd(
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per training sequence (default from the profile's train_config.json: glm5-nano 2048; else 512).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (AdamW) (default from the profile's train_config.json: glm5-nano 0.002; else 0.002).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for weights and batches.")] = 0,
-    device: Annotated[Optional[str], typer.Option(metavar="DEVICE", help="cuda | cuda:N | cpu (default: cuda when available).")] = None,
+    device: Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", help="cuda | cuda:N | cpu (default: cuda when available).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="bf16 (autocast, fp32 master weights) | fp32; default bf16 on CUDA.")] = None,
     mtp_weight: Annotated[Optional[float], typer.Option(help="Weight of the MTP loss (DeepSeek-V3: 0.3) (default from the profile's train_config.json: glm5-nano 0.3; else 0.3).")] = None,
     indexer_weight: Annotated[Optional[float], typer.Option(help="Weight of the DSA indexer KL loss (default from the profile's train_config.json: glm5-nano 1.0; else 1.0).")] = None,
