@@ -21,6 +21,7 @@ from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
+from glm5mtp_cli.models.family import SLOT
 
 DEFAULT_MODEL = "glm5-nano"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -162,8 +163,10 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
 
 def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:
     """The engine's forward mode: CUDA graphs on one CUDA device unless switched off; eager on the
-    CPU and under --tp (whose collectives run outside graphs)."""
-    if cuda_graphs and rt.device.type == "cuda" and rt.comm is None:
+    CPU, under --tp (whose collectives run outside graphs) and for families with fixed-size state
+    slots (their forwards read each sequence's position on the host: GLM-5-Next so far)."""
+    slots = any(c.kind == SLOT for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype))
+    if cuda_graphs and rt.device.type == "cuda" and rt.comm is None and not slots:
         return "cuda"
     return "eager"
 
