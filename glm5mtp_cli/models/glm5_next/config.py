@@ -13,10 +13,8 @@ error (REFERENCE-glm5next section 13, trap 1).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from glm5mtp_cli.errors import UserError
@@ -222,14 +220,9 @@ class NextConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "NextConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise NextConfigError(f"{path}: file not found") from None
-        except json.JSONDecodeError as e:
-            raise NextConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(raw, source=str(path))
+        from glm5mtp_cli.models import read_config_file
+
+        return cls.from_dict(read_config_file(path, NextConfigError), source=str(path))
 
 
 def _id_list(v: Any, err) -> list[int]:
