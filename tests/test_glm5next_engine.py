@@ -93,3 +93,31 @@ def test_carry_reuses_the_recurrent_state_only_at_the_exact_end(models):
         assert res.carried_drafter_rows > 0
     first.carry_out.release(proposer)
     assert not any(pools.blocks_held().values())
+
+
+def test_confidence_stop_and_draft_vocab_stay_lossless(models):
+    """--draft-conf-tau and --draft-vocab change only what is drafted, never the output."""
+    cfg, target, mtp, refs = models
+    for options in ({"draft_conf_tau": 0.5}, {"draft_ids": torch.arange(0, cfg.vocab_size, 2)}):
+        pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+        proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128, **options)
+        engine = SpecEngine(cfg, target, proposer, pools, gamma=3, max_seq_len=128, eos_ids=[], check_invariants=True)
+        res = engine.generate([Request(p, NEW, i) for i, p in enumerate(PROMPTS)], batch_size=3)
+        assert [r.tokens for r in res] == refs, options
+        assert not any(pools.blocks_held().values())
+
+
+def test_sampled_runs_repeat_with_the_seed(models):
+    from glm5mtp_cli.engine.sampling import SamplingParams
+
+    cfg, target, mtp, _ = models
+    runs = []
+    for _ in range(2):
+        pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+        gen = torch.Generator().manual_seed(params.seed)
+        proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128, sampling=params, generator=gen)
+        engine = SpecEngine(cfg, target, proposer, pools, gamma=2, sampling=params, max_seq_len=128, eos_ids=[],
+                            generator=gen)
+        runs.append([r.tokens for r in engine.generate([Request(p, 12, i) for i, p in enumerate(PROMPTS)])])
+    assert runs[0] == runs[1]
