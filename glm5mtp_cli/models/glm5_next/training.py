@@ -37,7 +37,7 @@ from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
 
 def _fp32(device: torch.device):
     """Autocast off: what inference computes in fp32 stays fp32 in a bf16-autocast training step."""
-    if torch.is_autocast_enabled() or (device.type == "cpu" and torch.is_autocast_cpu_enabled()):
+    if torch.is_autocast_enabled(device.type):
         return torch.autocast(device_type=device.type, enabled=False)
     return contextlib.nullcontext()
 
