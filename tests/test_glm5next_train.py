@@ -111,3 +111,13 @@ def test_the_checkpoint_loads_and_speculates_losslessly(trained):
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     assert d["compare"]["same_tokens"] is True and len(d["requests"][0]["tokens"]) == 10
+
+
+def test_the_nano_profile_fits_its_budget():
+    from glm5mtp_cli.training.train import count_params, load_train_config
+
+    cfg, section, _ = load_train_config("glm5next-nano")
+    p = count_params(cfg)
+    assert cfg.model_type == "glm5_next" and cfg.vocab_size == 4096 and cfg.index_kpool == 4
+    assert cfg.index_n_heads >= 16 and cfg.hc_mult == 4 and cfg.kda_layers and cfg.indexed_layers
+    assert p["bytes_bf16"] <= 20 * 2**20 and section["seq_len"] > cfg.index_topk  # pool selection is trained

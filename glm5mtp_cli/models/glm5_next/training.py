@@ -3,8 +3,10 @@
 The same math as the inference path (decoder.forward_rows over an empty state), batched over B and
 with no SequenceState, pending rows or @torch.no_grad:
 
-- KDA: the chunked form of kda.kda_chunked with the B*H heads of the batch as independent heads
-  and a zero initial state; the short conv as one grouped conv1d (fp32, as at inference);
+- KDA: the chunked (WY) form of kda.kda_chunked with the B*H heads of the batch as independent heads
+  and a zero initial state, its within-chunk part (decay ratios, the triangular solves) computed for
+  all chunks at once and only the state carried chunk to chunk (few, large kernels: what a GPU
+  step needs); the short conv as one grouped conv1d (fp32, as at inference);
 - indexed MLA: the pooled indexer scores every complete pool, each query keeps its top
   index_topk / index_kpool visible pools plus its tail, and attention runs with k/v expanded from
   the latent (the training-friendly order; the absorbed inference form equals it up to rounding);
@@ -30,9 +32,15 @@ import torch.nn.functional as F
 
 from glm5mtp_cli.models.glm5_next.decoder import Glm5NextForCausalLM, NextBlock
 from glm5mtp_cli.models.glm5_next.attention import MlaLayer
-from glm5mtp_cli.models.glm5_next.kda import CHUNK, KdaInputs, KdaLayer, kda_chunked, prepare_inputs
+from glm5mtp_cli.models.glm5_next.kda import CHUNK, KdaInputs, KdaLayer, prepare_inputs
 from glm5mtp_cli.models.glm5_next.mhc import contract_streams, expand_streams, hc_collapse, hc_expand, hc_weights
 from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
+
+
+# Chunk length of the training KDA form. Its within-chunk tensors grow with T * chunk * d per head and
+# its sequential loop with T / chunk. Measured here (CPU, one thread, glm5next-nano target fwd+bwd,
+# B 2, T 512): chunk 16 1.4 s, 32 1.7 s, 64 4.0 s; 32 keeps the GPU's chunk loop at T/32 launches.
+TRAIN_CHUNK = 32
 
 
 def _fp32(device: torch.device):
@@ -44,7 +52,49 @@ def _fp32(device: torch.device):
 
 # ---- KDA ------------------------------------------------------------------------------------------
 
-def kda_forward(layer: KdaLayer, a: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+def kda_chunks_parallel(x: KdaInputs, chunk: int = CHUNK) -> torch.Tensor:
+    """kda.kda_chunked from a zero state, x [T, N, d] (N independent heads) -> o [T, N, d] fp32.
+
+    Rows past T pad the last chunk with g = 0, beta = 0, k = 0 (no decay, no write): the state and
+    the real rows' outputs are unchanged. Per chunk, with G the cumulative log-decay and
+    E[r, s, c] = exp(G_r - G_s)[c] k_s[c] (s <= r, else 0): (K K^T)_decayed = E k_r, Aqk = E q_r.
+    """
+    T, N, d = x.q.shape
+    L = min(chunk, T)
+    nc = -(-T // L)
+    pad = nc * L - T
+
+    def split(t: torch.Tensor) -> torch.Tensor:  # [T, N, ...] -> [nc, N, L, ...]
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, 0, 0, pad)) if pad else t
+        return t.view(nc, L, N, *t.shape[2:]).transpose(1, 2)
+
+    q, k, v, g, beta = (split(t) for t in (x.q, x.k, x.v, x.g, x.beta))    # beta [nc, N, L]
+    G = g.cumsum(2)                                                          # [nc, N, L, d]
+    tri = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()         # s <= r
+    diff = (G.unsqueeze(3) - G.unsqueeze(2)).masked_fill(~tri[:, :, None], float("-inf")).exp()  # [nc,N,r,s,d]
+    e = diff * k.unsqueeze(2)                                                # k_s e^{G_r - G_s}
+    kk = torch.matmul(e, k.unsqueeze(-1)).squeeze(-1)                        # [nc, N, r, s]
+    aqk = torch.matmul(e, q.unsqueeze(-1)).squeeze(-1)
+    lmat = (beta.unsqueeze(-1) * kk).tril(-1)
+    eye = torch.eye(L, dtype=q.dtype, device=q.device)
+    bv = beta.unsqueeze(-1) * v
+    bk = beta.unsqueeze(-1) * k * G.exp()
+    u = torch.linalg.solve_triangular(eye + lmat, bv, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(eye + lmat, bk, upper=False, unitriangular=True)
+    qg = q * G.exp()
+    last = G[:, :, -1]                                                       # [nc, N, d]
+    kdec = (k * (last.unsqueeze(2) - G).exp()).transpose(-1, -2)             # [nc, N, d, L]
+    s = q.new_zeros(N, d, d)
+    outs = []
+    for c in range(nc):  # only the state crosses chunks
+        vp = u[c] - torch.matmul(w[c], s)
+        outs.append(torch.matmul(qg[c], s) + torch.matmul(aqk[c], vp))
+        s = last[c].exp().unsqueeze(-1) * s + torch.matmul(kdec[c], vp)
+    o = torch.stack(outs).transpose(1, 2).reshape(nc * L, N, d)
+    return o[:T]
+
+
+def kda_forward(layer: KdaLayer, a: torch.Tensor, chunk: int = TRAIN_CHUNK) -> torch.Tensor:
     """a [B, T, D] normed block input from position 0 -> y [B, T, D]."""
     B, T, _ = a.shape
     H, d, K = layer.heads, layer.head_dim, layer.kernel
@@ -64,7 +114,7 @@ def kda_forward(layer: KdaLayer, a: torch.Tensor, chunk: int = CHUNK) -> torch.T
             return t.transpose(0, 1).reshape(T, B * H, *t.shape[3:])
 
         xi = KdaInputs(heads(x.q), heads(x.k), heads(x.v), heads(x.g), heads(x.beta))
-        o, _ = kda_chunked(xi, x.q.new_zeros(B * H, d, d), chunk)
+        o = kda_chunks_parallel(xi, chunk)
         o = o.view(T, B, H, d).transpose(0, 1)                                        # [B, T, H, d]
         gate = layer.g_b_proj(layer.g_a_proj(a)).view(B, T, H, d).float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.eps) * layer.o_norm.weight.float()
@@ -133,7 +183,7 @@ def mla_forward(layer: MlaLayer, a: torch.Tensor, want_indexer_loss: bool = Fals
 
 # ---- blocks and models -----------------------------------------------------------------------------
 
-def block_forward(block: NextBlock, streams: torch.Tensor, want_indexer_loss: bool, chunk: int = CHUNK):
+def block_forward(block: NextBlock, streams: torch.Tensor, want_indexer_loss: bool, chunk: int = TRAIN_CHUNK):
     """streams [B, T, n, D] -> (streams, indexer loss or None)."""
     c = block.cfg
 
@@ -161,7 +211,7 @@ def _sum(losses: list, like: torch.Tensor) -> torch.Tensor:
 
 
 def target_forward(model: Glm5NextForCausalLM, input_ids: torch.Tensor, want_indexer_loss: bool = False,
-                   chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   chunk: int = TRAIN_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids [B, T] (each window from position 0) -> (logits [B, T, V], post-norm hidden
     [B, T, D], summed indexer loss)."""
     streams = expand_streams(model.embed_tokens(input_ids), model.cfg.hc_mult)
