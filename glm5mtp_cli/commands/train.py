@@ -1,4 +1,4 @@
-"""`glm5mtp train --out DIR`: train the small GLM-5 (target + MTP layer) on the stdlib corpus."""
+"""`glm5mtp train --out DIR`: train a small GLM-5 or GLM-5-Next (target + MTP layer) on the stdlib corpus."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def train_cmd(
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard.")] = "2GB",
     force: Annotated[bool, typer.Option("--force", metavar="", help="Overwrite a folder that already holds a checkpoint.")] = False,
 ) -> None:
-    """Train the GLM-5-architecture model jointly with its MTP layer; write a Hub-layout checkpoint.
+    """Train a GLM-5 or GLM-5-Next model (the config's model_type) jointly with its MTP layer; write a Hub-layout checkpoint.
 
     Examples:
 
@@ -82,6 +82,8 @@ def train_cmd(
       glm5mtp train --out DIR --profile glm5-nano --time-budget 420 --device cuda --tokenizer profiles/glm5-nano
 
       glm5mtp train --out DIR --mtp-only --init profiles/glm5-nano
+
+      glm5mtp train --profile glm5next-nano --out profiles/glm5next-nano --tokenizer profiles/glm5-nano --device cuda
     """
     from glm5mtp_cli.training.train import TrainOptions, train
 

@@ -1,4 +1,11 @@
-"""Train a GLM-5-architecture model from scratch, jointly with its MTP layer (`glm5mtp train`).
+"""Train a GLM-5 or GLM-5-Next model from scratch, jointly with its MTP layer (`glm5mtp train`).
+
+The family comes from the config's model_type (models.family_of). Everything but the model's
+forward is shared: corpus, schedule, optimizer, router balancing, eval, checkpoint, report. A family
+contributes a `_Recipe`: its differentiable training forward (GLM-5: forward_train of its modules;
+GLM-5-Next: models/glm5_next/training.py, batched and cache-free), its eval forward and an optional
+training-only initialisation. Modules are built by the family (build_target / build_mtp), whose
+state_dict keys are the checkpoint's names, so filling, export and parameter counts go by name.
 
 What one step computes, for a batch of windows w[0..T] of the tokenized corpus (x = w[0..T-1]):
 
@@ -10,7 +17,8 @@ What one step computes, for a batch of windows w[0..T] of the tokenized corpus (
 
 The MTP loss flows back into the shared trunk, embeddings and head (DeepSeek-V3's joint MTP
 training; weight 0.3). The indexer's inputs are detached inside the model when its loss is
-requested, so L_idx trains only the indexers. Routing uses DeepSeek's aux-loss-free balancing:
+requested, so L_idx trains only the indexers (GLM-5-Next: KL of each pooled indexer to its layer's
+dense attention aggregated per pool). Routing uses DeepSeek's aux-loss-free balancing:
 after each step every router's `e_score_correction_bias` moves by `bias_gamma * sign(mean load -
 expert load)`, computed from the expert ids the MoE records in training mode.
 
@@ -41,12 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm5mtp_cli.models.glm5 import layout
 from glm5mtp_cli.checkpoint.random import fill_random
 from glm5mtp_cli.checkpoint.resolve import profiles_dir
-from glm5mtp_cli.diagnostics.sizing import tensor_bytes
-from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.diagnostics.sizing import model_tensors, tensor_bytes
+from glm5mtp_cli.models import family_of, parse_config
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.training.data import (WindowSampler, _corpus_manifest, _file_sha, default_cache_dir, heldout_windows,
                          prepare_tokenizer, tokenize_split)
@@ -130,8 +136,8 @@ class TrainOptions:
 
 # ---- config and tokenizer --------------------------------------------------------------------------
 
-def load_train_config(spec: str) -> tuple[ModelConfig, dict, Path]:
-    """(model config, its train section, the file) for a profile name or a config path.
+def load_train_config(spec: str) -> tuple[Any, dict, Path]:
+    """(model config of its family, its train section, the file) for a profile name or a config path.
 
     A profile is looked up as `profiles/NAME/train_config.json`, then `profiles/NAME/config.json`.
     """
@@ -151,7 +157,7 @@ def load_train_config(spec: str) -> tuple[ModelConfig, dict, Path]:
     section = raw.pop(TRAIN_SECTION, None) or {}
     if not isinstance(section, dict):
         raise UserError(f"{path}: '{TRAIN_SECTION}' must be an object")
-    return ModelConfig.from_dict(raw, source=str(path)), section, path
+    return parse_config(raw, source=str(path)), section, path
 
 
 # ---- model setup -----------------------------------------------------------------------------------
@@ -206,15 +212,16 @@ def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def count_params(cfg: ModelConfig) -> dict:
-    """Parameter and bf16 byte counts from the layout (what the checkpoint holds)."""
+def count_params(cfg) -> dict:
+    """Parameter and bf16 byte counts from the family's layout (what the checkpoint holds)."""
+    family = family_of(cfg)
     total = mtp = experts = 0
     nbytes = 0
-    mtp_prefix = f"model.layers.{cfg.mtp_layer_index}."
-    for name, shape in layout.all_tensor_shapes(cfg, mtp=True):
+    mtp_prefix = family.mtp_prefix(cfg)
+    for name, shape in model_tensors(cfg, with_mtp=True):
         n = math.prod(shape)
         total += n
-        nbytes += tensor_bytes(family_of(cfg), name, shape, 2)
+        nbytes += tensor_bytes(family, name, shape, 2)
         if name.startswith(mtp_prefix):
             mtp += n
         if ".mlp.experts." in name:
@@ -230,30 +237,94 @@ def lr_at(step: int, progress: float, base: float, warmup: int, min_ratio: float
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-# ---- batches and losses --------------------------------------------------------------------------
+# ---- what a family contributes -----------------------------------------------------------------------
 
-def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: bool) -> dict[str, torch.Tensor]:
-    """Losses of a batch of windows w [B, T+1]; also the logits needed for the eval metrics."""
-    x = w[:, :-1]
-    b, t = x.shape
+@dataclass(frozen=True)
+class _Recipe:
+    """forward(target, mtp, x, mtp_only, want_indexer) -> (logits, MTP logits, indexer loss), differentiable;
+    eval_forward(target, mtp, x) -> (logits, MTP logits) under no_grad; init(target, seed): training-only
+    initialisation of a fresh target after the generic random fill (None: none)."""
+
+    forward: Callable
+    eval_forward: Callable
+    init: Callable | None = None
+
+
+def _glm5_forward(target, mtp, x: torch.Tensor, mtp_only: bool, want_indexer: bool):
     if mtp_only:
         with torch.no_grad():
-            out = target(x, [None] * b)
+            out = target(x, [None] * x.shape[0])
         logits, hidden = out.logits, out.hidden
         aux = logits.new_zeros((), dtype=torch.float32)
     else:
         o = target.forward_train(x)
         logits, hidden, aux = o.logits, o.hidden, o.aux_loss
+    m = mtp.forward_train(hidden[:, :-1], x[:, 1:], target.model.embed_tokens, target.lm_head)
+    return logits, m.logits, aux + m.aux_loss
+
+
+def _glm5_eval(target, mtp, x: torch.Tensor):
+    out = target(x, [None] * x.shape[0])
+    m = mtp(x[:, 1:], out.hidden[:, :-1], [None] * x.shape[0], target.model.embed_tokens, target.lm_head)
+    return out.logits, m.logits
+
+
+def _next_forward(target, mtp, x: torch.Tensor, mtp_only: bool, want_indexer: bool):
+    """GLM-5-Next: target/mtp are the family's PooledTarget/PooledMtp; train their inner modules."""
+    import contextlib
+
+    from glm5mtp_cli.models.glm5_next.training import mtp_forward, target_forward
+
+    model = target.model
+    with torch.no_grad() if mtp_only else contextlib.nullcontext():
+        logits, hidden, aux = target_forward(model, x, want_indexer and not mtp_only)
+    ml, _, maux = mtp_forward(mtp.layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head, want_indexer)
+    return logits, ml, aux + maux
+
+
+def _next_eval(target, mtp, x: torch.Tensor):
+    from glm5mtp_cli.models.glm5_next.training import mtp_forward, target_forward
+
+    model = target.model
+    logits, hidden, _ = target_forward(model, x)
+    ml, _, _ = mtp_forward(mtp.layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head)
+    return logits, ml
+
+
+def _next_init(target, seed: int) -> None:
+    from glm5mtp_cli.models.glm5_next.training import training_init
+
+    training_init(target, seed)
+
+
+RECIPES = {"glm5": _Recipe(_glm5_forward, _glm5_eval), "glm5_next": _Recipe(_next_forward, _next_eval, _next_init)}
+
+
+def recipe_of(cfg) -> _Recipe:
+    family = family_of(cfg)
+    if family.name not in RECIPES:
+        raise UserError(f"glm5mtp train does not support the {family.name} family yet (it trains "
+                        f"{', '.join(RECIPES)})")
+    return RECIPES[family.name]
+
+
+# ---- batches and losses --------------------------------------------------------------------------
+
+def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: bool,
+                   forward: Callable = _glm5_forward) -> dict[str, torch.Tensor]:
+    """Losses of a batch of windows w [B, T+1]; also the logits needed for the eval metrics."""
+    x = w[:, :-1]
+    logits, mtp_logits, aux = forward(target, mtp, x, mtp_only, want_indexer)
     v = logits.shape[-1]
     ce = F.cross_entropy(logits.float().reshape(-1, v), w[:, 1:].reshape(-1))
-    m = mtp.forward_train(hidden[:, :-1], x[:, 1:], target.model.embed_tokens, target.lm_head)
-    ce_mtp = F.cross_entropy(m.logits.float().reshape(-1, v), w[:, 2:].reshape(-1))
-    idx = (aux + m.aux_loss).float() if want_indexer else aux.new_zeros(())
-    return {"ce": ce, "ce_mtp": ce_mtp, "indexer": idx, "logits": logits, "mtp_logits": m.logits}
+    ce_mtp = F.cross_entropy(mtp_logits.float().reshape(-1, v), w[:, 2:].reshape(-1))
+    idx = aux.float() if want_indexer else aux.new_zeros(())
+    return {"ce": ce, "ce_mtp": ce_mtp, "indexer": idx, "logits": logits, "mtp_logits": mtp_logits}
 
 
 @torch.no_grad()
-def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autocast) -> dict:
+def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autocast,
+             forward: Callable = _glm5_eval) -> dict:
     """Held-out CE of the target and of the MTP head, MTP top-1 accuracy, and the MTP/target
     greedy agreement (how often the draft equals the target's own argmax for the same token:
     the first-draft acceptance of greedy speculation on this text)."""
@@ -266,10 +337,9 @@ def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autoca
         w = windows[i:i + batch_size].to(device, non_blocking=True)
         x = w[:, :-1]
         with autocast():
-            out = target(x, [None] * x.shape[0])
-            m = mtp(x[:, 1:], out.hidden[:, :-1], [None] * x.shape[0], target.model.embed_tokens, target.lm_head)
-        v = out.logits.shape[-1]
-        lt, lm = out.logits.float(), m.logits.float()
+            logits, mtp_logits = forward(target, mtp, x)
+        v = logits.shape[-1]
+        lt, lm = logits.float(), mtp_logits.float()
         y1, y2 = w[:, 1:], w[:, 2:]
         sums["ce"] += F.cross_entropy(lt.reshape(-1, v), y1.reshape(-1), reduction="sum").item()
         sums["ce_mtp"] += F.cross_entropy(lm.reshape(-1, v), y2.reshape(-1), reduction="sum").item()
@@ -292,14 +362,15 @@ def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autoca
 
 # ---- checkpoint ---------------------------------------------------------------------------------
 
-def export_tensors(target: nn.Module, mtp: nn.Module, cfg: ModelConfig, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Hub-named tensors of target + MTP (at `model.layers.{N}.`), bf16 except fp32-stored ones."""
+def export_tensors(target: nn.Module, mtp: nn.Module, cfg, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Hub-named tensors of target + MTP (at the family's MTP prefix), bf16 except fp32-stored ones."""
+    family = family_of(cfg)
     tensors: dict[str, torch.Tensor] = {}
-    prefix = f"model.layers.{cfg.mtp_layer_index}."
+    prefix = family.mtp_prefix(cfg)
     for name, t in list(target.state_dict().items()) + [(prefix + k, v) for k, v in mtp.state_dict().items()]:
-        want = torch.float32 if layout.stored_fp32(name) else dtype
+        want = torch.float32 if family.stored_fp32(name) else dtype
         tensors[name] = t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
-    expected = dict(layout.all_tensor_shapes(cfg, mtp=True))
+    expected = dict(family.tensor_shapes(cfg))
     missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)
     if missing or extra:
         raise RuntimeError(f"checkpoint names disagree with the layout: missing {sorted(missing)[:5]}, "
@@ -310,10 +381,11 @@ def export_tensors(target: nn.Module, mtp: nn.Module, cfg: ModelConfig, dtype=to
     return {name: tensors[name] for name in expected}  # checkpoint order
 
 
-def save_trained(tensors: dict, cfg: ModelConfig, out: Path, tok_dir: Path, max_shard_size: str):
+def save_trained(tensors: dict, cfg, out: Path, tok_dir: Path, max_shard_size: str):
     from glm5mtp_cli.checkpoint.write import save_checkpoint
 
-    cfg = dataclasses.replace(cfg, torch_dtype="bfloat16", quantization_config=None)
+    unquantized = {"quantization_config": None} if hasattr(cfg, "quantization_config") else {}
+    cfg = dataclasses.replace(cfg, torch_dtype="bfloat16", **unquantized)
     return save_checkpoint(tensors, cfg, out, max_shard_size=max_shard_size, tokenizer_dir=tok_dir)
 
 
@@ -384,6 +456,8 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
         cfg, train_section, config_path = load_train_config(opts.profile)
     opts.resolve(train_section)
     hp = opts.hyper
+    family = family_of(cfg)
+    recipe = recipe_of(cfg)
     if hp["seq_len"] > cfg.max_position_embeddings:
         raise UserError(f"--seq-len {hp['seq_len']} exceeds max_position_embeddings {cfg.max_position_embeddings}")
 
@@ -398,17 +472,17 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
     train_ids = tokenize_split(tok_dir, "train", cache, manifest, opts, log)
     held_ids = tokenize_split(tok_dir, "heldout", cache, manifest, opts, log)
 
-    # Modules.
-    from glm5mtp_cli.models.glm5 import Glm5ForCausalLM, Glm5MtpLayer
-
+    # Modules (state_dict keys = checkpoint names, so the random fill goes by name).
     if init_target is not None:
         target = init_target
         target.requires_grad_(False)
     else:
-        target = Glm5ForCausalLM(cfg)
+        target = family.build_target(cfg)
         fill_random(target, "", opts.seed)
-    mtp = Glm5MtpLayer(cfg)
-    fill_random(mtp, family_of(cfg).mtp_prefix(cfg), opts.seed + 1)
+        if recipe.init is not None:
+            recipe.init(target, opts.seed)
+    mtp = family.build_mtp(cfg)
+    fill_random(mtp, family.mtp_prefix(cfg), opts.seed + 1)
     target.to(device)
     mtp.to(device)
     _routers_outside_autocast(target, device.type)
@@ -451,7 +525,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
                 g["lr"] = lr
             w = sampler.next().to(device, non_blocking=True)
             with autocast():
-                losses = compute_losses(target, mtp, w, opts.mtp_only, want_indexer)
+                losses = compute_losses(target, mtp, w, opts.mtp_only, want_indexer, recipe.forward)
             if opts.mtp_only:
                 loss = losses["ce_mtp"]
             else:
@@ -473,7 +547,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
                 bar.update(step, last)
             if step % hp["eval_every"] == 0 and step < steps:
                 te = time.time()
-                ev = evaluate(target, mtp, windows, hp["batch_size"], device, autocast)
+                ev = evaluate(target, mtp, windows, hp["batch_size"], device, autocast, recipe.eval_forward)
                 eval_time += time.time() - te
                 history.append({"step": step, "elapsed_s": round(time.time() - t0, 1), "train": dict(last),
                                 "heldout": ev, "expert_max_over_mean": imbalance})
@@ -487,7 +561,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
     if step == 0:
         raise UserError("no training step ran (time budget too small?)")
 
-    final = evaluate(target, mtp, windows, hp["batch_size"], device, autocast)
+    final = evaluate(target, mtp, windows, hp["batch_size"], device, autocast, recipe.eval_forward)
     log(f"held-out after {step} steps: target ce {final['target_ce']:.3f} (ppl {final['target_ppl']:.1f}), "
         f"MTP ce {final['mtp_ce']:.3f} (ppl {final['mtp_ppl']:.1f}), MTP/target agreement "
         f"{final['mtp_target_agreement']:.3f}")
