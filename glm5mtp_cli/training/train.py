@@ -2,7 +2,7 @@
 
 The family comes from the config's model_type (models.family_of). Everything but the model's
 forward is shared: corpus, schedule, optimizer, router balancing, eval, checkpoint, report. A family
-contributes a `_Recipe`: its differentiable training forward (GLM-5: forward_train of its modules;
+contributes a recipe (training/recipes.py): its differentiable training forward (GLM-5: forward_train of its modules;
 GLM-5-Next: models/glm5_next/training.py, batched and cache-free), its eval forward and an optional
 training-only initialisation. Modules are built by the family (build_target / build_mtp), whose
 state_dict keys are the checkpoint's names, so filling, export and parameter counts go by name.
@@ -54,6 +54,7 @@ from glm5mtp_cli.checkpoint.resolve import profiles_dir
 from glm5mtp_cli.diagnostics.sizing import model_tensors, tensor_bytes
 from glm5mtp_cli.models import family_of, parse_config
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.training.recipes import recipe_of
 from glm5mtp_cli.training.data import (WindowSampler, _corpus_manifest, _file_sha, default_cache_dir, heldout_windows,
                          prepare_tokenizer, tokenize_split)
 
@@ -237,81 +238,10 @@ def lr_at(step: int, progress: float, base: float, warmup: int, min_ratio: float
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-# ---- what a family contributes -----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Recipe:
-    """forward(target, mtp, x, mtp_only, want_indexer) -> (logits, MTP logits, indexer loss), differentiable;
-    eval_forward(target, mtp, x) -> (logits, MTP logits) under no_grad; init(target, seed): training-only
-    initialisation of a fresh target after the generic random fill (None: none)."""
-
-    forward: Callable
-    eval_forward: Callable
-    init: Callable | None = None
-
-
-def _glm5_forward(target, mtp, x: torch.Tensor, mtp_only: bool, want_indexer: bool):
-    if mtp_only:
-        with torch.no_grad():
-            out = target(x, [None] * x.shape[0])
-        logits, hidden = out.logits, out.hidden
-        aux = logits.new_zeros((), dtype=torch.float32)
-    else:
-        o = target.forward_train(x)
-        logits, hidden, aux = o.logits, o.hidden, o.aux_loss
-    m = mtp.forward_train(hidden[:, :-1], x[:, 1:], target.model.embed_tokens, target.lm_head)
-    return logits, m.logits, aux + m.aux_loss
-
-
-def _glm5_eval(target, mtp, x: torch.Tensor):
-    out = target(x, [None] * x.shape[0])
-    m = mtp(x[:, 1:], out.hidden[:, :-1], [None] * x.shape[0], target.model.embed_tokens, target.lm_head)
-    return out.logits, m.logits
-
-
-def _next_forward(target, mtp, x: torch.Tensor, mtp_only: bool, want_indexer: bool):
-    """GLM-5-Next: target/mtp are the family's PooledTarget/PooledMtp; train their inner modules."""
-    import contextlib
-
-    from glm5mtp_cli.models.glm5_next.training import mtp_forward, target_forward
-
-    model = target.model
-    with torch.no_grad() if mtp_only else contextlib.nullcontext():
-        logits, hidden, aux = target_forward(model, x, want_indexer and not mtp_only)
-    ml, _, maux = mtp_forward(mtp.layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head, want_indexer)
-    return logits, ml, aux + maux
-
-
-def _next_eval(target, mtp, x: torch.Tensor):
-    from glm5mtp_cli.models.glm5_next.training import mtp_forward, target_forward
-
-    model = target.model
-    logits, hidden, _ = target_forward(model, x)
-    ml, _, _ = mtp_forward(mtp.layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head)
-    return logits, ml
-
-
-def _next_init(target, seed: int) -> None:
-    from glm5mtp_cli.models.glm5_next.training import training_init
-
-    training_init(target, seed)
-
-
-RECIPES = {"glm5": _Recipe(_glm5_forward, _glm5_eval), "glm5_next": _Recipe(_next_forward, _next_eval, _next_init)}
-
-
-def recipe_of(cfg) -> _Recipe:
-    family = family_of(cfg)
-    if family.name not in RECIPES:
-        raise UserError(f"glm5mtp train does not support the {family.name} family yet (it trains "
-                        f"{', '.join(RECIPES)})")
-    return RECIPES[family.name]
-
-
 # ---- batches and losses --------------------------------------------------------------------------
 
 def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: bool,
-                   forward: Callable = _glm5_forward) -> dict[str, torch.Tensor]:
+                   forward: Callable) -> dict[str, torch.Tensor]:
     """Losses of a batch of windows w [B, T+1]; also the logits needed for the eval metrics."""
     x = w[:, :-1]
     logits, mtp_logits, aux = forward(target, mtp, x, mtp_only, want_indexer)
@@ -324,7 +254,7 @@ def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: b
 
 @torch.no_grad()
 def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autocast,
-             forward: Callable = _glm5_eval) -> dict:
+             forward: Callable) -> dict:
     """Held-out CE of the target and of the MTP head, MTP top-1 accuracy, and the MTP/target
     greedy agreement (how often the draft equals the target's own argmax for the same token:
     the first-draft acceptance of greedy speculation on this text)."""
