@@ -286,3 +286,17 @@ def test_no_module_outside_commands_imports_commands():
         if "commands" in path.parts or path.name == "cli.py":
             continue
         assert "glm5mtp_cli.commands" not in path.read_text(), path
+
+
+def test_every_option_declares_its_flag():
+    """Older Typer (0.27, the GPU image's) takes a lone metavar for the flag's name (`--DEVICE`), so
+    every typer.Option that sets a metavar must name its flag explicitly."""
+    import ast
+
+    missing = []
+    for path in (ROOT / "glm5mtp_cli").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "Option"
+                    and not node.args and any(k.arg == "metavar" for k in node.keywords)):
+                missing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not missing, missing

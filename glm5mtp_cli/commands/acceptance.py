@@ -21,7 +21,7 @@ from glm5mtp_cli.prompts import encode_prompts, read_file
 
 def acceptance_cmd(
     model: ModelOpt = DEFAULT_MODEL,
-    prompts: Annotated[Optional[Path], typer.Option(
+    prompts: Annotated[Optional[Path], typer.Option("--prompts",
         metavar="FILE", help='JSONL, as for generate: {"prompt": "text"}, {"prompt": \\[token ids]} or '
                              '{"messages": [...]} per line.')] = None,
     humaneval: Annotated[bool, typer.Option("--humaneval", metavar="",

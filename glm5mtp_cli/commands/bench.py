@@ -50,7 +50,7 @@ def _fmt(v, spec):
 
 def bench_cmd(
     model: ModelOpt = DEFAULT_MODEL,
-    prompts: Annotated[Optional[Path], typer.Option(
+    prompts: Annotated[Optional[Path], typer.Option("--prompts",
         metavar="FILE", help="JSONL prompts, as for generate (default: the shipped model's code prompts).")] = None,
     gammas: Annotated[str, typer.Option("--gammas", metavar="LIST", help="Comma-separated gammas; 0 is the baseline.")] = "0,1,2,3,4",
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST", help="Comma-separated batch sizes.")] = "1,8",
@@ -67,7 +67,7 @@ def bench_cmd(
                                                  "weights of the model's config built on the device (e.g. --model glm5).")] = False,
     draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", help="Draft-step vocabularies to time; 0 is the "
                                                                         "full vocabulary.")] = "0",
-    draft_vocab_file: Annotated[Optional[Path], typer.Option(
+    draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file",
         metavar="FILE", help="Token counts for --draft-vocab-sizes (default: token_counts.json beside the checkpoint).")] = None,
     target_layers: Annotated[int, typer.Option(help="With --random-weights on CUDA: also time one decode step of the "
                                                     "target truncated to this many layers (0: skip).")] = 0,

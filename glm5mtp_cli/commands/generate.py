@@ -75,7 +75,7 @@ def generate_cmd(
     prompt: PromptOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
     prompt_ids: PromptIdsOpt = None,
-    prompts: Annotated[Optional[Path], typer.Option(
+    prompts: Annotated[Optional[Path], typer.Option("--prompts",
         metavar="FILE", help='JSONL, one per line: {"prompt": "text"}, {"prompt": \\[token ids]} or '
                              '{"messages": [...]}.')] = None,
     chat: Annotated[bool, typer.Option("--chat", metavar="", help="Wrap text prompts in the checkpoint's chat template.")] = False,
@@ -85,10 +85,10 @@ def generate_cmd(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens whose "
                                               "probabilities reach this (1: all; used with --temperature > 0).")] = 1.0,
     seed: Annotated[int, typer.Option(help="Seed of the sampler (same seed, same output).")] = 0,
-    draft_conf_tau: Annotated[Optional[float], typer.Option(
+    draft_conf_tau: Annotated[Optional[float], typer.Option("--draft-conf-tau",
         metavar="P", help="Stop a draft chain below this top-1 probability (default: never).")] = None,
     batch_size: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
-    max_seq_len: Annotated[Optional[int], typer.Option(
+    max_seq_len: Annotated[Optional[int], typer.Option("--max-seq-len",
         metavar="N", help="Ceiling on prompt + new tokens (default: the model's max_position_embeddings).")] = None,
     alloc: Annotated[str, typer.Option("--alloc", metavar="budget|ceiling",
                                        help="budget: size state to each request; ceiling: to --max-seq-len.")] = "budget",
@@ -104,19 +104,19 @@ def generate_cmd(
     trace: Annotated[Optional[Path], typer.Option("--trace", metavar="FILE",
                                                   help="Write JSON lines, one per verify step per request.")] = None,
     tp: TpOpt = 1,
-    conversation: Annotated[Optional[Path], typer.Option(
+    conversation: Annotated[Optional[Path], typer.Option("--conversation",
         metavar="FILE", help='JSONL: {"turns": ["...", ...]} per line (text or token id lists); each reply is '
                              'appended before the next turn. Honours every flag except --batch-size and --compare, '
                              'which it refuses.')] = None,
     carry: Annotated[str, typer.Option("--carry", metavar="all|drafter|none", help="With --conversation: keep caches between "
                                                                         "turns: all (target + drafter), drafter, none.")] = "none",
-    carry_budget: Annotated[Optional[int], typer.Option(
+    carry_budget: Annotated[Optional[int], typer.Option("--carry-budget",
         metavar="BYTES", help="With --conversation: bytes of held carries; least recently used are freed past it "
                               "(default: no limit).")] = None,
-    draft_vocab: Annotated[Optional[int], typer.Option(
+    draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab",
         metavar="K", help="Draft over the K most frequent tokens (counts: token_counts.json beside the checkpoint, "
                           "or --draft-vocab-file).")] = None,
-    draft_vocab_file: Annotated[Optional[Path], typer.Option(
+    draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file",
         metavar="FILE", help="Token counts written by `glm5mtp draft-vocab --out FILE`, for --draft-vocab.")] = None,
     cuda_graphs: CudaGraphsOpt = True,
     random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Random weights of the model's config, "

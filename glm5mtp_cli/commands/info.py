@@ -79,7 +79,7 @@ def _render_cache(cache: dict, console: Console) -> None:
 def info_cmd(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Profile name, local folder, or Hub repo id (org/name).")],
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON document only.")] = False,
-    tokens: Annotated[Optional[int], typer.Option(
+    tokens: Annotated[Optional[int], typer.Option("--tokens",
         metavar="N", help=f"Context length for the cache totals (default: {DEFAULT_TOKENS}, or the model's "
                           "max_position_embeddings when smaller).")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,

@@ -33,7 +33,7 @@ def leakcheck_cmd(
     max_seq_len: Annotated[int, typer.Option(help="Ceiling on prompt + new tokens (what ceiling allocation sizes to).")] = 256,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    inject_leak: Annotated[Optional[str], typer.Option(
+    inject_leak: Annotated[Optional[str], typer.Option("--inject-leak",
         metavar="COMPONENT",
         help="Self-test: never free this state component (GLM-5: target_mla, target_indexer, drafter_mla, "
              "drafter_indexer; GLM-5-Next also target_kda, target_conv, ...); the check must catch it.")] = None,

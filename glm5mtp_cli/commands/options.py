@@ -23,7 +23,7 @@ TpOpt = Annotated[int, typer.Option("--tp", metavar="N", help="Tensor/expert par
                                                              "processes on the CPU). Started by the command itself, "
                                                              "or by torchrun.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
-    metavar="N", help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the cores, at most 4: "
+    "--threads", metavar="N", help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the cores, at most 4: "
                       "torch's own default, every core, collapses when another process is busy).")]
 CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
                                              help="On one CUDA device, replay decode, verify and draft forwards as "

@@ -59,10 +59,10 @@ def default_lengths(limit: int) -> tuple[list[int], str | None]:
 
 def profile_cmd(
     model: ModelOpt = DEFAULT_MODEL,
-    max_seq_len: Annotated[Optional[str], typer.Option(
+    max_seq_len: Annotated[Optional[str], typer.Option("--max-seq-len",
         metavar="LIST", help="Comma-separated --max-seq-len values to sweep, e.g. 4096,32k (default: 4096,32768,131072 "
                              "up to the model's limit).")] = None,
-    budget: Annotated[Optional[int], typer.Option(
+    budget: Annotated[Optional[int], typer.Option("--budget",
         metavar="TOKENS", help="The request budget in tokens (prompt + new) for budget allocation "
                                "(default: 2048, at most half the smallest --max-seq-len).")] = None,
     gamma: Annotated[int, typer.Option(help="Drafts per verify step.")] = 3,
