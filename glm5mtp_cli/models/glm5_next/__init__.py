@@ -10,7 +10,7 @@ measurement behind decoder.DEFAULT_ROLLBACK).
 from .config import NextConfig
 from .decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM, StepPending
 from .mtp import DraftChain, Glm5NextMtpLayer
-from .state import ComponentSize, IndexedSlot, KdaSlot, SequenceState, component_sizes
+from .state import IndexedSlot, KdaSlot, SequenceState
 
-__all__ = ["ComponentSize", "DEFAULT_ROLLBACK", "DraftChain", "Glm5NextForCausalLM", "Glm5NextMtpLayer", "IndexedSlot",
-           "KdaSlot", "NextConfig", "SequenceState", "StepPending", "component_sizes"]
+__all__ = ["DEFAULT_ROLLBACK", "DraftChain", "Glm5NextForCausalLM", "Glm5NextMtpLayer", "IndexedSlot",
+           "KdaSlot", "NextConfig", "SequenceState", "StepPending"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from glm5mtp_cli.models.glm5 import layout as glm5_layout
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 
 PREFIX = "model.language_model."
@@ -149,28 +150,14 @@ _LAYER_NO = re.compile(r"layers\.(\d+)\.")
 
 
 def component_of(cfg: NextConfig, name: str) -> str:
-    if name.endswith("embed_tokens.weight"):
-        return "embeddings"
-    if name == LM_HEAD:
-        return "head"
-    if ".self_attn.indexer." in name:
-        return "indexer (DSA)"
-    if ".self_attn." in name:
+    """GLM-5's components (same tensor suffixes), plus KDA attention and the mHC weights."""
+    if ".self_attn." in name and ".self_attn.indexer." not in name:
         m = _LAYER_NO.search(name)
-        return "KDA (linear attention)" if m and cfg.is_kda(int(m.group(1))) else "attention (MLA)"
+        if m and cfg.is_kda(int(m.group(1))):
+            return "KDA (linear attention)"
     if name.rsplit(".", 1)[-1].startswith("hc_"):
         return "mHC"
-    if ".mlp.experts." in name:
-        return "routed experts"
-    if ".mlp.shared_experts." in name:
-        return "shared experts"
-    if ".mlp.gate." in name:
-        return "router"
-    if ".mlp." in name:
-        return "dense MLPs"
-    if name.endswith("eh_proj.weight"):
-        return "MTP eh_proj"
-    return "norms"
+    return glm5_layout.component_of(name)
 
 
 def stored_fp32(name: str) -> bool:

@@ -1,4 +1,6 @@
-"""What one GLM-5-Next sequence holds between forwards, and the bytes of each component.
+"""What one GLM-5-Next sequence holds between forwards: the model's own reference storage (the
+engine keeps the same state in its pools, models/glm5_next/pooled.py; sizes come from the family's
+state_components).
 
 Components (REFERENCE-glm5next section 8, cache summary):
 - `kda_state`   per KDA layer, fixed: the recurrent S [H, d, d], always fp32;
@@ -9,8 +11,8 @@ Components (REFERENCE-glm5next section 8, cache summary):
 - `index_tail`  per indexed layer, fixed: the raw (key, gate) rows of the incomplete pool, P-1 rows.
 
 Storage here is plain contiguous tensors per sequence with capacity reserved up front; the math
-(kda.py, attention.py) never touches it: layers read views and return pending rows, and `apply_*`
-writes what a commit keeps. An engine can swap these classes for views into its pools.
+(kda.py, attention.py) never touches it: layers read views and return pending rows, and `apply`
+writes what a commit keeps.
 """
 
 from __future__ import annotations
@@ -21,50 +23,6 @@ import torch
 
 from glm5mtp_cli.models.glm5_next.attention import MlaCommit, MlaPast
 from glm5mtp_cli.models.glm5_next.config import NextConfig
-
-
-@dataclass(frozen=True)
-class ComponentSize:
-    name: str
-    layers: int            # how many layers hold one
-    per_token: int         # bytes per token per sequence over all those layers (growing components)
-    per_sequence: int      # bytes per sequence over all those layers (fixed components)
-
-    @property
-    def growing(self) -> bool:
-        return self.per_token > 0
-
-
-def component_sizes(cfg: NextConfig, dtype: torch.dtype = torch.bfloat16, mtp: bool = True) -> dict[str, ComponentSize]:
-    """Bytes of each per-sequence component for `cfg` with caches in `dtype` (S is fp32 always).
-
-    index_pool is counted as index_head_dim / P bytes-per-value per token (exact for whole pools).
-    mtp: count the MTP layer's own latent/pool/tail (one more indexed layer).
-    """
-    el = torch.empty(0, dtype=dtype).element_size()
-    n_kda = len(cfg.kda_layers)
-    n_idx = len(cfg.indexed_layers) + (1 if mtp else 0)
-    h, d, k = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
-    di, P = cfg.index_head_dim, cfg.index_kpool
-    sizes = [
-        ComponentSize("kda_state", n_kda, 0, n_kda * h * d * d * 4),
-        ComponentSize("kda_conv", n_kda, 0, n_kda * (k - 1) * 3 * cfg.linear_dim * el),
-        ComponentSize("mla_latent", n_idx, n_idx * cfg.kv_lora_rank * el, 0),
-        ComponentSize("index_pool", n_idx, n_idx * di * el // P, 0),
-        ComponentSize("index_tail", n_idx, 0, n_idx * (P - 1) * 2 * di * el),
-    ]
-    return {s.name: s for s in sizes}
-
-
-def sequence_bytes(cfg: NextConfig, tokens: int, dtype: torch.dtype = torch.bfloat16, mtp: bool = True) -> int:
-    """Total bytes one sequence of `tokens` tokens needs (pools counted whole)."""
-    total = 0
-    for s in component_sizes(cfg, dtype, mtp).values():
-        total += s.per_sequence
-    el = torch.empty(0, dtype=dtype).element_size()
-    n_idx = len(cfg.indexed_layers) + (1 if mtp else 0)
-    total += n_idx * tokens * cfg.kv_lora_rank * el + n_idx * (tokens // cfg.index_kpool) * cfg.index_head_dim * el
-    return total
 
 
 @dataclass
