@@ -9,7 +9,9 @@ from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.models.glm5_next import layout
 from glm5mtp_cli.models.glm5_next.config import INDEXED, KDA, NextConfig
-from glm5mtp_cli.models.glm5_next.state import component_sizes
+import torch
+
+from glm5mtp_cli.models import family_of
 
 NESTED = json.loads((profile_path("glm5next-tiny") / "config.json").read_text())
 
@@ -37,11 +39,11 @@ def test_published_profile():
     assert len(cfg.kda_layers) == 34 and cfg.indexed_layers == list(range(3, 45, 4))
     assert cfg.index_kpool == 4 and cfg.linear_num_heads == 64 and cfg.linear_head_dim == 128
     assert cfg.mlp_layer_types[:4] == ["dense"] * 3 + ["sparse"]
-    sizes = component_sizes(cfg, mtp=False)
-    assert sizes["kda_state"].per_sequence == 34 * 4 * 2**20          # 136 MiB fp32
-    assert sizes["kda_conv"].per_sequence == 34 * 147456              # 3 bf16 columns
-    assert sizes["mla_latent"].per_token == 11 * 1024
-    assert sizes["index_pool"].per_token == 11 * 64                   # 128 bf16 per 4 tokens
+    sizes = {c.name: c.unit_bytes for c in family_of(cfg).state_components(cfg, torch.bfloat16, with_drafter=False)}
+    assert sizes["target_kda"] == 34 * 4 * 2**20          # 136 MiB fp32, one slot per sequence
+    assert sizes["target_conv"] == 34 * 147456            # 3 bf16 columns, one slot per sequence
+    assert sizes["target_mla"] == 11 * 1024               # per token
+    assert sizes["target_pool"] == 11 * 64                # per token: 128 bf16 per 4 tokens
     shapes = layout.checkpoint_shapes(cfg)
     assert shapes["model.language_model.layers.0.hc_attn_fn"] == (24, 16384)
     assert shapes["model.language_model.layers.3.self_attn.indexer.index_kpool_compress_ape"] == (4, 128)
