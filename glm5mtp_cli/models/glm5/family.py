@@ -22,7 +22,9 @@ class Glm5Family:
     def parse_config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig.from_dict(raw, source)
 
-    def state_components(self, cfg: ModelConfig, dtype: torch.dtype, with_drafter: bool = True) -> list[StateComponent]:
+    def state_components(self, cfg: ModelConfig, dtype: torch.dtype, with_drafter: bool = True,
+                         tp: int = 1) -> list[StateComponent]:
+        # the MLA latent and the indexer keys are shared by all heads: every rank keeps them whole
         out = [StateComponent("target_mla", "target", ROWS, cfg.num_hidden_layers, (cfg.kv_cache_width,), dtype),
                StateComponent("target_indexer", "target", ROWS, cfg.indexer_layers, (cfg.index_head_dim,), dtype)]
         if with_drafter:

@@ -28,9 +28,12 @@ class Glm5NextFamily:
                             f"{cfg.index_kpool} (a pooled key is stored over its pool's rows)")
         return cfg
 
-    def state_components(self, cfg: NextConfig, dtype: torch.dtype, with_drafter: bool = True) -> list[StateComponent]:
+    def state_components(self, cfg: NextConfig, dtype: torch.dtype, with_drafter: bool = True,
+                         tp: int = 1) -> list[StateComponent]:
+        # KDA heads split over ranks (each rank holds its heads' states and conv channels); the MLA
+        # latent and the (replicated) indexer's rows are whole on every rank
         kda, idx = len(cfg.kda_layers), len(cfg.indexed_layers)
-        h, d, c = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_dim
+        h, d, c = cfg.linear_num_heads // tp, cfg.linear_head_dim, cfg.linear_dim // tp
         out = [StateComponent("target_kda", "target", SLOT, kda, (h, d, d), torch.float32),
                StateComponent("target_conv", "target", SLOT, kda, (cfg.linear_conv_kernel_dim - 1, 3 * c), dtype)]
         owners = [("target", idx)] + ([("drafter", 1)] if with_drafter else [])
