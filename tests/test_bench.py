@@ -80,3 +80,24 @@ def test_bench_tp2_on_gloo(tiny):
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     assert doc["tp"] == 2 and [row["system"] for row in doc["rows"]] == ["gamma 0", "gamma 2"]
+
+
+def test_glm5next_transformers_baseline_is_the_same_model():
+    """bench's baseline for GLM-5-Next (transformers' ConditionalGeneration over the flat text config)
+    loads the shipped checkpoint's weights: its greedy tokens are glm5mtp's gamma-0 tokens."""
+    pytest.importorskip("transformers", minversion="5.24")
+    import torch
+
+    from glm5mtp_cli.engine.run import run_generate
+    from glm5mtp_cli.engine.runtime import load_runtime
+    from glm5mtp_cli.engine.sampling import SamplingParams
+    from glm5mtp_cli.models import family_of
+
+    rt = load_runtime("glm5next-nano", "cpu", "fp32", with_mtp=False, progress=False)
+    prompt = rt.tokenizer.encode("def fibonacci(n):")
+    results = run_generate(rt, [prompt], gamma=0, max_new_tokens=12, sampling=SamplingParams(), batch_size=1,
+                           max_seq_len=64, alloc="budget", draft_conf_tau=None, ignore_eos=True)[0]
+    model = family_of(rt.cfg).transformers_model(str(rt.resolved.folder), torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert out[0, len(prompt):].tolist() == results[0].tokens

@@ -61,13 +61,14 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
 
 
 def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: BenchConfig) -> dict:
-    """transformers' greedy generate with GlmMoeDsaForCausalLM (target only) on the same weights."""
+    """transformers' greedy generate with the family's transformers model (target only) on the same weights."""
+    family = family_of(rt.cfg)
     try:
-        from transformers import GlmMoeDsaForCausalLM
+        model = family.transformers_model(str(rt.resolved.folder), rt.dtype)
     except ImportError:
-        raise UserError("bench: transformers >= 5.2 is needed for the baseline (pip install 'transformers>=5.2'), "
-                        "or pass --no-transformers") from None
-    model = GlmMoeDsaForCausalLM.from_pretrained(str(rt.resolved.folder), dtype=rt.dtype).to(rt.device).eval()
+        raise UserError(f"bench: this transformers ({_transformers_version()}) has no {family.name} model for the "
+                        "baseline (GLM-5 needs >= 5.2, GLM-5-Next >= 5.24), or pass --no-transformers") from None
+    model = model.to(rt.device).eval()
     group = prompts[:batch]
     width = max(len(p) for p in group)
     pad = rt.cfg.pad_token_id or 0
@@ -89,6 +90,14 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
     return {"system": "transformers", "gamma": None, "batch": batch, "e2e_tokens_per_s": new / t,
             "decode_tokens_per_s": None, "tpot_ms_p50": t / (out.shape[1] - width) * 1e3,
             "mean_acceptance_length": None, "per_position": None}
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return "not installed"
+    return transformers.__version__
 
 
 def add_ratios(rows: list[dict]) -> None:

@@ -59,6 +59,11 @@ class Glm5Family:
     def config_dict(self, cfg: ModelConfig, quantization: dict | None) -> dict[str, Any]:
         return dataclasses.replace(cfg, quantization_config=quantization).to_hf_dict()
 
+    def transformers_model(self, folder: str, dtype: torch.dtype) -> torch.nn.Module:
+        from transformers import GlmMoeDsaForCausalLM
+
+        return GlmMoeDsaForCausalLM.from_pretrained(folder, dtype=dtype)
+
     def keeps_fp32(self, name: str) -> bool:
         return layout.keeps_fp32(name)
 

@@ -72,6 +72,19 @@ class Glm5NextFamily:
             raise UserError("glm5_next: FP8 checkpoints are not supported yet (write bf16 or fp32)")
         return cfg.to_hf_dict()
 
+    def transformers_model(self, folder: str, dtype: torch.dtype) -> torch.nn.Module:
+        # transformers has no text-only causal LM for this model (REFERENCE-glm5next section 12): its
+        # ConditionalGeneration model over the flat text config, with a one-block vision tower (not in
+        # the checkpoint, never run on text) instead of the default 24-layer one
+        from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+        text = Glm5NextConfig.from_pretrained(folder).text_config.to_dict()
+        vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=text["hidden_size"],
+                      projection_intermediate_size=16, patch_size=2, image_size=4, spatial_merge_size=1,
+                      temporal_patch_size=1)
+        cfg = Glm5NextConfig(text_config=text, vision_config=vision)
+        return Glm5NextForConditionalGeneration.from_pretrained(folder, config=cfg, dtype=dtype)
+
     def keeps_fp32(self, name: str) -> bool:
         return layout.keeps_fp32(name)
 
