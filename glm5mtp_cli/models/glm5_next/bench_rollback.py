@@ -9,7 +9,7 @@ Prints, per option: verify time, rollback time (mean over keep = 1..gamma+1), ex
 per sequence per layer, then one JSON line. Weights are random fp32 (the projections cost the
 same in both options; they are timed so the recurrence's share is visible).
 
-    OMP_NUM_THREADS=1 python3 -m glm5mtp_cli.models.glm5_next.bench_rollback --gamma 3
+    OMP_NUM_THREADS=1 python3 -m glm5mtp_cli.models.glm5_next.bench_rollback --gamma 3 [--device cuda]
 """
 
 from __future__ import annotations
@@ -31,12 +31,18 @@ FLASH = dict(model_type="glm5_next_text", vocab_size=154880, hidden_size=4096, n
                                                                  gate_lower_bound=-5.0))
 
 
-def _time(fn, reps: int) -> float:
+def _time(fn, reps: int, device: torch.device) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()  # warm-up
     best = float("inf")
     for _ in range(reps):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -45,31 +51,34 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 throughout, as the KDA state is stored)")
     args = ap.parse_args(argv)
+    dev = torch.device(args.device)
     torch.manual_seed(0)
     cfg = NextConfig.from_dict(FLASH)
-    layer = KdaLayer(cfg).eval()
+    layer = KdaLayer(cfg).to(dev).eval()
     with torch.no_grad():
         for name, p in layer.named_parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.normal_(0, 0.1)
     T = args.gamma + 1
-    a = torch.randn(T, cfg.hidden_size)
+    a = torch.randn(T, cfg.hidden_size, device=dev)
     h, d, k = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
-    s0 = 0.01 * torch.randn(h, d, d)
-    w0 = torch.randn(k - 1, 3 * cfg.linear_dim)
-    out: dict = {"machine": f"cpu, torch threads={torch.get_num_threads()}", "gamma": args.gamma,
+    s0 = 0.01 * torch.randn(h, d, d, device=dev)
+    w0 = torch.randn(k - 1, 3 * cfg.linear_dim, device=dev)
+    machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, torch threads={torch.get_num_threads()}"
+    out: dict = {"machine": machine, "gamma": args.gamma,
                  "state_bytes": s0.nbytes}
     with torch.no_grad():
         x, _ = layer.inputs(a, w0)
-        proj = _time(lambda: layer.inputs(a, w0), args.reps)
+        proj = _time(lambda: layer.inputs(a, w0), args.reps, dev)
         out["projections_s"] = proj
         # the per-position slots an engine keeps allocated (reused by every verify)
-        slots = torch.empty(T, h, d, d)
+        slots = torch.empty(T, h, d, d, device=dev)
         for mode in ("states", "replay"):
             buf = slots if mode == "states" else None
-            verify = _time(lambda: layer(a, s0, w0, mode=mode, states_out=buf), args.reps)
+            verify = _time(lambda: layer(a, s0, w0, mode=mode, states_out=buf), args.reps, dev)
             _, pending = layer(a, s0, w0, mode=mode, states_out=buf)
-            rb = [_time(lambda: pending.commit(keep, k), args.reps) for keep in range(1, T + 1)]
+            rb = [_time(lambda: pending.commit(keep, k), args.reps, dev) for keep in range(1, T + 1)]
             extra = pending.states.nbytes if mode == "states" else pending.inputs.nbytes()
             out[mode] = {"verify_s": verify, "rollback_s_mean": sum(rb) / len(rb), "rollback_s_by_keep": rb,
                          "verify_plus_rollback_s": verify + sum(rb) / len(rb), "extra_bytes": extra}
