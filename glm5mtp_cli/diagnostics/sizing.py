@@ -79,14 +79,14 @@ def model_tensors(cfg, with_mtp: bool = True) -> list[tuple[str, tuple[int, ...]
     return [(n, s) for n, s in family.tensor_shapes(cfg) if with_mtp or not n.startswith(mtp)]
 
 
-def param_count(cfg, with_mtp: bool = True) -> int:
-    return sum(math.prod(s) for _, s in model_tensors(cfg, with_mtp))
-
-
 def predicted_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool = True) -> int:
-    """Parameters x the runtime dtype's size: weights are held dequantized in --dtype whatever the
-    checkpoint stores."""
-    return param_count(cfg, with_mtp) * dtype_bytes(dtype)
+    """Bytes of the weights as loaded on one device: the runtime dtype's size each, but fp32 for the
+    tensors the model keeps in fp32 (routers, indexer weighting) and, for an FP8 checkpoint, its
+    quantized matrices as stored (1 byte each plus one fp32 scale per block: models/fp8.py keeps them)."""
+    family = family_of(cfg)
+    block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
+    return sum(tensor_bytes(family, name, shape, dtype_bytes(dtype), block, held=True)
+               for name, shape in model_tensors(cfg, with_mtp))
 
 
 def _active_layer_bytes(cfg, layer: int | None, elem_bytes: int) -> int:
