@@ -90,13 +90,16 @@ def predicted_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool = True) -> in
 
 
 def _active_layer_bytes(cfg, layer: int | None, elem_bytes: int) -> int:
-    """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts."""
+    """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts;
+    an FP8 checkpoint's quantized matrices at 1 byte plus their block scales (as loaded, models/fp8.py)."""
+    family = family_of(cfg)
+    block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
     total = 0
     for name, shape in layout.tensor_shapes(cfg, layer).items():
-        n = math.prod(shape)
+        b = tensor_bytes(family, name, shape, elem_bytes, block, held=True)
         if ".mlp.experts." in name:
-            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
-        total += n * (4 if layout.keeps_fp32(name) else elem_bytes)
+            b = b * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += b
     return total
 
 
