@@ -105,7 +105,7 @@ def convert(module: nn.Module, reader, prefix: str, plan: dict | None, block: tu
         key_of.setdefault(id(t if t._base is None else t._base), prefix + key)
     swaps = []
     for name, mod in module.named_modules():
-        if name and type(mod) is nn.Linear and mod.bias is None and reader.stored_fp8(key_of[id(mod.weight)]):
+        if name and type(mod) is nn.Linear and mod.bias is None and reader.stored_fp8(key_of.get(id(mod.weight), "")):
             swaps.append((name, key_of[id(mod.weight)], Fp8Linear(mod.in_features, mod.out_features, block[0],
                                                                   device="meta")))
         elif name and hasattr(mod, "as_fp8") and mod._parameters:
