@@ -39,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "Acceptance length and per-position acceptance over a prompt set, per gamma and temperature."),
     "bench": ("glm5mtp_cli.commands.bench:bench_cmd",
               "Tokens/s and TPOT of gamma 0..4 beside transformers; one draft step against its memory floor."),
+    "quantize": ("glm5mtp_cli.commands.quantize:quantize_cmd",
+                 "Write an FP8 (e4m3, 128x128 block scales) copy of a checkpoint, or an FP8 one's fp32 twin."),
     "draft-vocab": ("glm5mtp_cli.commands.draft_vocab:draft_vocab_cmd",
                     "Count token frequencies on a corpus for `generate --draft-vocab K`."),
 }

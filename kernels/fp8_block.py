@@ -24,26 +24,49 @@ def _sides(block: int | tuple[int, int]) -> tuple[int, int]:
 
 def _expand_scale(scale_inv: torch.Tensor, m: int, n: int, block: int | tuple[int, int]) -> torch.Tensor:
     b0, b1 = _sides(block)
-    return scale_inv.float().repeat_interleave(b0, 0)[:m].repeat_interleave(b1, 1)[:, :n]
+    return scale_inv.float().repeat_interleave(b0, -2)[..., :m, :].repeat_interleave(b1, -1)[..., :n]
 
 
 def _check_scale(w: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple[int, int]) -> None:
-    m, n = w.shape
+    m, n = w.shape[-2:]
     b0, b1 = _sides(block)
-    want = ((m + b0 - 1) // b0, (n + b1 - 1) // b1)
+    want = (*w.shape[:-2], (m + b0 - 1) // b0, (n + b1 - 1) // b1)
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"scale grid {tuple(scale_inv.shape)} does not match {want} for a {m}x{n} weight")
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of dequantization, as checkpoints are made: (float8_e4m3fn weight, fp32 scale_inv)
+    with one scale per block, scale = block amax / 448 (init-random --fp8, quantize, random FP8 weights).
+
+    `scale_inv` follows the checkpoint convention: it is what the fp8 value is MULTIPLIED by.
+    Edge blocks are partial; padding with zeros leaves their amax unchanged.
+    """
+    rows, cols = w.shape
+    b0, b1 = block
+    gr, gc = -(-rows // b0), -(-cols // b1)
+    padded = torch.zeros(gr * b0, gc * b1, dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(gr, b0, gc, b1)
+    # An all-zero block gets a tiny scale rather than 0, so dividing by it stays finite.
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(gr * b0, gc * b1)[:rows, :cols].contiguous(), scale
+
+
 def fp8_block_dequant_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple[int, int] = 128,
                           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """PyTorch reference: w [M, N] fp8, scale_inv [ceil(M/b0), ceil(N/b1)] -> [M, N] out_dtype.
+    """PyTorch reference: w [..., M, N] fp8, scale_inv [..., ceil(M/b0), ceil(N/b1)] -> [..., M, N] out_dtype
+    (leading dimensions: a stack of matrices, e.g. the chosen experts, each with its own grid).
 
     `block` is one side for square blocks or (rows, cols); an edge block may be partial, its scale
     covering whatever part of the block lies inside the matrix. A wrong grid raises ValueError.
     The checkpoint reader dequantizes with this function (fp32 out)."""
     _check_scale(w, scale_inv, block)
-    return (w.float() * _expand_scale(scale_inv, *w.shape, block)).to(out_dtype)
+    return (w.float() * _expand_scale(scale_inv, *w.shape[-2:], block)).to(out_dtype)
 
 
 def fp8_block_matmul_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:

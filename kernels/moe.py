@@ -20,11 +20,20 @@ gathered copy, in two GEMV kernels over the N*K (token, expert) pairs:
    weight cast to ``x.dtype``; torch then sums y over K (deterministic, no atomics).
 
 No host sync and no data-dependent shape: the launch can be captured in a CUDA graph.
+
+FP8 experts (GLM-5-FP8: float8_e4m3fn stacks with one fp32 ``scale_inv`` per 128x128 block of each
+expert, [E, ceil(rows/b), ceil(cols/b)]): :func:`moe_experts_fp8` reads the same stacks in place.
+A program's rows lie in one scale block (BLOCK_I and BLOCK_O divide the block), so the kernels
+multiply the activation tile by that block row's scales once per step instead of scaling every
+weight: the weight loads stay one byte each. Its reference dequantizes the chosen experts (fp32
+products, then rounded to ``x.dtype``: the weights an unquantized twin holds) and runs
+:func:`moe_experts_ref`.
 """
 
 import torch
 
 from ._triton import alloc, jit, next_pow2, tl, triton, use_triton
+from .fp8_block import fp8_block_dequant_ref
 
 # GEMV tiles. Both kernels are memory bound (GLM-5: H = 6144, I = 2048, bf16, 25 MB per expert
 # matrix): each program streams a contiguous [rows x 256] weight tile per step (512-byte row
@@ -65,8 +74,10 @@ def _round(v, ref_ptr):
 
 
 @jit
-def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, ids_ptr, h_ptr, K,
-                    H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, K,
+                    H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+                    SB: tl.constexpr):
+    # SB: the FP8 scale block (0: unscaled weights in x.dtype; gs_ptr/us_ptr are then unused)
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p).to(tl.int64)
     token = p // K
@@ -75,17 +86,24 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, ids_ptr, h_ptr, K,
     imask = offs_i < I
     rows = e * (I * H) + offs_i[:, None].to(tl.int64) * H  # row starts in the stacked [E, I, H]
     x_row = x_ptr + token.to(tl.int64) * H
+    if SB > 0:  # this program's rows share one block row of each expert's [I/SB, H/SB] scale grid
+        s_row = e * (tl.cdiv(I, SB) * tl.cdiv(H, SB)) + ((tl.program_id(1) * BLOCK_I) // SB) * tl.cdiv(H, SB)
     acc_g = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + offs_h
         hmask = cols < H
         xv = tl.load(x_row + cols, mask=hmask, other=0.0).to(tl.float32)
+        xg = xv
+        xu = xv
+        if SB > 0:
+            xg = xv * tl.load(gs_ptr + s_row + cols // SB, mask=hmask, other=0.0)
+            xu = xv * tl.load(us_ptr + s_row + cols // SB, mask=hmask, other=0.0)
         m = imask[:, None] & hmask[None, :]
         gw = tl.load(gate_ptr + rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
         uw = tl.load(up_ptr + rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_g += gw * xv[None, :]
-        acc_u += uw * xv[None, :]
+        acc_g += gw * xg[None, :]
+        acc_u += uw * xu[None, :]
     # the reference rounds each product to x.dtype, silu's result too, then their product
     g = _round(tl.sum(acc_g, axis=1), h_ptr)
     u = _round(tl.sum(acc_u, axis=1), h_ptr)
@@ -94,8 +112,8 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, ids_ptr, h_ptr, K,
 
 
 @jit
-def _down_kernel(h_ptr, down_ptr, ids_ptr, w_ptr, y_ptr,
-                 H: tl.constexpr, I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(h_ptr, down_ptr, ids_ptr, w_ptr, y_ptr, ds_ptr,
+                 H: tl.constexpr, I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, SB: tl.constexpr):
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p).to(tl.int64)
     offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -103,11 +121,15 @@ def _down_kernel(h_ptr, down_ptr, ids_ptr, w_ptr, y_ptr,
     omask = offs_o < H
     rows = e * (H * I) + offs_o[:, None].to(tl.int64) * I  # row starts in the stacked [E, H, I]
     h_row = h_ptr + p.to(tl.int64) * I
+    if SB > 0:
+        s_row = e * (tl.cdiv(H, SB) * tl.cdiv(I, SB)) + ((tl.program_id(1) * BLOCK_O) // SB) * tl.cdiv(I, SB)
     acc = tl.zeros((BLOCK_O, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         cols = k0 + offs_k
         kmask = cols < I
         hv = tl.load(h_row + cols, mask=kmask, other=0.0).to(tl.float32)
+        if SB > 0:
+            hv = hv * tl.load(ds_ptr + s_row + cols // SB, mask=kmask, other=0.0)
         dw = tl.load(down_ptr + rows + cols[None, :], mask=omask[:, None] & kmask[None, :], other=0.0)
         acc += dw.to(tl.float32) * hv[None, :]
     out = _round(tl.sum(acc, axis=1), y_ptr)  # the expert output in x.dtype
@@ -115,18 +137,13 @@ def _down_kernel(h_ptr, down_ptr, ids_ptr, w_ptr, y_ptr,
     tl.store(y_ptr + p.to(tl.int64) * H + offs_o, _round(out * wt, y_ptr).to(y_ptr.dtype.element_ty), mask=omask)
 
 
-def moe_experts_triton(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                       weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Triton version of :func:`moe_experts_ref` (same arguments and result), see the module docstring.
-
-    H and I are compile-time constants (one compilation per model's dimensions), so the loops over
-    them have static bounds.
-    """
+def _launch(x, gate, up, down, weights, ids, scales=None, block: int = 0) -> torch.Tensor:
+    """Both kernels over the N*K (token, expert) pairs; `scales` (gate, up, down scale grids) with
+    `block` for FP8 stacks."""
     n, hid = x.shape
     e_count, inter, _ = gate.shape
     assert gate.shape == up.shape == (e_count, inter, hid), f"gate/up {tuple(gate.shape)}, {tuple(up.shape)}"
     assert down.shape == (e_count, hid, inter), f"down {tuple(down.shape)} should be {(e_count, hid, inter)}"
-    assert gate.dtype == up.dtype == down.dtype == x.dtype, "x and the expert weights must share a dtype"
     assert x.is_contiguous() and gate.is_contiguous() and up.is_contiguous() and down.is_contiguous(), \
         "x and the stacked expert weights must be contiguous"
     assert ids.dim() == 2 and ids.shape[0] == n and weights.shape == ids.shape, \
@@ -138,16 +155,59 @@ def moe_experts_triton(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, do
     w_flat = weights.reshape(-1).contiguous()
     h = alloc((pairs, inter), dtype=x.dtype, device=x.device)
     y = alloc((pairs, hid), dtype=x.dtype, device=x.device)
+    gs, us, ds = scales if scales is not None else (x, x, x)  # unused without scales
     if pairs and hid and inter:
         block_i, block_h = min(BLOCK_I, next_pow2(inter)), min(BLOCK_H, next_pow2(hid))
         block_o, block_k = min(BLOCK_O, next_pow2(hid)), min(BLOCK_K, next_pow2(inter))
+        assert not block or (block % block_i == 0 and block % block_o == 0), \
+            f"scale block {block} must be a multiple of {block_i} and {block_o}"
         _gate_up_kernel[(pairs, triton.cdiv(inter, block_i))](
-            x, gate, up, ids_flat, h, k, H=hid, I=inter, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=NUM_WARPS)
+            x, gate, up, ids_flat, h, gs, us, k, H=hid, I=inter, BLOCK_I=block_i, BLOCK_H=block_h, SB=block,
+            num_warps=NUM_WARPS)
         _down_kernel[(pairs, triton.cdiv(hid, block_o))](
-            h, down, ids_flat, w_flat, y, H=hid, I=inter, BLOCK_O=block_o, BLOCK_K=block_k, num_warps=NUM_WARPS)
+            h, down, ids_flat, w_flat, y, ds, H=hid, I=inter, BLOCK_O=block_o, BLOCK_K=block_k, SB=block,
+            num_warps=NUM_WARPS)
     elif pairs:
         y.zero_()  # I == 0: every expert outputs zeros
     return y.view(n, k, hid).sum(1)
+
+
+def moe_experts_triton(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                       weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`moe_experts_ref` (same arguments and result), see the module docstring.
+
+    H and I are compile-time constants (one compilation per model's dimensions), so the loops over
+    them have static bounds.
+    """
+    assert gate.dtype == up.dtype == down.dtype == x.dtype, "x and the expert weights must share a dtype"
+    return _launch(x, gate, up, down, weights, ids)
+
+
+def moe_experts_fp8_ref(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, up: torch.Tensor,
+                        up_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, weights: torch.Tensor,
+                        ids: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """PyTorch reference: the chosen experts dequantized (fp32, then x.dtype), then moe_experts_ref."""
+    def pick(w, s):
+        return fp8_block_dequant_ref(w[ids], s[ids], block, torch.float32).to(x.dtype)  # [N, K, rows, cols]
+
+    g, u, d = pick(gate, gate_s), pick(up, up_s), pick(down, down_s)
+    h = torch.nn.functional.silu(torch.einsum("nh,nkih->nki", x, g)) * torch.einsum("nh,nkih->nki", x, u)
+    out = torch.einsum("nki,nkhi->nkh", h, d)
+    return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+
+
+def moe_experts_fp8_triton(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, up: torch.Tensor,
+                           up_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, weights: torch.Tensor,
+                           ids: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Triton version of :func:`moe_experts_fp8_ref`: the FP8 stacks and their scale grids read in place."""
+    fp8 = torch.float8_e4m3fn
+    assert gate.dtype == up.dtype == down.dtype == fp8, "FP8 experts are float8_e4m3fn stacks"
+    for w, s in ((gate, gate_s), (up, up_s), (down, down_s)):
+        rows, cols = w.shape[1:]
+        want = (w.shape[0], -(-rows // block), -(-cols // block))
+        assert tuple(s.shape) == want and s.dtype == torch.float32 and s.is_contiguous(), \
+            f"scale grid {tuple(s.shape)} ({s.dtype}) should be {want} fp32, contiguous"
+    return _launch(x, gate, up, down, weights, ids, (gate_s, up_s, down_s), block)
 
 
 def moe_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -167,3 +227,13 @@ def moe_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     if use_triton(x, gate, up, down, weights, ids, force=force_triton):
         return moe_experts_triton(x, gate, up, down, weights, ids)
     return moe_experts_ref(x, gate, up, down, weights, ids)
+
+
+def moe_experts_fp8(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, up: torch.Tensor,
+                    up_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor, block: int = 128, force_triton: bool = False) -> torch.Tensor:
+    """:func:`moe_experts` over FP8 stacks: gate/up [E, I, H] and down [E, H, I] float8_e4m3fn, each
+    with its fp32 scale grid [E, ceil(rows/block), ceil(cols/block)]. Returns [N, H] in x.dtype."""
+    if use_triton(x, gate, up, down, weights, ids, force=force_triton):
+        return moe_experts_fp8_triton(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block)
+    return moe_experts_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from glm5mtp_cli.diagnostics.bench import add_ratios
@@ -67,6 +68,27 @@ def test_bench_random_weights_draft_step_only():
     assert doc["rows"] == [] and [d["draft_vocab"] for d in doc["draft_steps"]] == [None, 64]
     full, sub = doc["draft_steps"]
     assert sub["bytes"]["lm_head"] == full["bytes"]["lm_head"] * 64 // 256
+
+
+def test_bench_random_fp8_draft_step_floor_counts_fp8():
+    """--fp8: the random drafter holds FP8 weights, and the floor counts 1 byte + block scales for them
+    (the lm_head stays unquantized)."""
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
+    from glm5mtp_cli.diagnostics.bench import fp8_config, random_drafter
+    from glm5mtp_cli.models.fp8 import Fp8Linear
+
+    args = ["bench", "--model", "glm5-tiny", "--random-weights", "--draft-context", "32", "--device", "cpu",
+            "--dtype", "bf16", "--json"]
+    plain, quant = (json.loads(CliRunner().invoke(app, args + extra).stdout) for extra in ([], ["--fp8"]))
+    assert quant["fp8_weights"] and not plain["fp8_weights"]
+    assert quant["draft_step"]["bytes"]["lm_head"] == plain["draft_step"]["bytes"]["lm_head"]
+    assert quant["draft_step"]["bytes"]["mtp_weights"] < 0.7 * plain["draft_step"]["bytes"]["mtp_weights"]
+    cfg = fp8_config(resolve_config("glm5-tiny")[0])
+    assert quant["draft_step"]["bytes"] == draft_step_bytes(cfg, 2, 32)
+    mtp, _, head = random_drafter(cfg, torch.device("cpu"), torch.bfloat16)
+    assert isinstance(mtp.block.self_attn.kv_b_proj, Fp8Linear) and not isinstance(head, Fp8Linear)
+    r = CliRunner().invoke(app, ["bench", "--model", "glm5-tiny", "--fp8", "--device", "cpu"])
+    assert r.exit_code != 0 and "--fp8" in r.output
 
 
 def test_bench_tp2_on_gloo(tiny):

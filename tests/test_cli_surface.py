@@ -48,7 +48,7 @@ def test_help_and_version_do_not_import_torch(args):
 
 def test_help_has_examples_and_no_bool_placeholders():
     for cmd in ("generate", "bench", "acceptance", "profile", "leak-check", "info", "init-random", "train",
-                "draft-vocab"):
+                "draft-vocab", "quantize"):
         r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "120"})
         assert r.exit_code == 0, r.output
         ours = [line for line in r.output.splitlines() if "Show this message" not in line]  # Typer's own --help

@@ -28,7 +28,7 @@ from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_blo
                                fp8_block_matmul_ref, fp8_block_matmul_triton)
 from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
                            mla_attention_paged_ref)
-from kernels.moe import moe_experts, moe_experts_ref  # noqa: E402
+from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
 
@@ -247,6 +247,37 @@ def case_moe_bf16_several_tiles_int32_ids(device, big):
     n, k, e, hid, inter = (1, 8, 12, 6144, 2048) if big else (2, 3, 4, 300, 272)
     args = _moe_inputs(device, BF16, n, k, e, hid, inter, id_dtype=torch.int32)
     return moe_experts(*args, force_triton=True), moe_experts_ref(*args)
+
+
+def _moe_fp8_inputs(device, dtype, n, k, e, hid, inter, block):
+    """x, FP8 stacks with their scale grids, weights, ids (as _moe_inputs, weights quantized per block)."""
+    x, gate, up, down, weights, ids = _moe_inputs(device, torch.float32, n, k, e, hid, inter)
+    stacks = []
+    for w in (gate, up, down):
+        rows, cols = w.shape[1:]
+        s = torch.rand(e, -(-rows // block), -(-cols // block), device=device) * 0.02 + 0.001
+        q = (w / _expand(s, rows, cols, block)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        stacks += [q, s]
+    return (x.to(dtype), *stacks, weights, ids)
+
+
+def _expand(s, rows, cols, block):
+    return s.repeat_interleave(block, -2)[..., :rows, :].repeat_interleave(block, -1)[..., :cols]
+
+
+def case_moe_fp8_fp32_block32(device, big):
+    # several scale blocks per expert matrix (both directions) at small sizes; one expert twice in a token
+    n, k, e, hid, inter, block = (3, 4, 8, 1000, 700, 128) if big else (3, 2, 5, 80, 72, 32)
+    args = _moe_fp8_inputs(device, torch.float32, n, k, e, hid, inter, block)
+    args[-1][2, :2] = 1
+    return (moe_experts_fp8(*args, block=block, force_triton=True), moe_experts_fp8_ref(*args, block=block))
+
+
+def case_moe_fp8_bf16_partial_blocks(device, big):
+    # H and I not multiples of the 128 block, past one 256-wide tile; big: GLM-5's dims, one token
+    n, k, e, hid, inter = (1, 8, 12, 6144, 2048) if big else (2, 3, 4, 300, 272)
+    args = _moe_fp8_inputs(device, BF16, n, k, e, hid, inter, 128)
+    return moe_experts_fp8(*args, force_triton=True), moe_experts_fp8_ref(*args)
 
 
 def _paged(device, g, nl, width, dtype, pool_rows=None):

@@ -17,7 +17,8 @@ from glm5mtp_cli.cli import app
 from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.checkpoint.write import init_random, parse_size, quantize_fp8_block, save_checkpoint
+from glm5mtp_cli.checkpoint.write import init_random, parse_size, save_checkpoint
+from kernels.fp8_block import fp8_block_quantize
 from kernels.fp8_block import fp8_block_dequant_ref
 
 F32 = torch.float32
@@ -141,7 +142,7 @@ def test_quantize_roundtrip_and_zero_block():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(260, 130, generator=g) * 0.02
     w[:128, :128] = 0
-    q, s = quantize_fp8_block(w)
+    q, s = fp8_block_quantize(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2) and s.dtype == torch.float32
     back = fp8_block_dequant_ref(q, s, out_dtype=F32)
     assert torch.all(back[:128, :128] == 0)

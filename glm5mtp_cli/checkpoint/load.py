@@ -16,7 +16,7 @@ from glm5mtp_cli.checkpoint.random import RandomReader
 from glm5mtp_cli.checkpoint.read import CheckpointReader
 from glm5mtp_cli.checkpoint.resolve import ResolvedModel
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.models import family_of, fp8
 
 # Tensors an MTP layer may carry in other checkpoints (DeepSeek style); GLM-5 shares the target's.
 _MTP_EXTRAS = ("embed_tokens.weight", "shared_head.head.weight")
@@ -28,7 +28,7 @@ def materialize(module: torch.nn.Module, dtype: torch.dtype, device: str | torch
 
     A module built on the meta device costs nothing until here; this allocates it exactly once.
     Tensors `keeps_fp32(name)` names (the family's rule: GLM-5's routers and indexer weighting)
-    get fp32 whatever `dtype` is. Values are left uninitialized:
+    get fp32 whatever `dtype` is; FP8 weights and their scales (models/fp8.py) keep their dtypes. Values are left uninitialized:
     load_module writes every one of them. Tied parameters stay tied.
     """
     dev = torch.empty(0, device=device).device  # normalizes 'cuda' to 'cuda:0'
@@ -40,6 +40,8 @@ def materialize(module: torch.nn.Module, dtype: torch.dtype, device: str | torch
                 if t is None or (persistent_only and n in mod._non_persistent_buffers_set):
                     continue
                 want = torch.float32 if keeps_fp32 is not None and keeps_fp32(pre + n) else dtype
+                if t.dtype == fp8.FP8 or n.endswith(fp8.SCALE_SUFFIX):
+                    want = t.dtype  # models/fp8.py's stored FP8 bytes and their fp32 scales
                 if id(t) in replaced:
                     table[n] = replaced[id(t)]
                     continue
@@ -127,11 +129,13 @@ def build_loaded(build: Callable[[], torch.nn.Module], reader, prefix: str, dtyp
                  device: str | torch.device = "cpu", keeps_fp32: Callable[[str], bool] | None = None,
                  shard: Callable[[torch.nn.Module], dict] | None = None, what: str = "module") -> torch.nn.Module:
     """`build()` with its parameters on meta, sharded by `shard` (returning the slicing plan) when
-    given, then filled from `reader` at `prefix + key`: the one way every module gets its weights
-    (a checkpoint's, or checkpoint.random's through a RandomReader)."""
+    given, its FP8-stored projections and expert stacks swapped for models/fp8.py's modules, then
+    filled from `reader` at `prefix + key`: the one way every module gets its weights (a
+    checkpoint's, or checkpoint.random's through a RandomReader)."""
     with _ParamsOnMeta():
         module = build()
     plan = shard(module) if shard is not None else None
+    fp8.convert(module, reader, prefix, plan, reader.block)  # what the checkpoint stores FP8 stays FP8
     load_module(module, reader, prefix, dtype, device, plan, keeps_fp32)
     module.to(device)  # the non-persistent buffers; parameters are already there
     _check_no_meta(module, what)

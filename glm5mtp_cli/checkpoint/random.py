@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from kernels.fp8_block import fp8_block_dequant_ref, fp8_block_quantize
+
 WEIGHT_STD = 0.02
 OFFSET_STD = 0.01
 _CHUNK_ELEMS = 1 << 25  # fp32 values sampled at once: a full-width embedding's fp32 copy would be 4 GB
@@ -65,7 +67,12 @@ def fill_random(module: torch.nn.Module, prefix: str, seed: int) -> None:
 class RandomReader:
     """Stands in for a CheckpointReader: every tensor of the config's layout, drawn by
     `random_tensor` on the device it is asked for, so GLM-5's real dimensions run without 1.5 TB
-    on disk. Values are drawn whole before any slicing."""
+    on disk. Values are drawn whole before any slicing.
+
+    For a config with an FP8 quantization_config, the family's quantized matrices are stored as an
+    FP8 checkpoint would hold them: float8_e4m3fn plus `_scale_inv` (
+    fp8_block_quantize of the random fp32 value, on the device asked for); asked for in another
+    dtype, such a tensor comes back dequantized, as CheckpointReader.get does."""
 
     def __init__(self, cfg: Any, seed: int = 0):
         from glm5mtp_cli.models import family_of
@@ -74,9 +81,21 @@ class RandomReader:
         self.seed = seed
         self.bytes_read = 0
         self.shapes = dict(family_of(cfg).tensor_shapes(cfg))
+        self.block = tuple(getattr(cfg, "fp8_block", (128, 128)))
+        self.fp8: set[str] = set()
+        if getattr(cfg, "fp8", False):
+            family = family_of(cfg)
+            self.fp8 = {n for n, s in self.shapes.items() if family.is_fp8_quantized(n, s)}
+            for n in self.fp8:
+                s = self.shapes[n]
+                self.shapes[n + "_scale_inv"] = (-(-s[0] // self.block[0]), -(-s[1] // self.block[1]))
+        self._last: tuple[str, str, torch.Tensor, torch.Tensor] | None = None  # (name, device, weight, scale)
 
     def has(self, name: str) -> bool:
         return name in self.shapes
+
+    def stored_fp8(self, name: str) -> bool:
+        return name in self.fp8
 
     def shape(self, name: str) -> list[int]:
         return list(self.shapes[name])
@@ -84,7 +103,22 @@ class RandomReader:
     def file_of(self, name: str) -> str:
         return "random"
 
+    def _quantized(self, name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 weight, scale) of an FP8 name, kept for the one next call (its scale's read)."""
+        if self._last is None or self._last[:2] != (name, str(device)):
+            w = random_tensor(name, self.shapes[name], self.seed, torch.float32, device)
+            self._last = (name, str(device), *fp8_block_quantize(w, self.block))
+        return self._last[2], self._last[3]
+
     def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        if name in self.fp8 or (name.endswith("_scale_inv") and name[: -len("_scale_inv")] in self.fp8):
+            is_scale = name not in self.fp8
+            w, s = self._quantized(name[: -len("_scale_inv")] if is_scale else name, device)
+            if is_scale:
+                return s
+            if dtype == torch.float8_e4m3fn:
+                return w
+            return fp8_block_dequant_ref(w, s, self.block, torch.float32).to(dtype or torch.float32)
         t = random_tensor(name, self.shapes[name], self.seed, dtype or torch.float32, device)
         return t.to(dtype) if dtype is not None and t.dtype != dtype else t
 

@@ -1,4 +1,5 @@
-"""Read tensors lazily from a folder of safetensors shards, dequantizing FP8 128x128 blocks.
+"""Read tensors lazily from a folder of safetensors shards, dequantizing FP8 128x128 blocks unless
+the caller asks for float8_e4m3fn (models/fp8.py's modules keep the stored bytes and their scales).
 
 Memory rule: never the whole checkpoint at once. A reader keeps at most a couple of shards open
 (memory-mapped by safetensors) and copies out one tensor (or one slice of it) at a time. Every
@@ -16,6 +17,8 @@ import torch
 
 from glm5mtp_cli.errors import UserError, short_error
 from kernels.fp8_block import fp8_block_dequant_ref
+
+_FP8_NAMES = ("F8_E4M3", "FLOAT8_E4M3FN")  # safetensors' dtype name for float8_e4m3fn
 
 
 class CheckpointReader:
@@ -79,6 +82,16 @@ class CheckpointReader:
         except Exception as e:
             raise UserError(f"tensor '{name}' unreadable in '{self.folder / file}' ({short_error(e)})") from None
 
+    def stored_fp8(self, name: str) -> bool:
+        """Whether the checkpoint stores `name` as float8_e4m3fn (False for a name it lacks)."""
+        if not self.has(name):
+            return False
+        file, handle = self._holding(name)
+        try:
+            return handle.get_slice(name).get_dtype().upper() in _FP8_NAMES
+        except Exception as e:
+            raise UserError(f"tensor '{name}' unreadable in '{self.folder / file}' ({short_error(e)})") from None
+
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as stored (fp8 stays fp8)."""
         file, handle = self._holding(name)
@@ -104,13 +117,9 @@ class CheckpointReader:
     def get_slice(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype | None = None,
                   device: str | torch.device = "cpu") -> torch.Tensor:
         """`get` of a slice along dim 0 or 1. FP8 weights read the whole scale blocks the slice
-        touches, dequantize them and trim, so any boundary works."""
-        file, handle = self._holding(name)
-        try:
-            stored = handle.get_slice(name).get_dtype()
-        except Exception as e:
-            raise UserError(f"tensor '{name}' unreadable in '{self.folder / file}' ({short_error(e)})") from None
-        if stored.upper() in ("F8_E4M3", "FLOAT8_E4M3FN"):
+        touches, dequantize them and trim, so any boundary works; asked for in float8_e4m3fn, the
+        stored bytes of the slice come back as they are (its scales are another get_slice)."""
+        if self.stored_fp8(name) and dtype != torch.float8_e4m3fn:
             scale_name = name + "_scale_inv"
             if not self.has(scale_name):
                 raise UserError(f"FP8 tensor '{name}' has no '{scale_name}' in the checkpoint at {self.folder}")
@@ -122,7 +131,7 @@ class CheckpointReader:
             try:
                 t = fp8_block_dequant_ref(w, scale, self.block, torch.float32)
             except ValueError as e:
-                raise UserError(f"FP8 tensor '{name}' in '{file}': {e}") from None
+                raise UserError(f"FP8 tensor '{name}' in '{self.file_of(name)}': {e}") from None
             t = t.narrow(dim, start - s0 * b, stop - start)
         else:
             t = self.raw_slice(name, dim, start, stop)
@@ -131,8 +140,10 @@ class CheckpointReader:
         return t.to(device) if torch.device(device) != t.device else t
 
     def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The tensor in `dtype` on `device`; an FP8 one dequantized (fp32 `w * scale`, then `dtype`)
+        unless `dtype` is float8_e4m3fn itself."""
         t = self.raw(name)
-        if t.dtype == torch.float8_e4m3fn:
+        if t.dtype == torch.float8_e4m3fn and dtype != torch.float8_e4m3fn:
             scale_name = name + "_scale_inv"
             if not self.has(scale_name):
                 raise UserError(f"FP8 tensor '{name}' has no '{scale_name}' in the checkpoint at {self.folder}")

@@ -19,12 +19,12 @@ from typing import Iterable, Iterator, Mapping
 import torch
 
 from glm5mtp_cli.checkpoint.random import random_tensor
+from kernels.fp8_block import fp8_block_quantize
 from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, config_from_spec
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.glm5.config import ModelConfig
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -59,27 +59,9 @@ def parse_dtype(name: str) -> torch.dtype:
 
 # ---- FP8 --------------------------------------------------------------------------------------------
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, fp32 scale_inv) with one scale per block, scale = block amax / 448.
-
-    `scale_inv` follows the checkpoint convention: it is what the fp8 value is MULTIPLIED by.
-    Edge blocks are partial; padding with zeros leaves their amax unchanged.
-    """
-    rows, cols = w.shape
-    b0, b1 = block
-    gr, gc = -(-rows // b0), -(-cols // b1)
-    padded = torch.zeros(gr * b0, gc * b1, dtype=torch.float32)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(gr, b0, gc, b1)
-    # An all-zero block gets a tiny scale rather than 0, so dividing by it stays finite.
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(gr * b0, gc * b1)[:rows, :cols].contiguous(), scale
-
-
 def _maybe_quantize(family, name: str, t: torch.Tensor, block) -> Iterator[tuple[str, torch.Tensor]]:
     if family.is_fp8_quantized(name, tuple(t.shape)) and t.dtype != torch.float8_e4m3fn:
-        q, s = quantize_fp8_block(t, block)
+        q, s = fp8_block_quantize(t, block)
         yield name, q
         yield name + "_scale_inv", s
     else:
@@ -225,3 +207,34 @@ def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str
     cfg = dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype])
     return save_checkpoint(random_tensors(cfg, seed, dtype), cfg, out_dir, max_shard_size=max_shard_size,
                            fp8=fp8, tokenizer_dir=tokenizer)
+
+
+# ---- FP8 checkpoints from existing ones, and their dequantized twins ----------------------------------
+
+def rewrite_checkpoint(src: str, out_dir: str | os.PathLike, fp8: bool,
+                       max_shard_size: int | str = "5GB") -> WriteSummary:
+    """`src` (a profile name, folder or Hub id with weights) rewritten into `out_dir`, one tensor at a
+    time: with fp8, quantized to float8_e4m3fn + 128x128 block scales (what the family's layout
+    quantizes; the rest as stored); without, every tensor in fp32 and FP8 ones dequantized (the
+    unquantized twin of an FP8 checkpoint: the weights its FP8 run computes with). Tokenizer files
+    come along."""
+    from glm5mtp_cli.checkpoint.read import CheckpointReader
+    from glm5mtp_cli.checkpoint.resolve import resolve_model
+
+    resolved = resolve_model(src, progress=False)
+    cfg = resolved.config
+    if not resolved.has_weights:
+        raise UserError(f"model '{src}' has no weights to rewrite")
+    if fp8 and getattr(cfg, "fp8", False):
+        raise UserError(f"model '{src}' is already FP8 (its config has an fp8 quantization_config)")
+    reader = CheckpointReader(resolved.folder, resolved.weight_map, block=getattr(cfg, "fp8_block", (128, 128)))
+    names = [n for n in resolved.weight_map if not n.endswith("_scale_inv")]
+    dtype = None if fp8 else torch.float32
+    out_cfg = cfg if fp8 else dataclasses.replace(cfg, torch_dtype="float32", quantization_config=None)
+    has_tok = any(TOKENIZER_FILES.match(p.name) for p in Path(resolved.folder).iterdir())
+    try:
+        return save_checkpoint(((n, reader.get(n, dtype)) for n in names), out_cfg, out_dir,
+                               max_shard_size=max_shard_size, fp8=fp8,
+                               tokenizer_dir=resolved.folder if has_tok else None)
+    finally:
+        reader.close()

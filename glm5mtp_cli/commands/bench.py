@@ -65,6 +65,8 @@ def bench_cmd(
     json_out: JsonOpt = False,
     random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Draft step only, with random "
                                                  "weights of the model's config built on the device (e.g. --model glm5).")] = False,
+    fp8: Annotated[bool, typer.Option("--fp8", metavar="", help="With --random-weights: FP8 weights (e4m3, 128x128 "
+                                      "block scales, as init-random --fp8 writes; lm_head bf16) and their floor.")] = False,
     draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", help="Draft-step vocabularies to time; 0 is the "
                                                                         "full vocabulary.")] = "0",
     draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file",
@@ -82,6 +84,8 @@ def bench_cmd(
       glm5mtp bench --gammas 0,3 --batch-sizes 1 --max-new-tokens 64
 
       glm5mtp bench --model glm5 --random-weights --device cuda --draft-vocab-sizes 0,32768 --json
+
+      glm5mtp bench --model glm5 --random-weights --fp8 --device cuda --json    (GLM-5-FP8's draft step)
     """
     kwargs = dict(locals())
     from glm5mtp_cli.diagnostics.bench import BenchConfig
@@ -93,6 +97,8 @@ def bench_cmd(
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
     if tp > 1 and random_weights:
         raise UserError("--random-weights times one device's draft step; drop --tp")
+    if fp8 and not random_weights:
+        raise UserError("--fp8 makes random FP8 weights (with --random-weights); a checkpoint says itself whether it is FP8")
     if target_layers < 0:
         raise UserError(f"--target-layers must be >= 0, got {target_layers}")
     if draft_vocab_file is not None and not draft_vocab_file.is_file():
@@ -101,8 +107,8 @@ def bench_cmd(
     import torch
 
     from glm5mtp_cli.checkpoint.resolve import resolve_config
-    from glm5mtp_cli.diagnostics.bench import (add_ratios, copy_bandwidth, draft_step, random_drafter, run_glm5mtp,
-                                               run_transformers, target_step)
+    from glm5mtp_cli.diagnostics.bench import (add_ratios, copy_bandwidth, draft_step, fp8_config, random_drafter,
+                                               run_glm5mtp, run_transformers, target_step)
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, pick_device, pick_dtype, set_threads
 
@@ -118,6 +124,8 @@ def bench_cmd(
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         cfg, _ = resolve_config(model)
+        if fp8:
+            cfg = fp8_config(cfg)
         mtp, embed, head = random_drafter(cfg, dev, dt)
         folder = None
         c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" else "eager"  # how the steps are timed
@@ -146,6 +154,7 @@ def bench_cmd(
     doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1, "graphs": c.graphs,
            "target_step": t_step,
            "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
+           "fp8_weights": bool(getattr(cfg, "fp8", False)),
            "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows, "draft_step": drafts[0],
            "draft_steps": drafts}
     if json_out:

@@ -79,24 +79,27 @@ def model_tensors(cfg, with_mtp: bool = True) -> list[tuple[str, tuple[int, ...]
     return [(n, s) for n, s in family.tensor_shapes(cfg) if with_mtp or not n.startswith(mtp)]
 
 
-def param_count(cfg, with_mtp: bool = True) -> int:
-    return sum(math.prod(s) for _, s in model_tensors(cfg, with_mtp))
-
-
 def predicted_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool = True) -> int:
-    """Parameters x the runtime dtype's size: weights are held dequantized in --dtype whatever the
-    checkpoint stores."""
-    return param_count(cfg, with_mtp) * dtype_bytes(dtype)
+    """Bytes of the weights as loaded on one device: the runtime dtype's size each, but fp32 for the
+    tensors the model keeps in fp32 (routers, indexer weighting) and, for an FP8 checkpoint, its
+    quantized matrices as stored (1 byte each plus one fp32 scale per block: models/fp8.py keeps them)."""
+    family = family_of(cfg)
+    block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
+    return sum(tensor_bytes(family, name, shape, dtype_bytes(dtype), block, held=True)
+               for name, shape in model_tensors(cfg, with_mtp))
 
 
 def _active_layer_bytes(cfg, layer: int | None, elem_bytes: int) -> int:
-    """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts."""
+    """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts;
+    an FP8 checkpoint's quantized matrices at 1 byte plus their block scales (as loaded, models/fp8.py)."""
+    family = family_of(cfg)
+    block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
     total = 0
     for name, shape in layout.tensor_shapes(cfg, layer).items():
-        n = math.prod(shape)
+        b = tensor_bytes(family, name, shape, elem_bytes, block, held=True)
         if ".mlp.experts." in name:
-            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
-        total += n * (4 if layout.keeps_fp32(name) else elem_bytes)
+            b = b * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += b
     return total
 
 

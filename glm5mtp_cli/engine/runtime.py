@@ -116,6 +116,19 @@ def _template_error(message: str):
     raise UserError(f"chat template: {message}")
 
 
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and persistent buffers, each tensor once (tied ones too)."""
+    seen: set[int] = set()
+    total = 0
+    for m in module.modules():
+        held = list(m._parameters.values()) + [b for n, b in m._buffers.items() if n not in m._non_persistent_buffers_set]
+        for t in held:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
 @dataclass
 class Runtime:
     resolved: ResolvedModel
@@ -128,8 +141,10 @@ class Runtime:
     comm: object | None = None  # parallel.Comm when sharded over ranks (weights are this rank's)
 
     def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the loaded weights: parameters and persistent buffers (FP8 weights and their
+        scales are buffers, models/fp8.py; so is the routers' correction bias), as held on this rank."""
         def size(m):
-            return sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+            return module_bytes(m) if m is not None else 0
 
         emb = self.target.model.embed_tokens.weight
         head = self.target.lm_head.weight

@@ -22,6 +22,7 @@ from kernels.paged import indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
 
 from glm5mtp_cli.engine.cache import CachedRows
+from glm5mtp_cli.models.fp8 import linear_weight
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.layers import RMSNorm
 
@@ -128,24 +129,25 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
 
-        w_uk = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)[:, : self.nope]
-        q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # q_nope folded into latent space
+        # kv_b as [heads, nope + v, kv_lora]: an FP8 kv_b (models/fp8.py) is dequantized for this forward
+        kv_b = linear_weight(self.kv_b_proj, q_nope.dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        q_abs = torch.einsum("bthn,hnc->bthc", q_nope, kv_b[:, : self.nope])  # q_nope folded into latent space
 
         # All sequences of a forward append the same number of rows, so they run as one group:
         # cache-free (training) ones all start at 0; cached ones read their own rows through padded
         # slot tables. topk is that group's [B, T, K] selection, reused by the next shared layer.
         out, topk = self._group(bc, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
-                                indexer_losses, t)
+                                indexer_losses, t, kv_b[:, self.nope:])
         out = self.o_proj(out.reshape(b, t, self.n_heads * self.v_dim))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
         return out, topk
 
     def _group(self, bc: BatchContext, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
-               indexer_losses, t):
+               indexer_losses, t, w_uv):
         """Attention for G sequences at once. Cached sequences of different lengths are read
-        through slot tables padded to the longest; padded keys are masked out like future ones."""
-        w_uv = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)[:, self.nope:]
+        through slot tables padded to the longest; padded keys are masked out like future ones.
+        w_uv: kv_b's value half [heads, v, kv_lora]."""
         cos, sin = bc.cos, bc.sin
         qr = rope_gt(q_rope, cos, sin)
         rows = torch.cat([latent, rope_gt(k_rope, cos, sin)], dim=-1)  # [G, T, C+R]

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import moe_experts
+from kernels.fp8_block import fp8_block_dequant_ref
+from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.rmsnorm import rmsnorm
 
+from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, scale_grid
 from glm5mtp_cli.models.glm5.config import ModelConfig
 
 
@@ -142,13 +144,30 @@ class Experts(nn.Module):
         return self._looped(x, weights, torch.where(mine, local, self.n_experts))
 
     def _gathered(self, x, weights, ids):
-        if x.is_cuda and x.dtype == self.gate.dtype and self.swiglu_limit is None:  # the kernel has no clamp
+        if x.is_cuda and self._kernel_reads(x) and self.swiglu_limit is None:  # the kernel has no clamp
             # kernels/moe.py reads each chosen expert in place (the gather below copies it first)
-            return moe_experts(x.contiguous(), self.gate, self.up, self.down, weights, ids)
-        gate, up, down = self.gate[ids], self.up[ids], self.down[ids]  # [N, k, ...]
+            return self._kernel(x.contiguous(), weights, ids)
+        gate, up, down = self._weights(ids, x.dtype)  # [N, k, ...]
         h = swiglu(torch.einsum("nh,nkih->nki", x, gate), torch.einsum("nh,nkih->nki", x, up), self.swiglu_limit)
         out = torch.einsum("nki,nkhi->nkh", h, down)
         return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+
+    def _kernel_reads(self, x) -> bool:
+        """Whether kernels/moe.py can read the stacks for activations x (they must share its dtype)."""
+        return x.dtype == self.gate.dtype
+
+    def _kernel(self, x, weights, ids):
+        return moe_experts(x, self.gate, self.up, self.down, weights, ids)
+
+    def _weights(self, index, dtype: torch.dtype):
+        """(gate, up, down) of the experts `index` picks, as stored (dtype is for FP8 stacks, models/fp8.py)."""
+        return self.gate[index], self.up[index], self.down[index]
+
+    def as_fp8(self, block: int) -> "Fp8Experts":
+        """The same experts (shape, offset, clamp) with FP8 stacks on the meta device, for the loader
+        to fill from an FP8 checkpoint (models/fp8.convert)."""
+        inner, hidden = self.gate.shape[1:]
+        return Fp8Experts(self.n_experts, hidden, inner, self.swiglu_limit, block, self.offset, device="meta")
 
     def _looped(self, x, weights, ids):
         """Each hit expert once over its tokens; an id of n_experts marks a pair owned elsewhere."""
@@ -166,10 +185,39 @@ class Experts(nn.Module):
             tok = token_of[start:start + c]
             start += c
             xe = x[tok]
-            h = swiglu(xe @ self.gate[e].t(), xe @ self.up[e].t(), self.swiglu_limit)
-            ye = (h @ self.down[e].t()) * weights.reshape(-1)[sel].unsqueeze(-1).to(x.dtype)
+            gate, up, down = self._weights(e, x.dtype)
+            h = swiglu(xe @ gate.t(), xe @ up.t(), self.swiglu_limit)
+            ye = (h @ down.t()) * weights.reshape(-1)[sel].unsqueeze(-1).to(x.dtype)
             out.index_add_(0, tok, ye)
         return out
+
+
+class Fp8Experts(Experts):
+    """Experts whose stacks stay FP8: gate/up [E, I, H] and down [E, H, I] float8_e4m3fn buffers, each
+    with its `{name}_scale_inv` grid [E, ceil(rows/block), ceil(cols/block)] fp32. state_dict() speaks
+    the checkpoint's per-expert names (`{e}.gate_proj.weight` and `.weight_scale_inv`)."""
+
+    def __init__(self, n_experts: int, hidden: int, inner: int, swiglu_limit: float | None = None,
+                 block: int = 128, offset: int = 0, device=None):
+        nn.Module.__init__(self)  # not Experts.__init__: its stacks would be full-precision parameters
+        self.n_experts, self.swiglu_limit, self.offset, self.block = n_experts, swiglu_limit, offset, block
+        for name, shape in (("gate", (inner, hidden)), ("up", (inner, hidden)), ("down", (hidden, inner))):
+            self.register_buffer(name, torch.empty(n_experts, *shape, dtype=FP8, device=device))
+            self.register_buffer(name + SCALE_SUFFIX, torch.empty(n_experts, *scale_grid(*shape, block),
+                                                                  dtype=torch.float32, device=device))
+        self.register_state_dict_post_hook(_split_experts)
+
+    def _kernel_reads(self, x) -> bool:
+        return True  # the FP8 kernel takes any activation dtype
+
+    def _kernel(self, x, weights, ids):
+        return moe_experts_fp8(x, self.gate, self.gate_scale_inv, self.up, self.up_scale_inv, self.down,
+                               self.down_scale_inv, weights, ids, self.block)
+
+    def _weights(self, index, dtype: torch.dtype):
+        """Only the chosen experts dequantized (fp32 products, then `dtype`): [N, k, ...] or one expert's."""
+        return tuple(fp8_block_dequant_ref(getattr(self, n)[index], getattr(self, n + SCALE_SUFFIX)[index],
+                                           self.block, torch.float32).to(dtype) for n in ("gate", "up", "down"))
 
 
 @contextlib.contextmanager
@@ -183,10 +231,14 @@ def sync_free():
 
 
 def _split_experts(module: Experts, state_dict: dict, prefix: str, local_metadata) -> None:
+    # FP8 stacks (models/fp8.py) carry a scale grid per expert too: `{e}.{name}.weight_scale_inv`
     for stacked, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
         t = state_dict.pop(prefix + stacked)
+        scale = state_dict.pop(prefix + stacked + "_scale_inv", None)
         for e in range(module.n_experts):
             state_dict[f"{prefix}{e + module.offset}.{name}.weight"] = t[e]
+            if scale is not None:  # each weight next to its scales (a reader quantizing on the fly makes them together)
+                state_dict[f"{prefix}{e + module.offset}.{name}.weight_scale_inv"] = scale[e]
 
 
 def _stack_experts(module: Experts, state_dict: dict, prefix: str, *args) -> None:

@@ -1,0 +1,126 @@
+"""Weights that stay block-scaled FP8 on the device (GLM-5-FP8: float8_e4m3fn + fp32 `weight_scale_inv`,
+one scale per 128x128 block), for any family: its bias-free nn.Linear projections become Fp8Linear,
+and a module with an `as_fp8(block)` method (stacked experts: models/glm5/layers.Fp8Experts) becomes
+what that returns.
+
+Which tensors are FP8 is what the checkpoint says: the loader (checkpoint/load.py) builds a family's
+modules on the meta device, shards them, then `convert` swaps every such module whose checkpoint
+weight is stored FP8, and fills the new buffers with the stored bytes and scales. Nothing
+dequantized is kept.
+
+Compute (`--dtype` stays the activation dtype):
+- CUDA: kernels/fp8_block.fp8_block_matmul (Triton, any row count: split-K for decode and verify
+  widths, row tiles for prefill) and kernels/moe.moe_experts_fp8 (the chosen experts read in place).
+  No host sync and no data-dependent shape: the forwards can be captured in CUDA graphs.
+- CPU: the weight is dequantized just before its matmul, in chunks of whole 128-row blocks of at most
+  `CPU_CHUNK_BYTES` of fp32 (the transient is that chunk, its expanded scales of the same size and its
+  copy in the activation dtype); experts: only the chosen ones. Dequantizing is fp32 `w * scale`, then
+  a cast to the activation dtype: exactly the weights an unquantized twin loaded from the same
+  checkpoint holds, so CPU logits equal the twin's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.fp8_block import fp8_block_dequant, fp8_block_dequant_ref, fp8_block_matmul
+
+from glm5mtp_cli.errors import UserError
+
+FP8 = torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"
+CPU_CHUNK_BYTES = 16 << 20  # fp32 bytes of one dequantized chunk on the CPU
+
+
+def scale_grid(rows: int, cols: int, block: int) -> tuple[int, int]:
+    return -(-rows // block), -(-cols // block)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] @ dequant(w [N, K])^T in x.dtype (see the module docstring for CUDA vs CPU)."""
+    if x.is_cuda:
+        return fp8_block_matmul(x, w, scale_inv, block)
+    n, k = w.shape
+    rows = max(block, CPU_CHUNK_BYTES // (4 * max(k, 1)) // block * block)
+    if n <= rows:
+        return F.linear(x, fp8_block_dequant_ref(w, scale_inv, block, torch.float32).to(x.dtype))
+    parts = [F.linear(x, fp8_block_dequant_ref(w[r:r + rows], scale_inv[r // block:(r + rows) // block],
+                                               block, torch.float32).to(x.dtype))
+             for r in range(0, n, rows)]
+    return torch.cat(parts, dim=-1)
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free Linear over a block-scaled FP8 weight: buffers `weight` [out, in] float8_e4m3fn and
+    `weight_scale_inv` [ceil(out/block), ceil(in/block)] fp32 (the checkpoint's names)."""
+
+    def __init__(self, in_features: int, out_features: int, block: int = 128, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("weight_scale_inv", torch.empty(scale_grid(out_features, in_features, block),
+                                                             dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The real weight in `dtype`, made now (a transient for code that needs the matrix itself)."""
+        return fp8_block_dequant(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block {self.block}"
+
+
+def linear_weight(lin: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A Linear's weight matrix in `dtype`: dequantized now for an Fp8Linear, as held otherwise."""
+    return lin.dequantized(dtype) if isinstance(lin, Fp8Linear) else lin.weight
+
+
+# ---- swapping a (meta, sharded) module's FP8-stored weights for FP8 modules -------------------------------
+
+def _scale_slice(name: str, part: tuple[int, int, int], full: int, block: int) -> tuple[int, int, int]:
+    """The scale grid's slice for a weight slice (dim, start, stop) of a dimension of `full` values;
+    a slice must fall on block boundaries (its end may be the dimension's end)."""
+    dim, start, stop = part
+    if start % block or (stop % block and stop != full):
+        raise UserError(f"FP8 tensor '{name}': this rank's slice [{start}:{stop}] of dim {dim} does not fall on "
+                        f"the {block}-wide scale blocks; choose a --tp that splits it on block boundaries")
+    return dim, start // block, -(-stop // block)
+
+
+def convert(module: nn.Module, reader, prefix: str, plan: dict | None, block: tuple[int, int]) -> int:
+    """Swap, in place, every nn.Linear and `as_fp8` module of `module` whose checkpoint weight (`prefix`
+    + its state_dict key) `reader` stores as FP8 for an Fp8Linear / what `as_fp8(block)` returns, on
+    the meta device; add the scale grids' slices to `plan` (tensor parallel) next to their weights'.
+    Returns how many modules were swapped.
+
+    Raises UserError for non-square blocks or a rank slice that cuts a scale block."""
+    # A tensor's checkpoint name is its state_dict key (state_dict hooks rename: the MTP layer's block,
+    # per-expert views of the stacks), found by the tensor itself (an expert stack by its first view).
+    key_of: dict[int, str] = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        key_of.setdefault(id(t if t._base is None else t._base), prefix + key)
+    swaps = []
+    for name, mod in module.named_modules():
+        if name and type(mod) is nn.Linear and mod.bias is None and reader.stored_fp8(key_of.get(id(mod.weight), "")):
+            swaps.append((name, key_of[id(mod.weight)], Fp8Linear(mod.in_features, mod.out_features, block[0],
+                                                                  device="meta")))
+        elif name and hasattr(mod, "as_fp8") and mod._parameters:
+            first = key_of.get(id(next(iter(mod._parameters.values()))))  # e.g. the first expert's gate_proj
+            if first is not None and reader.stored_fp8(first):
+                swaps.append((name, first, mod.as_fp8(block[0])))
+    if swaps and block[0] != block[1]:
+        raise UserError(f"FP8 weights with {block[0]}x{block[1]} blocks: only square scale blocks are supported")
+    for name, wname, new in swaps:
+        parent_name, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent_name), child, new)
+        if plan is None or not isinstance(new, Fp8Linear):
+            continue  # expert parallel splits whole experts: each keeps all its scales
+        if wname in plan:
+            dim = plan[wname][0]
+            full = reader.shape(wname)[dim]
+            plan[wname + SCALE_SUFFIX] = _scale_slice(wname, plan[wname], full, block[0])
+    return len(swaps)
