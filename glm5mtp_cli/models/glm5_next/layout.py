@@ -187,8 +187,6 @@ def split_over_ranks(name: str) -> bool:
     Whole: MLA q_a/kv_a, the pooled indexer, KDA f_a/g_a/o_norm, mHC, norms, routers, eh_proj."""
     if name.endswith(("embed_tokens.weight", LM_HEAD)):
         return True
-    if ".self_attn.indexer." in name:
-        return False
     if name.endswith(_HEAD_SPLIT):
         return True
     return ".mlp." in name and ".mlp.gate." not in name
