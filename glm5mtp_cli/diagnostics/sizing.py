@@ -2,11 +2,13 @@
 read per decode step), per-sequence state bytes, verify scratch, CUDA-graph buffers, the cache
 layouts `info` compares (the byte formatter is glm5mtp_cli/units.py, free of torch for the commands).
 
-Per-sequence state comes from the model family's `state_components(cfg, dtype)`: each component's
-StateComponent.unit_bytes (a row of all its layers, or a whole recurrent slot) and bytes_for(tokens,
-block_size). So a family with fixed-size recurrent slots is counted by the same code as GLM-5's
-paged rows. Weight formulas read the checkpoint layout (models/glm5/layout.py) and GLM-5's
-sharding rule; activation formulas (scratch, graphs) are those of the PyTorch path.
+Per-sequence state comes from the model family's `state_components(cfg, dtype, tp=...)`: each
+component's StateComponent.unit_bytes (a row of all its layers, or a whole recurrent slot, per rank)
+and bytes_for(tokens, block_size). So a family with fixed-size recurrent slots is counted by the
+same code as GLM-5's paged rows. Weight formulas read the family's checkpoint layout and its
+sharding and FP8 rules (GLM-5: models/glm5/sharding.py; GLM-5-Next: the prediction in
+models/glm5_next/layout.py); the decode-step floors have one formula per component and family;
+activation formulas (scratch, graphs) are those of the PyTorch path.
 """
 
 from __future__ import annotations
