@@ -48,6 +48,12 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _floor(step: dict) -> str:
+    if step["floor_ms"] is None:
+        return "no floor on the CPU"
+    return f"floor {step['floor_ms']:.3f} ms ({step['ratio_to_floor']:.2f}x)"
+
+
 def bench_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     prompts: Annotated[Optional[Path], typer.Option("--prompts",
@@ -63,16 +69,18 @@ def bench_cmd(
     dtype: DtypeOpt = "auto",
     layers: LayersOpt = None,
     json_out: JsonOpt = False,
-    random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Draft step only, with random "
-                                                 "weights of the model's config built on the device (e.g. --model glm5).")] = False,
+    random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Draft step and one target decode "
+                                                 "step only, with random weights of the model's config built on the "
+                                                 "device (e.g. --model glm5, --model glm5next).")] = False,
     fp8: Annotated[bool, typer.Option("--fp8", metavar="", help="With --random-weights: FP8 weights (e4m3, 128x128 "
                                       "block scales, as init-random --fp8 writes; lm_head bf16) and their floor.")] = False,
     draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", help="Draft-step vocabularies to time; 0 is the "
                                                                         "full vocabulary.")] = "0",
     draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file",
         metavar="FILE", help="Token counts for --draft-vocab-sizes (default: token_counts.json beside the checkpoint).")] = None,
-    target_layers: Annotated[int, typer.Option(help="With --random-weights on CUDA: also time one decode step of the "
-                                                    "target truncated to this many layers (0: skip).")] = 0,
+    target_layers: Annotated[Optional[int], typer.Option("--target-layers", metavar="N", help="With --random-weights: "
+        "also time one decode step of the target truncated to its first N layers, which must hold every kind of layer "
+        "(default: 4, or all of a smaller model; 0: skip).")] = None,
     cuda_graphs: CudaGraphsOpt = True,
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
@@ -86,6 +94,8 @@ def bench_cmd(
       glm5mtp bench --model glm5 --random-weights --device cuda --draft-vocab-sizes 0,32768 --json
 
       glm5mtp bench --model glm5 --random-weights --fp8 --device cuda --json    (GLM-5-FP8's draft step)
+
+      glm5mtp bench --model glm5next --random-weights --device cuda --draft-context 2048 --target-layers 4
     """
     kwargs = dict(locals())
     from glm5mtp_cli.diagnostics.bench import BenchConfig
@@ -96,10 +106,10 @@ def bench_cmd(
         raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
     if tp > 1 and random_weights:
-        raise UserError("--random-weights times one device's draft step; drop --tp")
+        raise UserError("--random-weights times one device's draft and target steps; drop --tp")
     if fp8 and not random_weights:
         raise UserError("--fp8 makes random FP8 weights (with --random-weights); a checkpoint says itself whether it is FP8")
-    if target_layers < 0:
+    if target_layers is not None and target_layers < 0:
         raise UserError(f"--target-layers must be >= 0, got {target_layers}")
     if draft_vocab_file is not None and not draft_vocab_file.is_file():
         raise UserError(f"--draft-vocab-file {draft_vocab_file}: no such file")
@@ -107,8 +117,9 @@ def bench_cmd(
     import torch
 
     from glm5mtp_cli.checkpoint.resolve import resolve_config
-    from glm5mtp_cli.diagnostics.bench import (add_ratios, copy_bandwidth, draft_step, fp8_config, random_drafter,
-                                               run_glm5mtp, run_transformers, target_step)
+    from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers
+    from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step, eager_only,
+                                                    fp8_config, random_drafter, target_step)
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, pick_device, pick_dtype, set_threads
 
@@ -126,9 +137,14 @@ def bench_cmd(
         cfg, _ = resolve_config(model)
         if fp8:
             cfg = fp8_config(cfg)
+        if target_layers is None:
+            target_layers = min(4, cfg.num_hidden_layers)
+        if target_layers:
+            check_target_layers(cfg, target_layers)
         mtp, embed, head = random_drafter(cfg, dev, dt)
         folder = None
-        c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" else "eager"  # how the steps are timed
+        # how the steps are timed: graph replays where the family's forwards can be captured
+        c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" and not eager_only(cfg, dt) else "eager"
     else:
         rt = load_runtime(model, device, dtype, layers, progress=not json_out, comm=comm)
         c.graphs = graph_mode(rt, cuda_graphs)
@@ -144,13 +160,15 @@ def bench_cmd(
             rows.append(run_glm5mtp(rt, ids, g, batch, c))
     add_ratios(rows)
     bw = copy_bandwidth(dev)
-    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs, draft_vocab_file)
+    step_graphs = cuda_graphs and not eager_only(cfg, dt)
+    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, step_graphs, draft_vocab_file)
               for k in sizes]
     t_step = None
-    if random_weights and target_layers and dev.type == "cuda":
+    if random_weights and target_layers:
         del mtp, embed, head
-        torch.cuda.empty_cache()
-        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, step_graphs)
     doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1, "graphs": c.graphs,
            "target_step": t_step,
            "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
@@ -174,11 +192,9 @@ def bench_cmd(
     if rows:
         out.print(t)
     for d in drafts:
-        floor = f"floor {d['floor_ms']:.3f} ms ({d['ratio_to_floor']:.2f}x)" if bw else "no floor on the CPU"
-        out.print(f"one draft step, vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} drafter rows: "
-                  f"{d['step_ms']:.3f} ms, reads {d['bytes']['total'] / 1e9:.3f} GB; {floor}")
+        out.print(f"one draft step ({d['timing']}), vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} "
+                  f"drafter rows: {d['step_ms']:.3f} ms, reads {d['bytes']['total'] / 1e9:.4f} GB; {_floor(d)}")
     if t_step:
-        out.print(f"one target decode step, {t_step['layers']} layers, {draft_context} cached rows: "
-                  f"{t_step['step_ms']:.3f} ms, reads {t_step['bytes']['total'] / 1e9:.3f} GB; "
-                  f"floor {t_step['floor_ms']:.3f} ms ({t_step['ratio_to_floor']:.2f}x)")
+        out.print(f"one target decode step ({t_step['timing']}), {t_step['layers']} layers, {draft_context} cached "
+                  f"rows: {t_step['step_ms']:.3f} ms, reads {t_step['bytes']['total'] / 1e9:.4f} GB; {_floor(t_step)}")
     out.print("[dim]--json prints these numbers as one JSON document[/dim]")

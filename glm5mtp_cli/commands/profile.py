@@ -126,8 +126,7 @@ def profile_cmd(
         return
     from glm5mtp_cli.checkpoint.write import parse_size
     from glm5mtp_cli.diagnostics.profile import POLICIES, run_profile
-    from glm5mtp_cli.diagnostics.sizing import tp_table
-    from glm5mtp_cli.engine.parallel import check_tp
+    from glm5mtp_cli.diagnostics.sizing import check_tp_split, tp_table
     from glm5mtp_cli.engine.runtime import load_runtime, pick_device, pick_dtype
 
     gpu_bytes = parse_size(gpu_mem) if gpu_mem is not None else None
@@ -136,7 +135,7 @@ def profile_cmd(
     if note:
         err.print(f"[dim]{note}[/dim]", highlight=False)
     if predict_only:
-        check_tp(cfg, tp)
+        check_tp_split(cfg, tp)  # the sharding rules' sizes: a prediction needs no runtime for that tp
         if layers is not None:
             cfg = cfg.with_layers(layers)
         dev = pick_device(device) if device != "auto" else torch.device("cpu")
@@ -160,7 +159,7 @@ def profile_cmd(
     doc["predict_only"] = predict_only
     doc["tp"] = tp
     if tp > 1 or predict_only:
-        doc["tp_per_gpu"] = tp_table(cfg, c.gpu_mem, doc, tp, with_mtp=gamma > 0)
+        doc["tp_per_gpu"] = tp_table(cfg, c.gpu_mem, doc, tp, gamma > 0, dt)
     if plot is not None:
         _plot(plot, doc)
         doc["plot"] = "written"
@@ -227,7 +226,8 @@ def _print(out: Console, doc: dict) -> None:
 
 
 def _print_tp(out: Console, doc: dict) -> None:
-    """Two tables that each fit 80 columns: weights per GPU, then cache and concurrency per GPU."""
+    """Three tables that each fit 80 columns: weights per GPU; state and transient bytes per sequence
+    per GPU; bytes per sequence and concurrency per GPU."""
     tpd = doc["tp_per_gpu"]
     mark = lambda n: f"{n} *" if n == doc["tp"] else str(n)  # noqa: E731
     legend = f"* the --tp of this run ({doc['tp']})"
@@ -241,10 +241,22 @@ def _print_tp(out: Console, doc: dict) -> None:
             seen.add((r["tp"], r["format"]))
             w.add_row(mark(r["tp"]), r["format"], _fmt(r["weights_per_gpu_bytes"]), _fmt(r["replicated_per_gpu_bytes"]))
     out.print(w)
+    s = fit_table(out, f"bytes per sequence per GPU (cache {doc['dtype']}, budget {doc['budget']} tokens)",
+                  caption=legend + "; state: the cache pools' share of this rank; scratch+graphs: one verify's "
+                                   "activations and the CUDA-graph buffers (tp 1 values)")
+    for col in ("tp", "max-seq-len", "state ceil", "state budg", "scratch+graphs ceil", "budg"):
+        s.add_column(col, justify="right")
+    seen = set()
+    for r in tpd["rows"]:
+        if (r["tp"], r["max_seq_len"]) not in seen:
+            seen.add((r["tp"], r["max_seq_len"]))
+            st, tr = r["state_per_sequence_bytes"], r["scratch_graphs_per_sequence_bytes"]
+            s.add_row(mark(r["tp"]), str(r["max_seq_len"]), _fmt(st["ceiling"]), _fmt(st["budget"]),
+                      _fmt(tr["ceiling"]), _fmt(tr["budget"]))
+    out.print(s)
     t = fit_table(out, f"sequences per GPU (gpu-mem {_fmt(doc['gpu_mem_bytes'])}, cache {doc['dtype']}, "
-                       f"budget {doc['budget']} tokens)",
-                  caption=legend + "; cache/seq is the same on every rank (the MLA latent is replicated)")
-    for col in ("tp", "ckpt", "max-seq-len", "cache/seq ceil", "seqs", "cache/seq budg", "seqs"):
+                       f"budget {doc['budget']} tokens)", caption=legend)
+    for col in ("tp", "ckpt", "max-seq-len", "bytes/seq ceil", "seqs", "bytes/seq budg", "seqs"):
         t.add_column(col, justify="right")
     for r in tpd["rows"]:
         t.add_row(mark(r["tp"]), r["format"], str(r["max_seq_len"]),

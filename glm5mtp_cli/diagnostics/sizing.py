@@ -2,11 +2,13 @@
 read per decode step), per-sequence state bytes, verify scratch, CUDA-graph buffers, the cache
 layouts `info` compares (the byte formatter is glm5mtp_cli/units.py, free of torch for the commands).
 
-Per-sequence state comes from the model family's `state_components(cfg, dtype)`: each component's
-StateComponent.unit_bytes (a row of all its layers, or a whole recurrent slot) and bytes_for(tokens,
-block_size). So a family with fixed-size recurrent slots is counted by the same code as GLM-5's
-paged rows. Weight formulas read the checkpoint layout (models/glm5/layout.py) and GLM-5's
-sharding rule; activation formulas (scratch, graphs) are those of the PyTorch path.
+Per-sequence state comes from the model family's `state_components(cfg, dtype, tp=...)`: each
+component's StateComponent.unit_bytes (a row of all its layers, or a whole recurrent slot, per rank)
+and bytes_for(tokens, block_size). So a family with fixed-size recurrent slots is counted by the
+same code as GLM-5's paged rows. Weight formulas read the family's checkpoint layout and its
+sharding and FP8 rules (GLM-5: models/glm5/sharding.py; GLM-5-Next: the prediction in
+models/glm5_next/layout.py); the decode-step floors have one formula per component and family;
+activation formulas (scratch, graphs) are those of the PyTorch path.
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 # ---- weights ------------------------------------------------------------------------------------
 
 def tensor_bytes(family, name: str, shape: tuple[int, ...], elem_bytes: int,
-                 fp8_block: tuple[int, int] | None = None, held: bool = False) -> int:
+                 fp8_block: tuple[int, int] | None = None, held: bool = False, quantized: bool | None = None) -> int:
     """Bytes of one weight tensor: fp32 for the tensors the checkpoint stores in fp32 (held=False)
     or the model keeps in fp32 (held=True: routers, indexer weighting); FP8-quantized matrices at
-    1 byte plus one fp32 scale per block when fp8_block is given; else `elem_bytes` each."""
+    1 byte plus one fp32 scale per block when fp8_block is given (which ones: `quantized`, else
+    the family's is_fp8_quantized); else `elem_bytes` each."""
     n = math.prod(shape)
     if (family.keeps_fp32(name) if held else family.stored_fp32(name)):
         return 4 * n
-    if fp8_block is not None and family.is_fp8_quantized(name, shape):
+    if fp8_block is not None and (family.is_fp8_quantized(name, shape) if quantized is None else quantized):
         b0, b1 = fp8_block
         return n + 4 * (-(-shape[0] // b0)) * (-(-shape[1] // b1))
     return elem_bytes * n
@@ -54,17 +57,47 @@ def checkpoint_tensor_bytes(cfg, name: str, shape: tuple[int, ...]) -> int:
     return tensor_bytes(family_of(cfg), name, shape, dtype_bytes(cfg.torch_dtype), cfg.fp8_block if fp8 else None)
 
 
+def _tp_rules(cfg):
+    """The family's deployed form, per tensor: (split_over_ranks(name): whether --tp splits it, else
+    every rank holds it whole; fp8(name, shape): whether its FP8 checkpoint quantizes it; the sizes
+    that must divide by the rank count). GLM-5's are its runtime sharding rules; GLM-5-Next's are
+    layout.py's prediction of the same kind (KDA heads split, MLA latent and indexer whole)."""
+    if family_of(cfg).name == "glm5_next":
+        from glm5mtp_cli.models.glm5_next import layout as next_layout
+
+        return (next_layout.split_over_ranks, lambda name, shape: next_layout.fp8_quantized(cfg, name),
+                next_layout.tp_split_sizes(cfg))
+    from glm5mtp_cli.models.glm5.sharding import split_over_ranks
+
+    return split_over_ranks, family_of(cfg).is_fp8_quantized, None
+
+
+def check_tp_split(cfg, tp: int) -> None:
+    """One UserError line when the family's sharding rules cannot split the model `tp` ways (the
+    predicted per-GPU table asks this, whether or not the runtime can run that tp yet)."""
+    sizes = _tp_rules(cfg)[2]
+    if sizes is None or tp < 1:
+        from glm5mtp_cli.engine.parallel import check_tp
+
+        return check_tp(cfg, tp)
+    for what, n in sizes.items():
+        if n % tp:
+            raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); "
+                            f"choose a divisor of {math.gcd(*sizes.values())}")
+
+
 def weight_bytes_per_rank(cfg, tp: int, fmt: str, with_mtp: bool = True) -> dict[str, int]:
     """Bytes of weights on one rank for a checkpoint format: 'bf16' (2 bytes each) or 'fp8' (the
     FP8 checkpoint's quantized matrices at 1 byte plus one fp32 scale per 128x128 block, the rest
-    bf16; fp32 for router/bias tensors in both). Returns {'sharded': .., 'replicated': .., 'total': ..}."""
-    from glm5mtp_cli.models.glm5.sharding import split_over_ranks
-
+    bf16); fp32 for what the model keeps in fp32 in both. A split tensor is 1/tp of its bytes per
+    rank (whole experts, head groups, vocabulary rows). Returns {'sharded', 'replicated', 'total'}."""
     family = family_of(cfg)
+    split, fp8, _ = _tp_rules(cfg)
     out = {"sharded": 0, "replicated": 0}
     for name, shape in model_tensors(cfg, with_mtp):
-        b = tensor_bytes(family, name, shape, BF16, (128, 128) if fmt == "fp8" else None, held=True)
-        if split_over_ranks(name):
+        b = tensor_bytes(family, name, shape, BF16, (128, 128) if fmt == "fp8" else None, held=True,
+                         quantized=fmt == "fp8" and fp8(name, shape))
+        if split(name):
             out["sharded"] += -(-b // tp)
         else:
             out["replicated"] += b
@@ -111,6 +144,8 @@ def _cache_read_bytes(cfg, layer: int, elem_bytes: int, context: int) -> int:
 
 def draft_step_bytes(cfg, elem_bytes: int, context: int, draft_vocab: int | None = None) -> dict:
     """Bytes one chained draft step reads at batch 1 (the floor's numerator)."""
+    if family_of(cfg).name == "glm5_next":
+        return _next_draft_step_bytes(cfg, elem_bytes, context, draft_vocab)
     weights = _active_layer_bytes(cfg, cfg.mtp_layer_index, elem_bytes)
     head = (draft_vocab or cfg.vocab_size) * cfg.hidden_size * elem_bytes
     cache = _cache_read_bytes(cfg, cfg.mtp_layer_index, elem_bytes, context)
@@ -119,12 +154,71 @@ def draft_step_bytes(cfg, elem_bytes: int, context: int, draft_vocab: int | None
 
 def target_step_bytes(cfg, elem_bytes: int, context: int) -> dict:
     """Bytes one batch-1 decode step of the (truncated) target reads: its layers' active weights,
-    one embedding row, the final norm and the head, and each layer's cache reads."""
+    one embedding row, the final norm and the head, and each layer's cache reads (GLM-5-Next: and
+    its KDA states read and written)."""
+    if family_of(cfg).name == "glm5_next":
+        return _next_target_step_bytes(cfg, elem_bytes, context)
     layers = sum(_active_layer_bytes(cfg, i, elem_bytes) for i in range(cfg.num_hidden_layers))
     h = cfg.hidden_size
     top = (h + cfg.vocab_size * h) * elem_bytes + h * elem_bytes
     cache = sum(_cache_read_bytes(cfg, i, elem_bytes, context) for i in range(cfg.num_hidden_layers))
     return {"layer_weights": layers, "embed_norm_head": top, "cache": cache, "total": layers + top + cache}
+
+
+# GLM-5-Next's floors, one formula per component: a layer's active weights, a KDA layer's state, an
+# indexed layer's cache reads.
+
+def _next_active_layer_bytes(cfg, layer: int, elem_bytes: int) -> int:
+    """Weights of trunk layer `layer` (or the MTP layer) one batch-1 token reads: every tensor (mHC,
+    KDA or MLA with its indexer, router, shared expert, dense MLP), of the routed experts only the
+    top-k chosen; fp32 for what the model keeps in fp32."""
+    from glm5mtp_cli.models.glm5_next import layout as next_layout
+
+    shapes = next_layout.mtp_shapes(cfg) if layer == cfg.mtp_layer_index else next_layout.layer_shapes(cfg, layer)
+    total = 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        if name.startswith("mlp.experts."):
+            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += n * (4 if next_layout.keeps_fp32(name) else elem_bytes)
+    return total
+
+
+def _next_kda_state_bytes(cfg, elem_bytes: int) -> int:
+    """One KDA layer's per-token state traffic: the fp32 recurrent state [H, d, d] and the conv
+    window [K-1, 3C], each read and written once."""
+    h, d = cfg.linear_num_heads, cfg.linear_head_dim
+    return 2 * (h * d * d * 4 + (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.linear_dim * elem_bytes)
+
+
+def _next_cache_read_bytes(cfg, elem_bytes: int, context: int) -> int:
+    """Cache one query reads in an indexed layer at `context` cached rows: every pooled key (one
+    index_head_dim key per complete pool), the raw (key, gate) rows of the incomplete pool, and the
+    latent rows attended: the index_topk tokens of the selected pools plus the incomplete pool's
+    (all of them while the context is within index_topk)."""
+    P, di = cfg.index_kpool, cfg.index_head_dim
+    tail = context % P
+    latents = min(context, cfg.index_topk + tail)
+    return ((context // P) * di + tail * 2 * di + latents * cfg.kv_lora_rank) * elem_bytes
+
+
+def _next_draft_step_bytes(cfg, elem_bytes: int, context: int, draft_vocab: int | None) -> dict:
+    weights = _next_active_layer_bytes(cfg, cfg.mtp_layer_index, elem_bytes)
+    head = (draft_vocab or cfg.vocab_size) * cfg.hidden_size * elem_bytes
+    embed = cfg.hidden_size * elem_bytes
+    cache = _next_cache_read_bytes(cfg, elem_bytes, context)
+    return {"mtp_weights": weights, "lm_head": head, "embed_row": embed, "cache": cache,
+            "total": weights + head + embed + cache}
+
+
+def _next_target_step_bytes(cfg, elem_bytes: int, context: int) -> dict:
+    layers = sum(_next_active_layer_bytes(cfg, i, elem_bytes) for i in range(cfg.num_hidden_layers))
+    h = cfg.hidden_size
+    top = (h + h + cfg.vocab_size * h) * elem_bytes  # embedding row, final norm, lm_head
+    kda = len(cfg.kda_layers) * _next_kda_state_bytes(cfg, elem_bytes)
+    cache = len(cfg.indexed_layers) * _next_cache_read_bytes(cfg, elem_bytes, context)
+    return {"layer_weights": layers, "embed_norm_head": top, "kda_state": kda, "cache": cache,
+            "total": layers + top + kda + cache}
 
 
 # ---- per-sequence state -------------------------------------------------------------------------
@@ -137,11 +231,12 @@ def bytes_per_token(cfg, dtype: torch.dtype, with_drafter: bool = True) -> dict[
             for c in family_of(cfg).state_components(cfg, dtype, with_drafter=True)}
 
 
-def state_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, with_drafter: bool = True) -> dict[str, int]:
-    """Bytes one sequence holds per component when it reserves `tokens` rows (whole blocks of paged
-    rows, plus each slot once); drafter components are 0 without a drafter."""
+def state_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, with_drafter: bool = True,
+                tp: int = 1) -> dict[str, int]:
+    """Bytes one sequence holds per component on one of `tp` ranks when it reserves `tokens` rows
+    (whole blocks of paged rows, plus each slot once); drafter components are 0 without a drafter."""
     return {c.name: c.bytes_for(tokens, block_size) if c.owner == "target" or with_drafter else 0
-            for c in family_of(cfg).state_components(cfg, dtype, with_drafter=True)}
+            for c in family_of(cfg).state_components(cfg, dtype, with_drafter=True, tp=tp)}
 
 
 def scratch_bytes(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
@@ -242,36 +337,60 @@ def cache_layers(cfg) -> dict[str, int]:
 
 # ---- tensor parallelism: weights, cache and concurrency per GPU --------------------------------------
 
-def tp_table(cfg, gpu_mem: int, doc: dict, tp: int, with_mtp: bool) -> dict:
-    """Weights, cache per sequence and concurrent sequences per GPU for tp in {1, 2, 4, 8, --tp} that
-    divide the model, for the bf16 and the FP8 checkpoint (weights as served: FP8 stays 1 byte +
-    block scales). The per-sequence cache is the same on every rank: the MLA latent is shared by
-    all heads, so tensor parallelism replicates it (vLLM's MLA does the same) instead of splitting it.
+def tp_table(cfg, gpu_mem: int, doc: dict, tp: int, with_mtp: bool, dtype: torch.dtype) -> dict:
+    """Weights, bytes per sequence and concurrent sequences per GPU for tp in {1, 2, 4, 8, --tp}
+    that the family's sharding rules divide, for the bf16 and the FP8 checkpoint (weights as served:
+    FP8 stays 1 byte + block scales). A sequence's state on one rank is the family's
+    state_components at that tp (pools of the same sizes as the engine's); its verify scratch and
+    graph buffers are the tp 1 values (an upper bound: attention heads split too).
     `doc` is run_profile's document (its rows alternate ceiling, budget)."""
-    from glm5mtp_cli.engine.parallel import check_tp
-
     family = family_of(cfg)
-    fp8 = any(family.is_fp8_quantized(name, shape) for name, shape in family.tensor_shapes(cfg))
-    formats = ("bf16", "fp8") if fp8 else ("bf16",)  # a family without an FP8 layout has no fp8 rows
+    fp8 = _tp_rules(cfg)[1]
+    has_fp8 = any(fp8(name, shape) for name, shape in family.tensor_shapes(cfg))
+    formats = ("bf16", "fp8") if has_fp8 else ("bf16",)  # a family without an FP8 layout has no fp8 rows
     rows = []
     for n in sorted({1, 2, 4, 8, tp}):
         try:
-            check_tp(cfg, n)
+            check_tp_split(cfg, n)
         except UserError:
             continue
         for fmt in formats:
             w = weight_bytes_per_rank(cfg, n, fmt, with_mtp)
             for r_ceil, r_bud in zip(doc["rows"][0::2], doc["rows"][1::2]):
-                per = {"ceiling": r_ceil["per_sequence_bytes"]["total"], "budget": r_bud["per_sequence_bytes"]["total"]}
+                state, transient, per = {}, {}, {}
+                for policy, r in (("ceiling", r_ceil), ("budget", r_bud)):
+                    st = state_bytes(cfg, dtype, r["reserved_tokens"], doc["block_size"], with_mtp, tp=n)
+                    state[policy] = sum(st.values())
+                    transient[policy] = r["per_sequence_bytes"]["scratch"] + r["per_sequence_bytes"]["cuda_graphs"]
+                    per[policy] = state[policy] + transient[policy]
                 free = gpu_mem - w["total"]
                 rows.append({"tp": n, "format": fmt, "weights_per_gpu_bytes": w["total"],
                              "sharded_per_gpu_bytes": w["sharded"], "replicated_per_gpu_bytes": w["replicated"],
-                             "max_seq_len": r_ceil["max_seq_len"], "per_sequence_bytes": per,
+                             "max_seq_len": r_ceil["max_seq_len"], "state_per_sequence_bytes": state,
+                             "scratch_graphs_per_sequence_bytes": transient, "per_sequence_bytes": per,
                              "max_concurrent_sequences": {k: max(0, free // v) for k, v in per.items()}})
-    return {"rows": rows, "notes": [
+    return {"rows": rows, "notes": _TP_NOTES[family.name]}
+
+
+_TP_NOTES = {
+    "glm5": [
         "MLA latent cache (and the DSA indexer keys) are replicated on every rank, not split by heads: the latent "
         "is shared by all heads, as in vLLM's tensor parallel MLA; per-sequence cache per GPU equals the tp 1 value.",
         "weights/GPU: q_b/kv_b/o_proj split by heads, routed experts E/N per rank, shared expert and dense MLPs "
         "column/row split, embed_tokens and lm_head split by vocabulary; q_a/kv_a, norms, router, DSA indexer, "
         "eh_proj replicated. fp8: quantized matrices 1 byte + fp32 scale per 128x128 block (as served).",
-        "max seqs = (gpu-mem - weights/GPU) // cache per sequence (no activation or CUDA-graph reserve)."]}
+        "max seqs = (gpu-mem - weights/GPU) // bytes per sequence (cache + one verify's scratch + CUDA-graph "
+        "buffers; no other reserve)."],
+    "glm5_next": [
+        "state per GPU: KDA recurrent state and conv window split by heads (H/N heads per rank); the MLA latent "
+        "rows and the pooled indexer rows are replicated on every rank (shared by all heads).",
+        "weights/GPU: KDA q/k/v (+ convs), f_b/g_b, b_proj, dt_bias, A_log split by heads and o_proj row split; "
+        "MLA q_b/kv_b split by heads, o_proj row split; routed experts E/N per rank; shared expert and "
+        "dense MLP column/row split; embed_tokens/lm_head split by vocabulary; replicated: MLA q_a/kv_a, the "
+        "pooled indexer, KDA f_a/g_a/o_norm, mHC, norms, routers, eh_proj.",
+        "fp8 (predicted from the official FP8 checkpoint, models/glm5_next/layout.fp8_quantized): MLA "
+        "q_a/q_b/kv_a/o and dense/shared/routed expert matrices at 1 byte + fp32 scale per 128x128 block; KDA, "
+        "kv_b, indexer, mHC, routers, embeddings and lm_head bf16.",
+        "max seqs = (gpu-mem - weights/GPU) // bytes per sequence (state per GPU + the tp 1 verify scratch; "
+        "GLM-5-Next runs eagerly: no CUDA-graph buffers)."],
+}

@@ -164,3 +164,49 @@ def stored_fp32(name: str) -> bool:
     """Tensors the published checkpoint stores in fp32 (REFERENCE-glm5next section 2 and trap 15)."""
     last = name.rsplit(".", 1)[-1]
     return last in ("A_log", "dt_bias", "e_score_correction_bias") or (last.startswith("hc_") and not last.endswith("_fn"))
+
+
+# ---- the deployed form, as predicted from the config (diagnostics/sizing.py) ----------------------
+
+# KDA tensors split by heads over ranks (each rank runs H/N heads: their q/k/v rows and convs, gate
+# rows, beta rows, decay parameters); f_a/g_a (shared low-rank inputs) and o_norm (one per head
+# dim, shared by all heads) stay whole.
+_KDA_HEAD_SPLIT = tuple(f"self_attn.{x}" for x in (
+    "q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
+    "f_b_proj.weight", "g_b_proj.weight", "b_proj.weight", "dt_bias", "A_log"))
+_HEAD_SPLIT = _KDA_HEAD_SPLIT + ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
+# What the official FP8 checkpoint quantizes (e4m3 + fp32 `weight_scale_inv` per 128x128 block,
+# REFERENCE-glm5next section 2): the MLA projections but kv_b, and every MLP matrix but the router.
+_FP8_MLA = tuple(f"self_attn.{x}.weight" for x in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"))
+
+
+def split_over_ranks(name: str) -> bool:
+    """Whether tensor parallelism splits `name` over ranks, else every rank holds it whole. Split:
+    KDA heads and MLA heads (q_b/kv_b) with both o_proj (row parallel), routed experts (E/N whole
+    experts per rank), shared expert and dense MLP (column/row), embed_tokens and lm_head (vocabulary).
+    Whole: MLA q_a/kv_a, the pooled indexer, KDA f_a/g_a/o_norm, mHC, norms, routers, eh_proj."""
+    if name.endswith(("embed_tokens.weight", LM_HEAD)):
+        return True
+    if name.endswith(_HEAD_SPLIT):
+        return True
+    return ".mlp." in name and ".mlp.gate." not in name
+
+
+def tp_split_sizes(cfg: NextConfig) -> dict[str, int]:
+    """The sizes split_over_ranks divides: each must divide by the rank count."""
+    return {"num_attention_heads": cfg.num_attention_heads, "linear_num_heads (KDA)": cfg.linear_num_heads,
+            "n_routed_experts": cfg.n_routed_experts, "intermediate_size (dense MLP)": cfg.intermediate_size,
+            "moe_intermediate_size x n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts}
+
+
+def fp8_quantized(cfg: NextConfig, name: str) -> bool:
+    """Whether the official FP8 checkpoint stores `name` as float8_e4m3fn with a 128x128-block
+    `weight_scale_inv`: MLA q_a/q_b/kv_a/o of the indexed layers and the MTP layer, and the gate/up/
+    down matrices of dense MLPs, routed and shared experts. bf16: every KDA tensor (its o_proj too),
+    kv_b, the indexer, mHC, routers, eh_proj, embed_tokens, lm_head."""
+    m = _LAYER_NO.search(name)
+    if m is None:
+        return False
+    if ".mlp." in name:
+        return name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    return name.endswith(_FP8_MLA) and not cfg.is_kda(int(m.group(1)))

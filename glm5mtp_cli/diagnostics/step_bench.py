@@ -1,0 +1,266 @@
+"""One draft step and one target decode step (batch 1) against their memory floors, at a model's
+real dimensions with random weights built on the device (`bench --random-weights`), or on a
+loaded model's MTP layer (the draft step of every `bench`).
+
+A step at a context of L rows runs over the engine's pools (engine/cache.py) filled with random
+values (MLA latents, indexer rows, recurrent states), so it costs what it costs in the engine
+without prefilling L tokens. The floor is the bytes the step must read (sizing.draft_step_bytes,
+sizing.target_step_bytes: active weights, cache reads, recurrent state traffic) over a copy
+bandwidth measured in the same run. Timing: GLM-5 on CUDA replays the forward as a CUDA graph
+(what the engine replays), timed with device events; families whose forwards run eagerly
+(fixed-size state slots, GLM-5-Next) and every CPU run are host-timed around a synchronised
+eager forward. Both report the median of `repeats` runs after 3 warm-ups.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from glm5mtp_cli.checkpoint.load import build_loaded
+from glm5mtp_cli.checkpoint.random import RandomReader
+from glm5mtp_cli.diagnostics.sizing import draft_step_bytes, target_step_bytes
+from glm5mtp_cli.engine.draft_vocab import load_draft_ids
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models import family_of
+from glm5mtp_cli.models.family import SLOT
+
+WARMUPS = 3
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def eager_only(cfg, dtype: torch.dtype) -> bool:
+    """Whether the family's forwards run eagerly only (engine.runtime.graph_mode's rule: fixed-size
+    state slots are read on the host)."""
+    return any(c.kind == SLOT for c in family_of(cfg).state_components(cfg, dtype))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
+    """Device-to-device copy, bytes read + written per second (the memory ceiling)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return nbytes / statistics.median(times)
+
+
+def _graph_step_seconds(f, context: int, repeats: int) -> float:
+    """Capture a one-row static forward (graphs.StaticForward) appending at row `context` and
+    return the median device time of its replays."""
+    f.ids.fill_(1)
+    f.set_starts([context])
+    f.capture(torch.cuda.graph_pool_handle())
+    try:
+        return _replay_seconds(f.run, repeats)
+    finally:
+        f.close()
+
+
+def _replay_seconds(run, repeats: int) -> float:
+    """Median device time of one call of `run` (CUDA events around each; after the warm-ups)."""
+    for _ in range(WARMUPS):
+        run()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _host_seconds(step, reset, device: torch.device, repeats: int) -> float:
+    """Median host time of a synchronised `step` (after the warm-ups); `reset` (untimed) after each."""
+    times = []
+    for i in range(repeats + WARMUPS):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= WARMUPS:
+            times.append(time.perf_counter() - t0)
+        reset()
+    return statistics.median(times)
+
+
+def _fill_random(pools) -> None:
+    for pool in pools.pools.values():
+        pool.data.normal_(0, 1)
+
+
+def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, context: int,
+                    draft_ids: torch.Tensor | None = None, repeats: int = 20, graphs: bool = True) -> float:
+    """Median seconds of one chained draft step (batch 1) at a context of `context` drafter rows:
+    one new row appended and dropped again. CUDA graph replays with `graphs` on CUDA, else eager."""
+    from glm5mtp_cli.engine.cache import CachePools
+    from glm5mtp_cli.engine.graphs import sequence_forward
+    from glm5mtp_cli.engine.mtp_head import MtpHead
+
+    cfg = mtp.cfg
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device)
+    # GLM-5-Next always chains on the post-norm hidden (its config has no such switch)
+    head_ = MtpHead(mtp, embed, head, pools, context + 8, draft_ids=draft_ids,
+                    carry_normed=getattr(cfg, "mtp_carry_normed_hidden", True))
+    state = head_.alloc_state_for(context + 8)
+    out_head = head_.draft_head or head
+    try:
+        _fill_random(pools)
+        state.cache.length = state.real_rows = context
+        hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
+        token = torch.tensor([1], device=device)
+        if graphs and device.type == "cuda":
+            f = sequence_forward(head_.context,
+                                 lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
+                                 state.cache, 1, device, (cfg.hidden_size, dtype))
+            f.hidden.copy_(hidden[None])
+            return _graph_step_seconds(f, context, repeats)
+        return _host_seconds(lambda: mtp(token[None], hidden[None], [state.cache], embed, out_head, rows="last"),
+                             lambda: state.cache.truncate(context), device, repeats)
+    finally:
+        head_.free_state(state)
+
+
+def time_target_step(target, device: torch.device, dtype: torch.dtype, context: int, repeats: int = 20,
+                     graphs: bool = True) -> float:
+    """Median seconds of one batch-1 decode step of `target` at `context` cached rows: CUDA graph
+    replays with `graphs` on CUDA; else an eager forward of one row plus the commit of its
+    fixed-size state (what the engine's truncate after a verify writes), host-timed."""
+    from glm5mtp_cli.engine.cache import CachePools
+    from glm5mtp_cli.engine.graphs import sequence_forward
+
+    cfg = target.cfg
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, with_drafter=False)
+    cache = pools.target_cache()
+    cache.reserve(context + 8)
+    try:
+        _fill_random(pools)
+        if graphs and device.type == "cuda":
+            f = sequence_forward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
+                                 cache, 1, device)
+            return _graph_step_seconds(f, context, repeats)
+        cache.length = context
+        ids = torch.ones(1, 1, dtype=torch.long, device=device)
+
+        def step():
+            target(ids, [cache], rows="last")
+            cache.truncate(context + 1)  # keeps the row: commits the recurrent state it advanced
+
+        def reset():
+            cache.length = context  # the next step overwrites that row; states stay random-like
+
+        return _host_seconds(step, reset, device, repeats)
+    finally:
+        cache.release()
+
+
+def check_target_layers(cfg, layers: int) -> None:
+    """One UserError line unless the first `layers` layers hold every kind of per-sequence state
+    the full target holds (GLM-5-Next: KDA and indexed MLA layers, as cfg.layer_types places them)."""
+    n = cfg.num_hidden_layers
+    if not 1 <= layers <= n:
+        raise UserError(f"--target-layers must be in 1..{n} (0: skip), got {layers}")
+    family = family_of(cfg)
+    full = {c.name for c in family.state_components(cfg, torch.float32, with_drafter=False)}
+    kept = {c.name for c in family.state_components(cfg.with_layers(layers), torch.float32, with_drafter=False)}
+    if kept != full:
+        raise UserError(f"--target-layers {layers}: layers 0..{layers - 1} hold no {', '.join(sorted(full - kept))} "
+                        "state; the step must include every kind of layer the model has: give more layers")
+
+
+def random_target(cfg, layers: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The target truncated to `layers` layers with random weights (checkpoint.random's initialiser)
+    built on the device."""
+    family = family_of(cfg)
+    reader = RandomReader(cfg, seed)
+    return build_loaded(lambda: family.build_target(cfg.with_layers(layers)), reader, "", dtype, device,
+                        family.keeps_fp32, what="target").eval()
+
+
+def _top_level(reader: RandomReader, suffix: str) -> str:
+    """The prefix of the target's own `suffix` tensor (embed_tokens, lm_head) in the family's layout."""
+    name = next(n for n in reader.shapes if n.endswith(suffix) and ".layers." not in n)
+    return name[:-len("weight")]
+
+
+def fp8_config(cfg):
+    """cfg as an FP8 checkpoint's (GLM-5-FP8's quantization_config): a RandomReader over it makes the
+    family's quantized matrices FP8 with 128x128 block scales, and the step floors count those bytes."""
+    import dataclasses
+
+    from glm5mtp_cli.checkpoint.write import FP8_QUANT_CONFIG
+
+    if not hasattr(cfg, "quantization_config") or not any(
+            family_of(cfg).is_fp8_quantized(n, s) for n, s in family_of(cfg).tensor_shapes(cfg)):
+        raise UserError(f"--fp8: model type {cfg.model_type} has no FP8 layout here")
+    return dataclasses.replace(cfg, quantization_config=dict(FP8_QUANT_CONFIG))
+
+
+def random_drafter(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The MTP layer, embeddings and head with random weights (checkpoint.random's initialiser)
+    built on the device: real dimensions without a checkpoint on disk (the draft step's time does
+    not depend on the values)."""
+    from torch import nn
+
+    family = family_of(cfg)
+    reader = RandomReader(cfg, seed)
+    mtp = build_loaded(lambda: family.build_mtp(cfg), reader, family.mtp_prefix(cfg), dtype, device,
+                       family.keeps_fp32, what="MTP layer")
+    embed = build_loaded(lambda: nn.Embedding(cfg.vocab_size, cfg.hidden_size), reader,
+                         _top_level(reader, "embed_tokens.weight"), dtype, device)
+    head = build_loaded(lambda: nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False), reader,
+                        _top_level(reader, "lm_head.weight"), dtype, device)
+    return mtp.eval(), embed, head
+
+
+def _against_floor(step_s: float, nbytes: dict, bw: float | None) -> dict:
+    floor = nbytes["total"] / bw if bw else None
+    return {"step_ms": step_s * 1e3, "bytes": nbytes, "copy_bandwidth_bytes_per_s": bw,
+            "floor_ms": floor * 1e3 if floor else None, "ratio_to_floor": step_s / floor if floor else None}
+
+
+def target_step(cfg, layers: int, dev: torch.device, dt: torch.dtype, context: int, bw: float | None,
+                graphs: bool) -> dict:
+    """One decode step of a random target truncated to `layers`, timed and set against its memory floor."""
+    target = random_target(cfg, layers, dev, dt)
+    step_s = time_target_step(target, dev, dt, context, graphs=graphs)
+    nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=dt).element_size(), context)
+    del target
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"layers": layers, "context": context, "timing": "cuda graph" if graphs and dev.type == "cuda" else "eager",
+            **_against_floor(step_s, nbytes, bw)}
+
+
+def draft_step(mtp, embed, head, cfg, dev: torch.device, dt: torch.dtype, context: int, k: int,
+               folder, bw: float | None, graphs: bool, counts_file=None) -> dict:
+    """One chained draft step over a vocabulary of k tokens (0: all), timed and set against its memory floor.
+    folder/counts_file: where the token counts for k come from (random weights: the first k ids)."""
+    ids = None
+    if k:
+        # a checkpoint drafts over its most frequent tokens; random weights have no counts: first k ids
+        ids = (load_draft_ids(folder, k, cfg.vocab_size, dev, path=counts_file) if folder is not None
+               else torch.arange(min(k, cfg.vocab_size), device=dev))
+    step_s = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs)
+    nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=dt).element_size(), context, k or None)
+    return {"draft_vocab": k or None, "context": context,
+            "timing": "cuda graph" if graphs and dev.type == "cuda" else "eager", **_against_floor(step_s, nbytes, bw)}
