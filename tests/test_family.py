@@ -172,7 +172,7 @@ class FakeFamily:
     def parse_config(self, raw, source):
         return FakeConfig(**{k: v for k, v in raw.items() if k != "model_type"})
 
-    def state_components(self, cfg, dtype, with_drafter=True):
+    def state_components(self, cfg, dtype, with_drafter=True, tp=1):
         return [StateComponent("target_row", "target", ROWS, 1, (cfg.hidden_size,), dtype),
                 StateComponent("target_rec", "target", SLOT, 1, (cfg.hidden_size,), dtype)]
 

@@ -36,6 +36,11 @@ class BlockPool:
         self._held: set[int] = set()
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        """One row's shape (the component's per-layer shape)."""
+        return (self.width,)
+
+    @property
     def bytes_per_block(self) -> int:
         return self.num_layers * self.block_size * self.width * self.data.element_size()
 
@@ -137,6 +142,7 @@ class SlotPool:
         self.num_layers = num_layers
         self.data = torch.zeros(num_layers, num_slots, *shape, dtype=dtype, device=device)
         self.slot_bytes = self.data[:, 0].numel() * self.data.element_size()
+        self.shape = tuple(shape)
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._held: set[int] = set()
@@ -315,11 +321,12 @@ class CachePools:
 
     @classmethod
     def create(cls, cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
-               device: torch.device | str, with_drafter: bool = True) -> "CachePools":
+               device: torch.device | str, with_drafter: bool = True, tp: int = 1) -> "CachePools":
         """Pools for `num_blocks` blocks per row component; slot components get one slot per
-        block, which is never fewer than the sequences the block pools can hold."""
+        block, which is never fewer than the sequences the block pools can hold. tp: the ranks the
+        model is sharded over (a rank's pools hold its share of head-split state)."""
         pools, owners = {}, {}
-        for c in family_of(cfg).state_components(cfg, dtype, with_drafter):
+        for c in family_of(cfg).state_components(cfg, dtype, with_drafter, tp=tp):
             if c.kind == SLOT:
                 pools[c.name] = SlotPool(c.name, c.layers, c.shape, num_blocks, c.dtype, device)
             else:

@@ -5,10 +5,11 @@ no model family owns.
 and `VocabParallelHead` split embed_tokens and lm_head by vocabulary (masked lookup + all-reduce;
 local logits gathered into the full row, or a (max, index) exchange for greedy). How a family's
 layers split (which projections are column or row parallel, which experts a rank holds) is the
-family's sharding rule (GLM-5: models/glm5/sharding.py); it shards a module built on the meta
-device and returns the slicing plan (checkpoint name -> (dim, start, stop)) that
-`checkpoint.load.load_module` reads with safetensors' lazy slices, so a rank never holds more
-than its own part of a tensor.
+family's sharding rule (models/glm5/sharding.py, models/glm5_next/sharding.py); it shards a
+module built on the meta device and returns the slicing plan (checkpoint name -> (dim, start, stop))
+that `checkpoint.load.load_module` reads with safetensors' lazy slices, so a rank never holds more
+than its own part of a tensor. The pieces both families split the same way (a linear's rows or
+columns, a SwiGLU MLP, the stacked-expert MoE, the vocabulary) are here.
 """
 
 from __future__ import annotations
@@ -127,3 +128,71 @@ class VocabParallelHead(nn.Module):
     def argmax(self, h: torch.Tensor) -> torch.Tensor:
         """Greedy token by the (max, index) exchange, without gathering the logits."""
         return self.comm.argmax(self.local_logits(h), self.start)
+
+
+# ---- sharding a module built on the meta device (shared by the families' rules) ------------------
+
+def split_even(n: int, rank: int, world: int) -> tuple[int, int]:
+    """This rank's contiguous [start, stop) of n (n % world == 0: the family's check_tp says so)."""
+    per = n // world
+    return rank * per, (rank + 1) * per
+
+
+def meta_param(shape, like: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=like.dtype, device="meta"), requires_grad=like.requires_grad)
+
+
+def shard_param(owner: nn.Module, attr: str, dim: int, start: int, stop: int, name: str, plan: Plan) -> None:
+    """Replace owner.<attr> (a parameter) by its [start, stop) slice along `dim`; `name` is its
+    checkpoint name."""
+    p = getattr(owner, attr)
+    shape = list(p.shape)
+    shape[dim] = stop - start
+    setattr(owner, attr, meta_param(shape, p))
+    plan[name] = (dim, start, stop)
+
+
+def shard_linear(lin: nn.Linear, dim: int, start: int, stop: int, name: str, plan: Plan) -> None:
+    """lin's weight sliced along `dim` (0: output rows, column parallel; 1: input columns, row
+    parallel); `name` is the linear's checkpoint name without `.weight`."""
+    shard_param(lin, "weight", dim, start, stop, name + ".weight", plan)
+    if dim == 0:
+        lin.out_features = stop - start
+    else:
+        lin.in_features = stop - start
+
+
+def shard_mlp(mlp: nn.Module, prefix: str, comm: Comm, plan: Plan, reduce: bool) -> None:
+    """SwiGLU: gate/up column parallel, down row parallel; `reduce`: the MLP sums over ranks itself
+    (a shared expert leaves it to its MoE's one all-reduce)."""
+    a, b = split_even(mlp.gate_proj.weight.shape[0], comm.rank, comm.world)
+    shard_linear(mlp.gate_proj, 0, a, b, prefix + "gate_proj", plan)
+    shard_linear(mlp.up_proj, 0, a, b, prefix + "up_proj", plan)
+    shard_linear(mlp.down_proj, 1, a, b, prefix + "down_proj", plan)
+    mlp.comm = comm if reduce else None
+
+
+def shard_moe(moe: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
+    """The router replicated; routed experts expert parallel (E/N contiguous ids per rank: only
+    those are named, so only those are read); the shared expert column/row parallel; routed and
+    shared partials summed in ONE all-reduce (the MoE's comm)."""
+    ex = moe.experts
+    e0, e1 = split_even(ex.n_experts, comm.rank, comm.world)
+    for n in ("gate", "up", "down"):
+        p = getattr(ex, n)
+        setattr(ex, n, meta_param((e1 - e0, *p.shape[1:]), p))
+    ex.n_experts = e1 - e0
+    ex.offset = e0
+    shard_mlp(moe.shared_experts, prefix + "shared_experts.", comm, plan, reduce=False)
+    moe.comm = comm
+
+
+def vocab_parallel(embed: nn.Module, head: nn.Module, comm: Comm, embed_name: str, head_name: str,
+                   plan: Plan) -> tuple[VocabParallelEmbedding, VocabParallelHead]:
+    """Vocabulary-parallel replacements (on meta) of an embedding and an lm_head, planned by name."""
+    vocab, hidden = embed.weight.shape
+    emb = VocabParallelEmbedding(vocab, hidden, comm, device="meta", dtype=embed.weight.dtype)
+    out = VocabParallelHead(vocab, hidden, comm, device="meta", dtype=head.weight.dtype)
+    plan[embed_name] = (0, emb.start, emb.stop)
+    plan[head_name] = (0, out.start, out.stop)
+    return emb, out

@@ -153,11 +153,26 @@ class Runtime:
                 "lm_head": head.numel() * head.element_size(),
                 "mtp_layer": size(self.mtp)}
 
+    @property
+    def tp(self) -> int:
+        """Ranks the weights are sharded over (1: one device)."""
+        return self.comm.world if self.comm is not None else 1
+
     def make_pools(self, tokens_per_seq: int, concurrent: int, block_size: int = 16) -> CachePools:
         # + 1: the scratch block a batch's static forwards send padding and retired rows to (graphs.py)
         blocks = concurrent * math.ceil(tokens_per_seq / block_size) + 1
         return CachePools.create(self.cfg, blocks, block_size, self.dtype, self.device,
-                                 with_drafter=self.mtp is not None)
+                                 with_drafter=self.mtp is not None, tp=self.tp)
+
+
+def check_pools(rt: "Runtime", pools: CachePools) -> None:
+    """One line when pools do not hold what rt's (sharded) model reads: pools built for another
+    rank count than the model's (a KDA state holds only this rank's heads)."""
+    want = {c.name: c.shape for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype, tp=rt.tp)}
+    for name, pool in pools.pools.items():
+        if name in want and pool.shape != want[name]:
+            raise UserError(f"the {name} state pool has shape {list(pool.shape)} but the model, sharded over "
+                            f"{rt.tp} rank(s), reads {list(want[name])}: its pools were not built for --tp {rt.tp}")
 
 
 def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: SamplingParams = SamplingParams(),
@@ -165,6 +180,7 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
                 **options) -> SpecEngine:
     """The engine over rt's target with its family's proposer (none at gamma 0); `options` are
     SpecEngine's (alloc, eos_ids, graphs, inject_leak, ...)."""
+    check_pools(rt, pools)
     device = options.pop("device", rt.device)
     gen = torch.Generator(device=torch.device(device)).manual_seed(sampling.seed)
     proposer = None

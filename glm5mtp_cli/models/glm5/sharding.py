@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from glm5mtp_cli.engine.parallel import Comm, Plan, VocabParallelEmbedding, VocabParallelHead
+from glm5mtp_cli.engine.parallel import Comm, Plan, shard_linear, shard_mlp, shard_moe, split_even, vocab_parallel
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.glm5.attention import MLAttention
 from glm5mtp_cli.models.glm5.config import ModelConfig
@@ -42,84 +42,35 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
                             f"choose a divisor of {math.gcd(*[v for v in sizes.values() if v])}")
 
 
-def _split(n: int, rank: int, world: int) -> tuple[int, int]:
-    """Even contiguous split of n (n % world == 0)."""
-    per = n // world
-    return rank * per, (rank + 1) * per
-
-
 # ---- sharding a (meta) model ----------------------------------------------------------------------
-
-def _meta_param(shape, like: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=like.dtype, device="meta"), requires_grad=like.requires_grad)
-
-
-def _shard_linear(lin: nn.Linear, dim: int, start: int, stop: int, name: str, plan: Plan) -> None:
-    """Replace lin.weight by its [start, stop) slice along `dim` (0: output rows, 1: input columns)."""
-    shape = list(lin.weight.shape)
-    shape[dim] = stop - start
-    lin.weight = _meta_param(shape, lin.weight)
-    if dim == 0:
-        lin.out_features = stop - start
-    else:
-        lin.in_features = stop - start
-    plan[name + ".weight"] = (dim, start, stop)
-
-
-def _shard_mlp(mlp: nn.Module, prefix: str, comm: Comm, plan: Plan, reduce: bool) -> None:
-    inner = mlp.gate_proj.weight.shape[0]
-    a, b = _split(inner, comm.rank, comm.world)
-    _shard_linear(mlp.gate_proj, 0, a, b, prefix + "gate_proj", plan)
-    _shard_linear(mlp.up_proj, 0, a, b, prefix + "up_proj", plan)
-    _shard_linear(mlp.down_proj, 1, a, b, prefix + "down_proj", plan)
-    mlp.comm = comm if reduce else None
-
 
 def _shard_attention(attn: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
     heads = attn.n_heads
-    h0, h1 = _split(heads, comm.rank, comm.world)
+    h0, h1 = split_even(heads, comm.rank, comm.world)
     qk = attn.nope + attn.rope
     kv = attn.nope + attn.v_dim
-    _shard_linear(attn.q_b_proj, 0, h0 * qk, h1 * qk, prefix + "q_b_proj", plan)
-    _shard_linear(attn.kv_b_proj, 0, h0 * kv, h1 * kv, prefix + "kv_b_proj", plan)
-    _shard_linear(attn.o_proj, 1, h0 * attn.v_dim, h1 * attn.v_dim, prefix + "o_proj", plan)
+    shard_linear(attn.q_b_proj, 0, h0 * qk, h1 * qk, prefix + "q_b_proj", plan)
+    shard_linear(attn.kv_b_proj, 0, h0 * kv, h1 * kv, prefix + "kv_b_proj", plan)
+    shard_linear(attn.o_proj, 1, h0 * attn.v_dim, h1 * attn.v_dim, prefix + "o_proj", plan)
     attn.n_heads = h1 - h0
     attn.comm = comm
-
-
-def _shard_moe(moe: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
-    ex = moe.experts
-    e0, e1 = _split(ex.n_experts, comm.rank, comm.world)
-    for n in ("gate", "up", "down"):
-        p = getattr(ex, n)
-        setattr(ex, n, _meta_param((e1 - e0, *p.shape[1:]), p))
-    ex.n_experts = e1 - e0
-    ex.offset = e0  # state_dict names the global ids e0..e1-1: only those are read
-    _shard_mlp(moe.shared_experts, prefix + "shared_experts.", comm, plan, reduce=False)
-    moe.comm = comm
 
 
 def _shard_layer(layer: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
     _shard_attention(layer.self_attn, prefix + "self_attn.", comm, plan)
     if isinstance(layer.mlp, MoE):
-        _shard_moe(layer.mlp, prefix + "mlp.", comm, plan)
+        shard_moe(layer.mlp, prefix + "mlp.", comm, plan)
     else:
-        _shard_mlp(layer.mlp, prefix + "mlp.", comm, plan, reduce=True)
+        shard_mlp(layer.mlp, prefix + "mlp.", comm, plan, reduce=True)
 
 
 def shard_target(model: nn.Module, comm: Comm) -> Plan:
     """Shard a Glm5ForCausalLM (parameters on meta) in place; returns the slicing plan."""
     plan: Plan = {}
-    cfg = model.cfg
     for i, layer in enumerate(model.model.layers):
         _shard_layer(layer, f"model.layers.{i}.", comm, plan)
-    emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, device="meta",
-                                 dtype=model.model.embed_tokens.weight.dtype)
-    head = VocabParallelHead(cfg.vocab_size, cfg.hidden_size, comm, device="meta", dtype=model.lm_head.weight.dtype)
-    model.model.embed_tokens = emb
-    model.lm_head = head
-    plan["model.embed_tokens.weight"] = (0, emb.start, emb.stop)
-    plan["lm_head.weight"] = (0, head.start, head.stop)
+    model.model.embed_tokens, model.lm_head = vocab_parallel(model.model.embed_tokens, model.lm_head, comm,
+                                                             "model.embed_tokens.weight", "lm_head.weight", plan)
     model.comm = comm
     return plan
 

@@ -70,7 +70,11 @@ class MlaPending:
 
 
 class MlaLayer(nn.Module):
-    """Parameters named as the checkpoint's `self_attn.*` of an indexed layer."""
+    """Parameters named as the checkpoint's `self_attn.*` of an indexed layer. Under --tp it holds
+    `heads` of the model's heads (the latent and the indexer are whole) and o_proj's partial sum is
+    added over ranks (`comm`)."""
+
+    comm = None
 
     def __init__(self, cfg: NextConfig):
         super().__init__()
@@ -126,4 +130,5 @@ class MlaLayer(nn.Module):
         o_lat = torch.einsum("thl,lr->thr", att, latent)
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(T, self.heads * self.dv)
         pending = MlaPending(p, P, c_new, raw, new_pools, sel, scores)
-        return self.o_proj(o), pending
+        out = self.o_proj(o)
+        return (out if self.comm is None else self.comm.all_reduce_sum(out)), pending

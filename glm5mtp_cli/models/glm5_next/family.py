@@ -10,7 +10,7 @@ import torch
 from glm5mtp_cli.engine.mtp_head import MtpHead
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
-from glm5mtp_cli.models.glm5_next import layout
+from glm5mtp_cli.models.glm5_next import layout, sharding
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from glm5mtp_cli.models.glm5_next.decoder import Glm5NextForCausalLM
 from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
@@ -89,14 +89,13 @@ class Glm5NextFamily:
         return layout.keeps_fp32(name)
 
     def check_tp(self, cfg: NextConfig, tp: int) -> None:
-        if tp > 1:
-            raise UserError("--tp is not supported for glm5_next yet")
+        sharding.check_tp(cfg, tp)
 
-    def shard_target(self, model, comm):
-        raise UserError("--tp is not supported for glm5_next yet")
+    def shard_target(self, model: PooledTarget, comm):
+        return sharding.shard_target(model, comm)
 
-    def shard_mtp(self, layer, comm, prefix: str):
-        raise UserError("--tp is not supported for glm5_next yet")
+    def shard_mtp(self, layer: PooledMtp, comm, prefix: str):
+        return sharding.shard_mtp(layer, comm, prefix)
 
     def make_proposer(self, target: PooledTarget, mtp: PooledMtp, pools, **options) -> MtpHead:
         # GLM-5-Next chains drafts on the post-shared_head.norm hidden (REFERENCE-glm5next section 9)

@@ -171,7 +171,12 @@ class _Weight(nn.Module):
 
 
 class KdaLayer(nn.Module):
-    """Parameters named as the checkpoint's `layers.N.self_attn.*` of a KDA layer."""
+    """Parameters named as the checkpoint's `layers.N.self_attn.*` of a KDA layer.
+
+    Under --tp (glm5_next/sharding.py) the layer holds `heads` of the model's heads, its state and
+    conv window only theirs, and o_proj's partial sum is added over ranks (`comm`)."""
+
+    comm = None
 
     def __init__(self, cfg: NextConfig):
         super().__init__()
@@ -216,7 +221,8 @@ class KdaLayer(nn.Module):
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         of = of * torch.sigmoid(gate.float())
-        return self.o_proj(of.to(a.dtype).reshape(T, -1))
+        out = self.o_proj(of.to(a.dtype).reshape(T, -1))
+        return out if self.comm is None else self.comm.all_reduce_sum(out)
 
     def forward(self, a: torch.Tensor, state: torch.Tensor, window: torch.Tensor, mode: str = "final",
                 chunk: int = CHUNK, states_out: torch.Tensor | None = None) -> tuple[torch.Tensor, KdaPending]:
