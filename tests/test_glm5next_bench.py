@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 from glm5mtp_cli.checkpoint.resolve import profile_path, resolve_config
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.diagnostics.profile import ProfileConfig, policy_tokens
-from glm5mtp_cli.diagnostics.sizing import (check_tp_split, checkpoint_tensor_bytes, draft_step_bytes,
+from glm5mtp_cli.diagnostics.sizing import (checkpoint_tensor_bytes, draft_step_bytes,
                                             target_step_bytes, weight_bytes_per_rank)
 from glm5mtp_cli.engine.cache import CachePools
+from glm5mtp_cli.engine.parallel import check_tp
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.glm5_next import layout
@@ -165,9 +166,9 @@ def test_fp8_prediction_follows_the_official_checkpoint():
     assert [n for n in yes if not layout.fp8_quantized(cfg, n)] == []
     assert [n for n in no if layout.fp8_quantized(cfg, n)] == []
     with pytest.raises(UserError, match="linear_num_heads"):
-        check_tp_split(dataclasses.replace(cfg, linear_num_heads=12), 8)  # 64 MLA heads divide, 12 KDA do not
+        check_tp(dataclasses.replace(cfg, linear_num_heads=12), 8)  # 64 MLA heads divide, 12 KDA do not
     with pytest.raises(UserError, match="--tp 3"):
-        check_tp_split(cfg, 3)
+        check_tp(cfg, 3)
 
 
 def test_profile_predict_only_tp8_cli():

@@ -226,13 +226,16 @@ def test_leak_check_tp2(tp_group):
     assert doc["verdict"] == "clean", doc
 
 
-def test_profile_tp2_refuses_in_one_line(tp_group):
-    """diagnostics/profile.py builds its pools without the rank count (CachePools.create(..., tp=1)),
-    so a measured profile of a KDA model under --tp is refused in one line, not a shape error."""
+def test_profile_tp2_measures_each_ranks_share(tp_group):
+    """A measured profile under --tp 2 runs, and its prediction (state_components at the rank count)
+    equals what rank 0's pools hold, component by component (the halving itself: the state test)."""
     d = _section(tp_group, "profile")
-    assert d["exit_code"] == 2, d
-    lines = d["output"].strip().splitlines()
-    assert len(lines) == 1 and "not built for --tp 2" in lines[0], d
+    assert d["exit_code"] == 0, d
+    doc = json.loads(d["output"])
+    for row in doc["rows"]:
+        pred, meas = row["per_sequence_bytes"], row["measured_per_sequence_bytes"]
+        assert {k: pred[k] for k in meas if k != "total"} == {k: v for k, v in meas.items() if k != "total"}
+    assert meas["target_kda"] > 0
 
 
 def test_cli_generate_tp2_equals_tp1(tp_group, ckpt):
@@ -265,7 +268,7 @@ def test_plan_follows_the_rules():
     from glm5mtp_cli.checkpoint.load import _ParamsOnMeta
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.models import family_of
-    from glm5mtp_cli.models.glm5_next.sharding import split_over_ranks
+    from glm5mtp_cli.models.glm5_next.layout import split_over_ranks
 
     cfg, _ = resolve_config("glm5next-tiny")
     fam = family_of(cfg)

@@ -126,7 +126,8 @@ def profile_cmd(
         return
     from glm5mtp_cli.checkpoint.write import parse_size
     from glm5mtp_cli.diagnostics.profile import POLICIES, run_profile
-    from glm5mtp_cli.diagnostics.sizing import check_tp_split, tp_table
+    from glm5mtp_cli.diagnostics.sizing import tp_table
+    from glm5mtp_cli.engine.parallel import check_tp
     from glm5mtp_cli.engine.runtime import load_runtime, pick_device, pick_dtype
 
     gpu_bytes = parse_size(gpu_mem) if gpu_mem is not None else None
@@ -135,7 +136,7 @@ def profile_cmd(
     if note:
         err.print(f"[dim]{note}[/dim]", highlight=False)
     if predict_only:
-        check_tp_split(cfg, tp)  # the sharding rules' sizes: a prediction needs no runtime for that tp
+        check_tp(cfg, tp)  # the family's sharding rules' sizes, before anything loads
         if layers is not None:
             cfg = cfg.with_layers(layers)
         dev = pick_device(device) if device != "auto" else torch.device("cpu")

@@ -96,7 +96,7 @@ def measure_state(rt: Runtime, c: ProfileConfig, policy: str, max_seq_len: int) 
     _sync(dev)
     before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
     pools = CachePools.create(rt.cfg, math.ceil(tokens / c.block_size), c.block_size, rt.dtype, dev,
-                              with_drafter=rt.mtp is not None and c.gamma > 0)
+                              with_drafter=rt.mtp is not None and c.gamma > 0, tp=rt.tp)
     _sync(dev)
     cuda_delta = torch.cuda.memory_allocated(dev) - before if before is not None else None
     engine = make_engine(rt, pools, gamma=c.gamma, max_seq_len=max_seq_len, alloc=policy, device=dev, eos_ids=[])
@@ -133,7 +133,7 @@ def measure_latency(rt: Runtime, c: ProfileConfig, context: int) -> dict:
     extra = max(PREFILL_TOKENS, g + 1)
     rows = context + extra
     pools = CachePools.create(cfg, math.ceil(rows / c.block_size), c.block_size, rt.dtype, dev,
-                              with_drafter=rt.mtp is not None and g > 0)
+                              with_drafter=rt.mtp is not None and g > 0, tp=rt.tp)
     gen = torch.Generator(device=dev).manual_seed(c.seed)
     for pool in pools.pools.values():  # random rows, one layer at a time (no temporary copies)
         for layer in range(pool.num_layers):
@@ -210,7 +210,7 @@ def run_profile(cfg: ModelConfig, dtype: torch.dtype, c: ProfileConfig, rt: Runt
             tokens = policy_tokens(c, policy, L)
             # scratch at the longest context the sequence can reach under its own policy
             pred = predicted_bytes(cfg, dtype, tokens, c.block_size, c.gamma if with_mtp else 0,
-                                   min(tokens, L) - c.gamma - 1)
+                                   min(tokens, L) - c.gamma - 1, tp=rt.tp if rt is not None else 1)
             meas = measure_state(rt, c, policy, L) if rt is not None else None
             per_seq = pred["total"]
             free = c.gpu_mem - weights

@@ -59,31 +59,16 @@ def checkpoint_tensor_bytes(cfg, name: str, shape: tuple[int, ...]) -> int:
 
 def _tp_rules(cfg):
     """The family's deployed form, per tensor: (split_over_ranks(name): whether --tp splits it, else
-    every rank holds it whole; fp8(name, shape): whether its FP8 checkpoint quantizes it; the sizes
-    that must divide by the rank count). GLM-5's are its runtime sharding rules; GLM-5-Next's are
-    layout.py's prediction of the same kind (KDA heads split, MLA latent and indexer whole)."""
+    every rank holds it whole; fp8(name, shape): whether its FP8 checkpoint quantizes it). GLM-5's
+    FP8 rule is its checkpoint layout; GLM-5-Next's is layout.py's prediction of the official FP8
+    checkpoint (its loader reads bf16 only so far)."""
     if family_of(cfg).name == "glm5_next":
         from glm5mtp_cli.models.glm5_next import layout as next_layout
 
-        return (next_layout.split_over_ranks, lambda name, shape: next_layout.fp8_quantized(cfg, name),
-                next_layout.tp_split_sizes(cfg))
+        return next_layout.split_over_ranks, lambda name, shape: next_layout.fp8_quantized(cfg, name)
     from glm5mtp_cli.models.glm5.sharding import split_over_ranks
 
-    return split_over_ranks, family_of(cfg).is_fp8_quantized, None
-
-
-def check_tp_split(cfg, tp: int) -> None:
-    """One UserError line when the family's sharding rules cannot split the model `tp` ways (the
-    predicted per-GPU table asks this, whether or not the runtime can run that tp yet)."""
-    sizes = _tp_rules(cfg)[2]
-    if sizes is None or tp < 1:
-        from glm5mtp_cli.engine.parallel import check_tp
-
-        return check_tp(cfg, tp)
-    for what, n in sizes.items():
-        if n % tp:
-            raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); "
-                            f"choose a divisor of {math.gcd(*sizes.values())}")
+    return split_over_ranks, family_of(cfg).is_fp8_quantized
 
 
 def weight_bytes_per_rank(cfg, tp: int, fmt: str, with_mtp: bool = True) -> dict[str, int]:
@@ -92,7 +77,7 @@ def weight_bytes_per_rank(cfg, tp: int, fmt: str, with_mtp: bool = True) -> dict
     bf16); fp32 for what the model keeps in fp32 in both. A split tensor is 1/tp of its bytes per
     rank (whole experts, head groups, vocabulary rows). Returns {'sharded', 'replicated', 'total'}."""
     family = family_of(cfg)
-    split, fp8, _ = _tp_rules(cfg)
+    split, fp8 = _tp_rules(cfg)
     out = {"sharded": 0, "replicated": 0}
     for name, shape in model_tensors(cfg, with_mtp):
         b = tensor_bytes(family, name, shape, BF16, (128, 128) if fmt == "fp8" else None, held=True,
@@ -298,10 +283,10 @@ def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: in
 
 
 def predicted_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int,
-                    scratch_context: int) -> dict[str, int]:
-    """One sequence's predicted bytes by component at `tokens` reserved rows, plus the verify scratch
-    at `scratch_context` cached rows and the CUDA graphs' buffers, and their total."""
-    out = state_bytes(cfg, dtype, tokens, block_size, with_drafter=gamma > 0)
+                    scratch_context: int, tp: int = 1) -> dict[str, int]:
+    """One sequence's predicted bytes by component at `tokens` reserved rows (on one of `tp` ranks),
+    plus the verify scratch at `scratch_context` cached rows and the CUDA graphs' buffers, and their total."""
+    out = state_bytes(cfg, dtype, tokens, block_size, with_drafter=gamma > 0, tp=tp)
     out["scratch"] = scratch_bytes(cfg, dtype, scratch_context, gamma)
     out["cuda_graphs"] = graph_bytes(cfg, dtype, tokens, block_size, gamma)
     out["total"] = sum(out.values())
@@ -349,9 +334,11 @@ def tp_table(cfg, gpu_mem: int, doc: dict, tp: int, with_mtp: bool, dtype: torch
     has_fp8 = any(fp8(name, shape) for name, shape in family.tensor_shapes(cfg))
     formats = ("bf16", "fp8") if has_fp8 else ("bf16",)  # a family without an FP8 layout has no fp8 rows
     rows = []
+    from glm5mtp_cli.engine.parallel import check_tp
+
     for n in sorted({1, 2, 4, 8, tp}):
         try:
-            check_tp_split(cfg, n)
+            check_tp(cfg, n)
         except UserError:
             continue
         for fmt in formats:

@@ -192,13 +192,6 @@ def split_over_ranks(name: str) -> bool:
     return ".mlp." in name and ".mlp.gate." not in name
 
 
-def tp_split_sizes(cfg: NextConfig) -> dict[str, int]:
-    """The sizes split_over_ranks divides: each must divide by the rank count."""
-    return {"num_attention_heads": cfg.num_attention_heads, "linear_num_heads (KDA)": cfg.linear_num_heads,
-            "n_routed_experts": cfg.n_routed_experts, "intermediate_size (dense MLP)": cfg.intermediate_size,
-            "moe_intermediate_size x n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts}
-
-
 def fp8_quantized(cfg: NextConfig, name: str) -> bool:
     """Whether the official FP8 checkpoint stores `name` as float8_e4m3fn with a 128x128-block
     `weight_scale_inv`: MLA q_a/q_b/kv_a/o of the indexed layers and the MTP layer, and the gate/up/

@@ -106,18 +106,3 @@ def shard_mtp(mtp: nn.Module, comm: Comm, mtp_prefix: str) -> Plan:
     mtp.comm = comm
     return plan
 
-
-# ---- which tensors a rank holds a slice of (weight bytes per rank) ---------------------------------
-
-_SPLIT_ATTN = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
-               "v_conv1d.weight", "f_b_proj.weight", "g_b_proj.weight", "dt_bias", "A_log", "b_proj.weight",
-               "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight"}
-
-
-def split_over_ranks(name: str) -> bool:
-    """Whether a checkpoint tensor is split over ranks (else replicated on every rank)."""
-    if name.endswith(("embed_tokens.weight", LM_HEAD)):
-        return True
-    if ".self_attn." in name:
-        return name.split(".self_attn.", 1)[1] in _SPLIT_ATTN  # the indexer's names are never listed
-    return ".mlp." in name and ".mlp.gate." not in name  # experts, shared experts, dense MLPs
