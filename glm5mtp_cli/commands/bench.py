@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          ModelOpt, ThreadsOpt, TpOpt)
+                                          ModelOpt, ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
@@ -72,6 +72,7 @@ def bench_cmd(
     target_layers: Annotated[int, typer.Option(help="With --random-weights on CUDA: also time one decode step of the "
                                                     "target truncated to this many layers (0: skip).")] = 0,
     cuda_graphs: CudaGraphsOpt = True,
+    schedule: ScheduleOpt = "continuous",
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -86,8 +87,12 @@ def bench_cmd(
     kwargs = dict(locals())
     from glm5mtp_cli.diagnostics.bench import BenchConfig
 
+    from glm5mtp_cli.engine.speculate import SCHEDULES
+
     c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
-                    transformers)
+                    transformers, schedule=schedule)
+    if schedule not in SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if max_new_tokens < 2 or repeats < 1 or draft_context < 1:
         raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)

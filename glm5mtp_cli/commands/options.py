@@ -32,3 +32,7 @@ CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", m
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text (needs the checkpoint's tokenizer).")]
 PromptIdsOpt = Annotated[Optional[str], typer.Option("--prompt-ids", metavar="IDS", help="Comma-separated token ids, e.g. 3,17,99.")]
+ScheduleOpt = Annotated[str, typer.Option("--schedule", metavar="continuous|static",
+                                           help="continuous: a finished request's slot goes to the next waiting one "
+                                                "between decode steps; static: the next requests start only when the "
+                                                "whole batch has finished (for comparison).")]

@@ -124,6 +124,7 @@ def run_conversations(rt: Runtime, convs: list[list], *, gamma: int, max_new_tok
                                        res.carried_drafter_rows, res.finish_reason, res.trace))
                 _record_reply(rt, chat, prompt, res.tokens)
     finally:
+        engine.close()
         store.clear()
     leftover = pools.blocks_held()
     if any(leftover.values()):
