@@ -32,12 +32,16 @@ def glm5(spec_runtime):
     return spec_runtime
 
 
-@pytest.fixture(scope="module")
-def glm5next(tmp_path_factory):
-    hf = hf_model(seed=0)
-    folder = write_checkpoint(hf, tmp_path_factory.mktemp("glm5next_continuous"))
+def glm5next_models(folder: Path):
+    """A random GLM-5-Next (the transformers oracle's) written to `folder`, loaded for the engine."""
+    write_checkpoint(hf_model(seed=0), folder)
     cfg, target, mtp = load_next(folder, torch.float32)
     return cfg, PooledTarget(target), PooledMtp(mtp)
+
+
+@pytest.fixture(scope="module")
+def glm5next(tmp_path_factory):
+    return glm5next_models(tmp_path_factory.mktemp("glm5next_continuous"))
 
 
 def _glm5_engine(rt, gamma, slots, sampling=SamplingParams(), eos=(), mode="eager", schedule="continuous"):

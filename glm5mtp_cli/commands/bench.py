@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          ModelOpt, ScheduleOpt, ThreadsOpt, TpOpt)
+                                          GammaPolicyOpt, ModelOpt, ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
@@ -73,6 +73,7 @@ def bench_cmd(
                                                     "target truncated to this many layers (0: skip).")] = 0,
     cuda_graphs: CudaGraphsOpt = True,
     schedule: ScheduleOpt = "continuous",
+    gamma_policy: GammaPolicyOpt = "fixed",
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -87,12 +88,15 @@ def bench_cmd(
     kwargs = dict(locals())
     from glm5mtp_cli.diagnostics.bench import BenchConfig
 
+    from glm5mtp_cli.engine.gamma import POLICIES
     from glm5mtp_cli.engine.speculate import SCHEDULES
 
     c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
-                    transformers, schedule=schedule)
+                    transformers, schedule=schedule, gamma_policy=gamma_policy)
     if schedule not in SCHEDULES:
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if gamma_policy not in POLICIES:
+        raise UserError(f"--gamma-policy must be one of {', '.join(POLICIES)}, got {gamma_policy!r}")
     if max_new_tokens < 2 or repeats < 1 or draft_context < 1:
         raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)

@@ -37,6 +37,7 @@ class BenchConfig:
     with_transformers: bool = True
     graphs: str = "eager"  # the engine's forward mode (runtime.graph_mode)
     schedule: str = "continuous"  # speculate.SCHEDULES
+    gamma_policy: str = "fixed"  # gamma.POLICIES
 
 
 def _sync(device: torch.device) -> None:
@@ -51,12 +52,14 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
                                          sampling=SamplingParams(), batch_size=batch,
                                          max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
                                          draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
-                                         schedule=c.schedule)
+                                         schedule=c.schedule, gamma_policy=c.gamma_policy)
         if i:  # the first run warms caches, allocator and kernels up
             runs.append((acc, lat))
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
-    system = f"gamma {gamma}" + (f", {c.schedule}" if c.schedule != "continuous" else "")
+    system = f"gamma {gamma}" + (" adaptive" if gamma and c.gamma_policy == "adaptive" else "") + \
+        (f", {c.schedule}" if c.schedule != "continuous" else "")
     return {"system": system, "gamma": gamma, "batch": batch, "graphs": c.graphs, "schedule": c.schedule,
+            "gamma_policy": c.gamma_policy,
             "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
             "tpot_ms_p50": med("tpot_ms_p50"),
             "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,

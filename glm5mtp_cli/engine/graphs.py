@@ -205,8 +205,9 @@ class EngineGraphs:
 
         top = max(gammas)
         if greedy:
-            # the whole chain in one graph per gamma: catch-up, then g - 1 chained steps, argmax inside
-            bucket.draft = {g: StaticForward(proposer.context, chain_of(g), b, g + 1, td, dev, hidden,
+            # the whole chain in one graph per gamma: catch-up (as wide as the largest gamma's, since a
+            # step after a smaller one may bring that many rows), then g - 1 chained steps, argmax inside
+            bucket.draft = {g: StaticForward(proposer.context, chain_of(g), b, top + 1, td, dev, hidden,
                                              pick_row=True, idx=idx) for g in gammas if g}
         else:
             bucket.catchup = StaticForward(proposer.context, drafter, b, top + 1, td, dev, hidden, pick_row=True, idx=idx)

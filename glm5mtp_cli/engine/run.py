@@ -64,7 +64,7 @@ def check_fits(token_lists: list[list[int]], max_new_tokens: int, gamma: int, li
 def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
                  batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
                  on_tokens=None, draft_vocab: int | None = None, graphs: str = "eager",
-                 draft_vocab_file: Path | None = None, schedule: str = "continuous"):
+                 draft_vocab_file: Path | None = None, schedule: str = "continuous", gamma_policy: str = "fixed"):
     """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes).
 
     draft_vocab_file: the token counts for --draft-vocab (default: token_counts.json beside the checkpoint)."""
@@ -77,7 +77,8 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
     pools = rt.make_pools(per_seq, min(batch_size, len(requests)))
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
-                        device=rt.device, draft_ids=draft_ids, graphs=graphs, schedule=schedule)
+                        device=rt.device, draft_ids=draft_ids, graphs=graphs, schedule=schedule,
+                        gamma_policy=gamma_policy)
     engine.on_tokens = on_tokens
     try:
         results = engine.generate(requests, batch_size=batch_size)

@@ -160,7 +160,7 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
                                                    sampling=sampling, draft_conf_tau=draft_conf_tau,
                                                    generator=gen, draft_ids=draft_ids)
     return SpecEngine(rt.cfg, rt.target, proposer, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
-                      device=device, **options)
+                      device=device, comm=rt.comm, **options)
 
 
 def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:

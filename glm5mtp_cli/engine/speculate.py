@@ -24,12 +24,14 @@ steps' propose + verify times.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
+from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
@@ -93,6 +95,10 @@ class _Clock:
             return e
         return time.perf_counter()
 
+    def ready(self, mark) -> bool:
+        """Whether reading `mark` would not wait for the device."""
+        return mark.query() if self.cuda else True
+
     def seconds(self, a, b) -> float:
         if self.cuda:
             b.synchronize()
@@ -131,7 +137,7 @@ class SpecEngine:
                  sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
                  eos_ids: list[int] | None = None, prefill_chunk: int = 1024, device: torch.device | str = "cpu",
                  check_invariants: bool = False, inject_leak: str | None = None, graphs: str = "eager",
-                 schedule: str = "continuous"):
+                 schedule: str = "continuous", gamma_policy: str = "fixed", comm=None):
         if gamma < 0:
             raise UserError(f"--gamma must be >= 0, got {gamma}")
         if gamma > 0 and proposer is None:
@@ -153,6 +159,9 @@ class SpecEngine:
         self.check = check_invariants
         self.inject_leak = inject_leak
         self.schedule = schedule
+        self.policy = GammaPolicy(gamma if proposer is not None else 0, gamma_policy)
+        self.comm = comm  # parallel.Comm under --tp: the adaptive gamma is rank 0's
+        self._cost_marks: deque = deque()  # (active, gamma, step start, step end) not read yet
         self.runner = ForwardRunner(graphs, self.device)
         self.clock = _Clock(self.device)
         self.wall_prefill_s = 0.0
@@ -252,7 +261,7 @@ class SpecEngine:
         live = active[0]
         hidden = (live.pend_hidden.shape[-1], live.pend_hidden.dtype) if live.pend_hidden is not None else None
         block = min(p.block_size for p in self.pools.pools.values() if hasattr(p, "block_size"))
-        self.runner.open(self.target, self.head, self.pools, slots, -(-self.max_seq_len // block), [self.gamma],
+        self.runner.open(self.target, self.head, self.pools, slots, -(-self.max_seq_len // block), self.policy.gammas(),
                          hidden, greedy=self.head is not None and self.head.greedy_fusable())
         for s in active:
             self.runner.occupy(s.slot, self._slot_caches(s))
@@ -381,12 +390,33 @@ class SpecEngine:
                                        [s.state.real_rows for s in active], g, [s.state for s in active],
                                        self.runner)
 
+    def _choose_gamma(self, active: int) -> int:
+        """This step's gamma for the whole batch (engine/gamma.py), from the costs measured so far
+        (CUDA events already completed: no wait); under --tp rank 0's choice, broadcast."""
+        while self._cost_marks and self.clock.ready(self._cost_marks[0][3]):
+            n, g, p0, v1 = self._cost_marks.popleft()
+            self.policy.record_cost(n, g, self.clock.seconds(p0, v1))
+        g = self.policy.choose(active)
+        if self.comm is not None and self.policy.adaptive:
+            g = self.comm.broadcast_int(g)
+        return g
+
+    def _catch_up_backlog(self, active: list[LiveSequence]) -> None:
+        """Rows left pending by steps without drafts, beyond what one draft forward takes (gamma + 1),
+        go into the drafter eagerly first."""
+        for s in active:
+            extra = s.pend_tokens.shape[0] - (self.gamma + 1)
+            if extra > 0:
+                self.head.catchup_drafter(s.pend_tokens[:extra], s.pend_hidden[:extra], s.state.real_rows, s.state)
+                s.pend_tokens, s.pend_hidden = s.pend_tokens[extra:], s.pend_hidden[extra:]
+
     def _step(self, active: list[LiveSequence]) -> None:
-        g = self.gamma
+        g = self._choose_gamma(len(active))
         p0 = self.clock.now()
         chains = None
         self.runner.step([s.slot for s in active])
         if g > 0:
+            self._catch_up_backlog(active)
             chains = self.draft(active, g)
             if self.check:
                 for s in active:
@@ -409,16 +439,22 @@ class SpecEngine:
         counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
         accepted, nxt, draft_ids, nxt_dev = self._accept(drafts, chains, out.logits, counts, [s.gen for s in active])
         v1 = self.clock.now()
+        if self.policy.adaptive:
+            self.policy.record_acceptance(counts, accepted)
+            self._cost_marks.append((len(active), g, p0, v1))
         for i, s in enumerate(active):
             a = accepted[i]
             new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
             s.cache.truncate(starts[i] + a + 1)
             s.last_dev = nxt_dev[i:i + 1]
-            if s.state is not None:
+            if s.state is not None and chains:
                 self.head.after_verify(a, s.state)
                 # the accepted drafts and the target's token, from device tensors (no host copy)
                 s.pend_tokens = torch.cat([drafts[i, :a], s.last_dev]) if a else s.last_dev
                 s.pend_hidden = out.hidden_all[i, : a + 1]
+            elif s.state is not None:  # a step without drafts: its row waits for the next drafting step
+                s.pend_tokens = torch.cat([s.pend_tokens, s.last_dev])
+                s.pend_hidden = torch.cat([s.pend_hidden, out.hidden_all[i, :1]])
             s.acc.record(counts[i], a)
             s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], new,
                             draft_ids[i][: counts[i]] if draft_ids is not None else []))
