@@ -306,6 +306,8 @@ class ForwardRunner:
         self.bucket = self.graphs.buckets[size]
         key = tuple(slots)
         if key not in self._idx:
+            if len(self._idx) >= 256:  # slot sets change as requests come and go: keep the recent ones
+                self._idx.clear()
             self._idx[key] = to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device)
         self.bucket.idx.copy_(self._idx[key], non_blocking=True)
 
