@@ -154,3 +154,27 @@ def test_adaptive_sampling_frees_everything(glm5):
     res = _run(engine, pools, 2)  # asserts nothing stays held
     assert [len(r.tokens) for r in res] == [n for _, n in WORK]
     assert 0 in used and 3 in used, used
+
+
+def test_tp2_adaptive_runs_rank_0s_gamma(spec_ckpt):
+    """Under --tp 2 (gloo ranks) every step's gamma is rank 0's, broadcast: the ranks finish in
+    lockstep with tp 1's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder, _ = spec_ckpt
+    args = ["generate", "--model", str(folder), "--prompt-ids", "3,17,99,4,250,6,7,8", "--gamma", "3",
+            "--gamma-policy", "adaptive", "--max-new-tokens", "12", "--ignore-eos", "--json", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    two = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *args, "--tp", "2"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert two.returncode == 0, two.stderr
+    base_args = [a if i != args.index("--gamma") + 1 else "0" for i, a in enumerate(args)]
+    base = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *base_args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert base.returncode == 0, base.stderr
+    doc = json.loads(two.stdout)
+    assert doc["tp"] == 2 and doc["gamma_policy"] == "adaptive"
+    assert doc["requests"][0]["tokens"] == json.loads(base.stdout)["requests"][0]["tokens"]

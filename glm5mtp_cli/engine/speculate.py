@@ -196,6 +196,7 @@ class SpecEngine:
         """Every request through `batch_size` slots (module docstring); results in request order."""
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+        batch_size = min(batch_size, max(len(requests), 1))  # no slot (nor graph bucket) that nothing could fill
         for r in requests:
             self.check_request(r)  # refuse before anything is allocated
         if self.runner.graphs is not None and self.runner.graphs.slots < batch_size:
