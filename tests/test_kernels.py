@@ -275,7 +275,7 @@ def case_indexer_paged_wide_table(device, big):
     g, t, hi, d, nl = (2, 2, 32, 128, 8192) if big else (2, 2, 5, 24, 300)
     pool, slots = _paged(device, g, nl, d, torch.float32)
     starts = torch.tensor([5, 70], device=device)  # live keys: 0..6 and 0..71, read in blocks of 64
-    pool[-1] = float("nan")
+    pool = torch.cat([pool, torch.full_like(pool[:1], float("nan"))])  # a row no live slot names
     safe = slots.clone()
     for b in range(g):
         safe[b, int(starts[b]) + t:] = pool.shape[0] - 1
