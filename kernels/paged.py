@@ -82,21 +82,23 @@ def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T,
                          BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          DOT_BF16: tl.constexpr):
     # Grid (key blocks, sequences): a program reads its block of keys once (through the slot
-    # table), then loops over the sequence's T queries and over head blocks.
+    # table), then loops over the sequence's T queries and over head blocks. A block wholly past
+    # the sequence's last query (the engine's tables are --max-seq-len wide) reads nothing.
     pid_l = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
-    lmask = offs_l < NL
-    dmask = offs_d < D
     start = tl.load(starts_ptr + g)
+    lmask = (offs_l < NL) & (offs_l < start + T)
+    dmask = offs_d < D
     slot = tl.load(slots_ptr + g * stride_sg + offs_l, mask=lmask, other=0).to(tl.int64)
     kt = tl.load(k_ptr + offs_d[:, None] + slot[None, :] * stride_kt,
                  mask=dmask[:, None] & lmask[None, :], other=0.0)  # [BLOCK_D, BLOCK_L] = k^T
     if not DOT_BF16:
         kt = kt.to(tl.float32)
-    for s in range(0, T):
+    n_q = tl.where(pid_l * BLOCK_L < start + T, T, 0)  # no query of this sequence sees the block: none
+    for s in range(0, n_q):
         q_row = q_ptr + g * stride_qg + s * stride_qs
         w_row = w_ptr + g * stride_wg + s * stride_ws
         acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
@@ -111,7 +113,10 @@ def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T,
             wv = tl.load(w_row + h0 + offs_h, mask=hmask, other=0.0).to(tl.float32)
             acc += tl.sum(tl.maximum(logits, 0.0) * wv[:, None], axis=0)
         res = tl.where(offs_l <= start + s, acc * scale, float("-inf"))
-        tl.store(out_ptr + (g * T + s) * NL + offs_l, res, mask=lmask)
+        tl.store(out_ptr + (g * T + s) * NL + offs_l, res, mask=offs_l < NL)
+    for s in range(n_q, T):
+        tl.store(out_ptr + (g * T + s) * NL + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32),
+                 mask=offs_l < NL)
 
 
 def indexer_scores_paged_triton(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,

@@ -123,3 +123,19 @@ def test_glm5next_transformers_baseline_is_the_same_model():
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert out[0, len(prompt):].tolist() == results[0].tokens
+
+
+@pytest.mark.parametrize("extra", [[], ["--schedule", "static"], ["--gamma-policy", "adaptive"]])
+def test_bench_over_a_prompt_set(spec_ckpt, extra):
+    """--num-prompts: N prompts through each batch size's slots, with TTFT/TPOT percentiles."""
+    folder, _ = spec_ckpt
+    r = CliRunner().invoke(app, ["bench", "--model", str(folder), "--gammas", "0,2", "--batch-sizes", "2",
+                                 "--num-prompts", "5", "--max-new-tokens", "4", "--repeats", "1", "--no-transformers",
+                                 "--draft-context", "16", "--device", "cpu", "--json", *extra])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["rows"]
+    assert [row["prompts"] for row in rows] == [5, 5]
+    for row in rows:
+        assert row["ttft_ms_p99"] >= row["ttft_ms_p50"] > 0 and row["tpot_ms_p99"] >= row["tpot_ms_p50"] > 0
+    assert rows[1]["system"] == "gamma 2" + {"": "", "static": ", static", "adaptive": " adaptive"}[
+        extra[1] if extra else ""]

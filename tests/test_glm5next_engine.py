@@ -115,9 +115,8 @@ def test_sampled_runs_repeat_with_the_seed(models):
     for _ in range(2):
         pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
         params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
-        gen = torch.Generator().manual_seed(params.seed)
-        proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128, sampling=params, generator=gen)
-        engine = SpecEngine(cfg, target, proposer, pools, gamma=2, sampling=params, max_seq_len=128, eos_ids=[],
-                            generator=gen)
+        proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128, sampling=params)
+        # each request samples from its own stream, seeded from params.seed and its id
+        engine = SpecEngine(cfg, target, proposer, pools, gamma=2, sampling=params, max_seq_len=128, eos_ids=[])
         runs.append([r.tokens for r in engine.generate([Request(p, 12, i) for i, p in enumerate(PROMPTS)])])
     assert runs[0] == runs[1]

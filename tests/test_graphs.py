@@ -9,7 +9,7 @@ import torch
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.graphs import BatchGraphs
+from glm5mtp_cli.engine.graphs import EngineGraphs
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.speculate import Request
@@ -29,7 +29,9 @@ def _run(rt, gamma, mode, batch, sampling=SamplingParams(), eos=(), alloc="budge
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=128,
                         alloc=alloc, eos_ids=list(eos), check_invariants=True, graphs=mode)
     res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=batch)
-    assert not any(pools.blocks_held().values()), "a block stayed held after the batch"
+    assert (engine.runner.graphs is not None) == (mode != "eager")  # kept for the engine's next call
+    engine.close()
+    assert not any(pools.blocks_held().values()), "a block stayed held after the run"
     assert engine.runner.graphs is None
     return res
 
@@ -63,22 +65,23 @@ def test_sequences_finishing_early_are_retired_to_scratch(rt):
     engine = make_engine(rt, pools, gamma=2, max_seq_len=128, eos_ids=[eos_tok],
                         check_invariants=True, graphs="static")
     retired = []
-    real_retire = BatchGraphs.retire
+    real_retire = EngineGraphs.retire
 
     def spy(self, slot):
         held = {n: set(p._held) for n, p in pools.pools.items()}
         real_retire(self, slot)
-        for t in [t for owner in self.tables for t in owner.values()]:
+        for t in [t for owner in self.tables.values() for t in owner.values()]:
             assert bool((t.table[slot] == t.scratch).all())
         retired.append((slot, held))
 
-    BatchGraphs.retire = spy
+    EngineGraphs.retire = spy
     try:
         res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=3)
     finally:
-        BatchGraphs.retire = real_retire
+        EngineGraphs.retire = real_retire
     assert [r.tokens for r in res] == [r.tokens for r in eager]
     assert any(r.finish_reason == "eos" for r in res)
+    engine.close()
     assert retired and not any(pools.blocks_held().values())
     # retire ran while the sequence still held its blocks (so before they were freed)
     slot, held = retired[0]
@@ -103,6 +106,7 @@ def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
             e = make_engine(grt, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
                            device="cuda", graphs=mode)
             out = e.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=3)
+            e.close()
             assert not any(pools.blocks_held().values())
             return [r.tokens for r in out]
         assert run("cuda") == run("eager")
@@ -110,30 +114,30 @@ def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
 
 @pytest.mark.parametrize("gamma", [0, 3])
 def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
-    """profile's cuda_graphs component: what one slot's graphs keep allocated (static inputs and
-    the outputs a capture owns), predicted from the config, equals the buffers BatchGraphs builds."""
+    """profile's cuda_graphs component: what a one-slot engine's graphs keep allocated (static
+    inputs, tables of the --max-seq-len ceiling and the outputs a capture owns), predicted from the
+    config, equals the buffers EngineGraphs builds."""
     from glm5mtp_cli.diagnostics.sizing import graph_bytes
 
     pools = rt.make_pools(128, 1, block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
-                        graphs="static")
+    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[], graphs="static")
     req = Request(list(range(10, 40)), 20)
     seq = engine.start(req)
     try:
-        engine.open_batch([seq])
+        engine._open_graphs([seq], 1)
         g = engine.runner.graphs
-        held = 0
-        for f in g.forwards:
+        (bucket,) = g.buckets.values()
+        held = bucket.idx.nbytes
+        for f in bucket.forwards():
             held += sum(t.nbytes for t in (f.ids, f.hidden, f.starts, f.rows) if t is not None)
-        tables = [t for owner in g.tables for t in owner.values()]
-        held += sum(t.table.nbytes for t in tables)
-        out = g.verify.run()
+        held += sum(t.table.nbytes for owner in g.tables.values() for t in owner.values())
+        out = bucket.verify[gamma].run()
         held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
         if gamma:
-            held += g.draft.run().nbytes
-        assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma)
+            held += bucket.draft[gamma].run().nbytes
+        assert held == graph_bytes(rt.cfg, torch.float32, 128, 4, gamma)
     finally:
-        engine.runner.close()
+        engine.close()
         engine.release(seq)
     assert not any(pools.blocks_held().values())
 

@@ -299,6 +299,23 @@ def case_indexer_paged(device, big):
             indexer_scores_paged_ref(q, pool, slots, starts, w, d ** -0.5))
 
 
+def case_indexer_paged_wide_table(device, big):
+    """Tables far wider than the lengths (the engine's --max-seq-len ceiling): slots past each
+    sequence's last query name rows far outside the pool, so a kernel that read them would fault
+    or differ; the reference reads the same tables with those slots on a row of NaNs."""
+    g, t, hi, d, nl = (2, 2, 32, 128, 8192) if big else (2, 2, 5, 24, 300)
+    pool, slots = _paged(device, g, nl, d, torch.float32)
+    starts = torch.tensor([5, 70], device=device)  # live keys: 0..6 and 0..71, read in blocks of 64
+    pool = torch.cat([pool, torch.full_like(pool[:1], float("nan"))])  # a row no live slot names
+    safe = slots.clone()
+    for b in range(g):
+        safe[b, int(starts[b]) + t:] = pool.shape[0] - 1
+        slots[b, -(-(int(starts[b]) + t) // 64) * 64:] = 1 << 40
+    q, w = _rand(g, t, hi, d, device=device), _rand(g, t, hi, device=device)
+    return (indexer_scores_paged(q, pool, slots, starts, w, d ** -0.5, force_triton=True),
+            indexer_scores_paged_ref(q, pool, safe, starts, w, d ** -0.5))
+
+
 def case_indexer_paged_bf16(device, big):
     g, t, hi, d, nl = (2, 1, 32, 128, 8192) if big else (2, 3, 4, 16, 70)
     pool, slots = _paged(device, g, nl, d, BF16)

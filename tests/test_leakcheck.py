@@ -49,3 +49,17 @@ def test_bad_flags_one_line(tiny, args):
     r = _run("--model", tiny, "--device", "cpu", *args)
     assert r.exit_code == 2
     assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_slot_reuse_is_clean_and_a_leak_is_still_caught(tiny):
+    """--batch-size 2: rounds of 4 lives through 2 slots (continuous batching re-occupies them)."""
+    r = _run("--model", tiny, "--device", "cpu", "--sequences", "12", "--batch-size", "2", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == "clean" and doc["batch_size"] == 2
+    assert {"length", "eos", "cancelled", "failed"} <= {s["finish_reason"] for s in doc["sequences"]}
+    assert all(v == 0 for s in doc["sequences"] for v in s["blocks_held"].values())
+    r = _run("--model", tiny, "--device", "cpu", "--sequences", "8", "--batch-size", "2",
+             "--inject-leak", "target_indexer", "--json")
+    assert r.exit_code == 1
+    assert set(json.loads(r.stdout)["leaked_bytes_per_sequence"]) == {"target_indexer"}

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          ModelOpt, ThreadsOpt, TpOpt)
+                                          GammaPolicyOpt, ModelOpt, ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
@@ -58,6 +58,9 @@ def bench_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     prompts: Annotated[Optional[Path], typer.Option("--prompts",
         metavar="FILE", help="JSONL prompts, as for generate (default: the shipped model's code prompts).")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", metavar="N",
+        help="Run N prompts (the file's first N, repeated if short) through each batch size's slots, end to end "
+             "(default: one prompt per slot).")] = None,
     gammas: Annotated[str, typer.Option("--gammas", metavar="LIST", help="Comma-separated gammas; 0 is the baseline.")] = "0,1,2,3,4",
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST", help="Comma-separated batch sizes.")] = "1,8",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per request (at least 2).")] = 128,
@@ -82,6 +85,8 @@ def bench_cmd(
         "also time one decode step of the target truncated to its first N layers, which must hold every kind of layer "
         "(default: 4, or all of a smaller model; 0: skip).")] = None,
     cuda_graphs: CudaGraphsOpt = True,
+    schedule: ScheduleOpt = "continuous",
+    gamma_policy: GammaPolicyOpt = "fixed",
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -90,6 +95,8 @@ def bench_cmd(
     Examples:
 
       glm5mtp bench --gammas 0,3 --batch-sizes 1 --max-new-tokens 64
+
+      glm5mtp bench --prompts humaneval.jsonl --num-prompts 164 --batch-sizes 1,8,32,64 --gammas 0,3 --gamma-policy adaptive
 
       glm5mtp bench --model glm5 --random-weights --device cuda --draft-vocab-sizes 0,32768 --json
 
@@ -100,8 +107,17 @@ def bench_cmd(
     kwargs = dict(locals())
     from glm5mtp_cli.diagnostics.bench import BenchConfig
 
+    from glm5mtp_cli.engine.gamma import POLICIES
+    from glm5mtp_cli.engine.speculate import SCHEDULES
+
     c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
-                    transformers)
+                    transformers, schedule=schedule, gamma_policy=gamma_policy, num_prompts=num_prompts)
+    if num_prompts is not None and num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if schedule not in SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if gamma_policy not in POLICIES:
+        raise UserError(f"--gamma-policy must be one of {', '.join(POLICIES)}, got {gamma_policy!r}")
     if max_new_tokens < 2 or repeats < 1 or draft_context < 1:
         raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
@@ -150,7 +166,7 @@ def bench_cmd(
         c.graphs = graph_mode(rt, cuda_graphs)
         cfg, dev, dt, folder = rt.cfg, rt.device, rt.dtype, rt.resolved.folder
         mtp, embed, head = rt.mtp, rt.target.model.embed_tokens, rt.target.lm_head
-        ids = _prompts(rt, items, max(c.batch_sizes))
+        ids = _prompts(rt, items, max(c.batch_sizes + [num_prompts or 0]))
     for batch in ([] if random_weights else c.batch_sizes):
         if c.with_transformers:
             out.print(f"[dim]transformers generate, batch {batch}[/dim]")
@@ -183,11 +199,15 @@ def bench_cmd(
     t = fit_table(out, f"bench on {doc['device']} ({doc['dtype']}), {max_new_tokens} new tokens, medians of {repeats}",
                   caption="acc len: mean acceptance length; vs g0, vs HF: e2e speedup against gamma 0 and "
                           "transformers' generate")
-    for col in ("batch", "system", "e2e tok/s", "dec tok/s", "TPOT ms", "acc len", "vs g0", "vs HF"):
+    for col in ("batch", "prompts", "system", "e2e tok/s", "dec tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+                "acc len", "vs g0", "vs HF"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(str(r["batch"]), r["system"], _fmt(r["e2e_tokens_per_s"], ".1f"), _fmt(r["decode_tokens_per_s"], ".1f"),
-                  _fmt(r["tpot_ms_p50"], ".2f"), _fmt(r["mean_acceptance_length"], ".2f"),
+        t.add_row(str(r["batch"]), str(r["prompts"]), r["system"], _fmt(r["e2e_tokens_per_s"], ".1f"),
+                  _fmt(r["decode_tokens_per_s"], ".1f"),
+                  f"{_fmt(r['ttft_ms_p50'], '.1f')}/{_fmt(r['ttft_ms_p99'], '.1f')}",
+                  f"{_fmt(r['tpot_ms_p50'], '.2f')}/{_fmt(r['tpot_ms_p99'], '.2f')}",
+                  _fmt(r["mean_acceptance_length"], ".2f"),
                   _fmt(r["speedup_vs_gamma0"], ".2f"), _fmt(r["speedup_vs_transformers"], ".2f"))
     if rows:
         out.print(t)

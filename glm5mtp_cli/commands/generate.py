@@ -17,7 +17,8 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          ModelOpt, PromptIdsOpt, PromptOpt, ThreadsOpt, TpOpt)
+                                          GammaPolicyOpt, ModelOpt, PromptIdsOpt, PromptOpt, ScheduleOpt, ThreadsOpt,
+                                          TpOpt)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import read_prompts
 
@@ -79,7 +80,9 @@ def generate_cmd(
         metavar="FILE", help='JSONL, one per line: {"prompt": "text"}, {"prompt": \\[token ids]} or '
                              '{"messages": [...]}.')] = None,
     chat: Annotated[bool, typer.Option("--chat", metavar="", help="Wrap text prompts in the checkpoint's chat template.")] = False,
-    gamma: Annotated[int, typer.Option(help="Drafts per verify step (0: no speculation).")] = 3,
+    gamma: Annotated[int, typer.Option(help="Drafts per verify step (0: no speculation; the most with "
+                                            "--gamma-policy adaptive).")] = 3,
+    gamma_policy: GammaPolicyOpt = "fixed",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per request.")] = 64,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens whose "
@@ -87,7 +90,8 @@ def generate_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the sampler (same seed, same output).")] = 0,
     draft_conf_tau: Annotated[Optional[float], typer.Option("--draft-conf-tau",
         metavar="P", help="Stop a draft chain below this top-1 probability (default: never).")] = None,
-    batch_size: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = 1,
+    schedule: ScheduleOpt = "continuous",
     max_seq_len: Annotated[Optional[int], typer.Option("--max-seq-len",
         metavar="N", help="Ceiling on prompt + new tokens (default: the model's max_position_embeddings).")] = None,
     alloc: Annotated[str, typer.Option("--alloc", metavar="budget|ceiling",
@@ -129,6 +133,13 @@ def generate_cmd(
     check_flags(gamma, max_new_tokens, temperature, top_p, batch_size, draft_conf_tau)
     if alloc not in ("budget", "ceiling"):
         raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
+    from glm5mtp_cli.engine.gamma import POLICIES
+    from glm5mtp_cli.engine.speculate import SCHEDULES
+
+    if schedule not in SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if gamma_policy not in POLICIES:
+        raise UserError(f"--gamma-policy must be one of {', '.join(POLICIES)}, got {gamma_policy!r}")
     if max_seq_len is not None and max_seq_len < 2:
         raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
     if draft_vocab_file is not None and draft_vocab is None:
@@ -175,13 +186,14 @@ def generate_cmd(
         _conversation(rt, out, convs, json_out, trace, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
                       max_seq_len=seq_cap, alloc=alloc, carry=carry, carry_budget=carry_budget,
                       use_template=chat or _has_template(rt), ignore_eos=ignore_eos, draft_conf_tau=draft_conf_tau,
-                      draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, graphs=graphs)
+                      draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, graphs=graphs,
+                      gamma_policy=gamma_policy)
         return
     _single(rt, out, items, model=model, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
             batch_size=batch_size, seq_cap=seq_cap, limit_name=limit_name, alloc=alloc,
             draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos, draft_vocab=draft_vocab,
             draft_vocab_file=draft_vocab_file, graphs=graphs, chat=chat, compare=compare, trace=trace,
-            json_out=json_out)
+            json_out=json_out, schedule=schedule, gamma_policy=gamma_policy)
 
 
 generate_cmd.__doc__ += EXAMPLES
@@ -209,6 +221,7 @@ def _single(rt, out: Console, items, *, model: str, gamma: int, seq_cap: int, li
     doc = {
         "model": model, "device": str(rt.device), "tp": rt.comm.world if rt.comm else 1,
         "dtype": str(rt.dtype).replace("torch.", ""), "gamma": gamma, "graphs": kw["graphs"],
+        "batch_size": kw["batch_size"], "schedule": kw["schedule"], "gamma_policy": kw["gamma_policy"],
         "requests": [{"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
                       "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None,
                       "finish_reason": r.finish_reason} for r in results],

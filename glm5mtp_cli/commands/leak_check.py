@@ -39,6 +39,8 @@ def leakcheck_cmd(
              "drafter_indexer; GLM-5-Next also target_kda, target_conv, ...); the check must catch it.")] = None,
     json_out: JsonOpt = False,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Engine slots; above 1 the sequences run in rounds of twice as many "
+                                                 "requests, continuously batched, so slots are re-occupied.")] = 1,
     layers: LayersOpt = None,
     tp: TpOpt = 1,
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
@@ -62,7 +64,8 @@ def leakcheck_cmd(
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, check_flags, run_leakcheck
 
-    cfg = LeakCheckConfig(sequences, gamma, max_new_tokens, alloc, max_seq_len, inject_leak, seed)
+    cfg = LeakCheckConfig(sequences, gamma, max_new_tokens, alloc, max_seq_len, inject_leak, seed,
+                          batch_size=batch_size)
     check_flags(cfg)  # refuse bad flags before loading anything
     model_cfg = resolve_config(model)[0]
     check_flags(cfg, model_cfg)

@@ -32,3 +32,11 @@ CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", m
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text (needs the checkpoint's tokenizer).")]
 PromptIdsOpt = Annotated[Optional[str], typer.Option("--prompt-ids", metavar="IDS", help="Comma-separated token ids, e.g. 3,17,99.")]
+ScheduleOpt = Annotated[str, typer.Option("--schedule", metavar="continuous|static",
+                                           help="continuous: a finished request's slot goes to the next waiting one "
+                                                "between decode steps; static: the next requests start only when the "
+                                                "whole batch has finished (for comparison).")]
+GammaPolicyOpt = Annotated[str, typer.Option("--gamma-policy", metavar="fixed|adaptive",
+                                              help="fixed: every step drafts --gamma; adaptive: each step drafts "
+                                                   "0..--gamma, whatever the rolling acceptance and the measured "
+                                                   "step costs predict to be fastest (output unchanged).")]

@@ -27,6 +27,9 @@ class BenchConfig:
     repeats: int = 3
     with_transformers: bool = True
     graphs: str = "eager"  # the engine's forward mode (runtime.graph_mode)
+    schedule: str = "continuous"  # speculate.SCHEDULES
+    gamma_policy: str = "fixed"  # gamma.POLICIES
+    num_prompts: int | None = None  # None: one prompt per slot; else this many through the batch's slots
 
 
 def _sync(device: torch.device) -> None:
@@ -34,19 +37,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _workload(prompts: list[list[int]], batch: int, c: BenchConfig) -> list[list[int]]:
+    """The prompts one configuration runs: --num-prompts of them through `batch` slots, else one per slot."""
+    return prompts[: c.num_prompts] if c.num_prompts else prompts[:batch]
+
+
 def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c: BenchConfig) -> dict:
+    """End to end over the workload (continuous batching through `batch` slots); medians of the
+    timed runs, TTFT (queue + prefill) and TPOT percentiles over the requests of the median run."""
     runs = []
     for i in range(c.repeats + 1):
-        _, acc, lat, _, _ = run_generate(rt, prompts[:batch], gamma=gamma, max_new_tokens=c.max_new_tokens,
+        _, acc, lat, _, _ = run_generate(rt, _workload(prompts, batch, c), gamma=gamma, max_new_tokens=c.max_new_tokens,
                                          sampling=SamplingParams(), batch_size=batch,
                                          max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
-                                         draft_conf_tau=None, ignore_eos=True, graphs=c.graphs)
+                                         draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
+                                         schedule=c.schedule, gamma_policy=c.gamma_policy)
         if i:  # the first run warms caches, allocator and kernels up
             runs.append((acc, lat))
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
-    return {"system": f"gamma {gamma}", "gamma": gamma, "batch": batch, "graphs": c.graphs,
+    system = f"gamma {gamma}" + (" adaptive" if gamma and c.gamma_policy == "adaptive" else "") + \
+        (f", {c.schedule}" if c.schedule != "continuous" else "")
+    return {"system": system, "gamma": gamma, "batch": batch, "graphs": c.graphs, "schedule": c.schedule,
+            "gamma_policy": c.gamma_policy,
             "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
-            "tpot_ms_p50": med("tpot_ms_p50"),
+            "tpot_ms_p50": med("tpot_ms_p50"), "tpot_ms_p99": med("tpot_ms_p99"),
+            "ttft_ms_p50": med("ttft_ms_p50"), "ttft_ms_p99": med("ttft_ms_p99"),
+            "prompts": len(_workload(prompts, batch, c)), "graph_capture_ms": med("graph_capture_ms"),
             "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,
             "per_position": runs[0][0].per_position}
 
@@ -60,26 +76,32 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
         raise UserError(f"bench: this transformers ({_transformers_version()}) has no {family.name} model for the "
                         "baseline (GLM-5 needs >= 5.2, GLM-5-Next >= 5.24), or pass --no-transformers") from None
     model = model.to(rt.device).eval()
-    group = prompts[:batch]
-    width = max(len(p) for p in group)
+    work = _workload(prompts, batch, c)
     pad = rt.cfg.pad_token_id or 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=rt.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=rt.device)
+    groups = []  # static batches of `batch` left-padded prompts (transformers' generate has no slots)
+    for g0 in range(0, len(work), batch):
+        group = work[g0:g0 + batch]
+        width = max(len(p) for p in group)
+        groups.append((torch.tensor([[pad] * (width - len(p)) + p for p in group], device=rt.device),
+                       torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=rt.device)))
     times = []
     for i in range(c.repeats + 1):
         _sync(rt.device)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=c.max_new_tokens,
-                                 min_new_tokens=c.max_new_tokens, do_sample=False, pad_token_id=pad)
+        new = 0
+        for ids, mask in groups:
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=c.max_new_tokens,
+                                     min_new_tokens=c.max_new_tokens, do_sample=False, pad_token_id=pad)
+            new += (out.shape[1] - ids.shape[1]) * ids.shape[0]
         _sync(rt.device)
         if i:
             times.append(time.perf_counter() - t0)
-    new = (out.shape[1] - width) * batch
     t = statistics.median(times)
     del model
     return {"system": "transformers", "gamma": None, "batch": batch, "e2e_tokens_per_s": new / t,
-            "decode_tokens_per_s": None, "tpot_ms_p50": t / (out.shape[1] - width) * 1e3,
+            "decode_tokens_per_s": None, "tpot_ms_p50": t / len(groups) / c.max_new_tokens * 1e3,
+            "tpot_ms_p99": None, "ttft_ms_p50": None, "ttft_ms_p99": None, "prompts": len(work),
             "mean_acceptance_length": None, "per_position": None}
 
 

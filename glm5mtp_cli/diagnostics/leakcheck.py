@@ -2,6 +2,11 @@
 (normal end, early EOS, cancellation, an error inside a verify step), and check that every cache
 pool component goes back to its baseline (ARCHITECTURE invariant 2, REFERENCE section 8).
 
+With --batch-size B > 1 the lives run in rounds of 2B requests through one continuously batched
+generate call of B slots, so slots are re-occupied within a round; an injected failure then aborts
+its whole round (every live sequence is released by the engine), and each round ends with one
+snapshot shared by its rows.
+
 The verdict rests on the pools' ledger (blocks held per component). On CUDA the allocator's
 `memory_allocated` is checked as well; on the CPU the process RSS is reported but not judged
 (it is noisy: the allocator keeps freed pages, the pools are committed lazily).
@@ -36,12 +41,15 @@ class LeakCheckConfig:
     inject_leak: str | None = None
     seed: int = 0
     graphs: str = "eager"  # engine forward mode (runtime.graph_mode): CUDA graphs are checked too
+    batch_size: int = 1  # slots of the engine; > 1: rounds of 2 * batch_size lives (module docstring)
 
 
 def check_flags(c: LeakCheckConfig, model_cfg=None) -> None:
     """Flag checks; with the model's config, --inject-leak must name one of its state components."""
     if c.sequences < 1:
         raise UserError(f"--sequences must be >= 1, got {c.sequences}")
+    if c.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {c.batch_size}")
     if not 1 <= c.gamma <= 16:
         raise UserError(f"--gamma must be in 1..16 for leak-check (the drafter must run), got {c.gamma}")
     if c.max_new_tokens < 2:
@@ -78,6 +86,18 @@ def _snapshot(pools, device: torch.device) -> dict:
     return snap
 
 
+def _row(req: Request, kind: str, finish: str, ntok: int, snap: dict, base: dict) -> dict:
+    growth = {k: snap["bytes_held"].get(k, 0) - base["bytes_held"].get(k, 0) for k in snap["bytes_held"]}
+    row = {"sequence": req.request_id, "lifecycle": kind, "finish_reason": finish, "prompt_tokens": len(req.prompt),
+           "tokens": ntok, "blocks_held": snap["blocks_held"], "bytes_held": snap["bytes_held"],
+           "growth_bytes": growth, "rss_bytes": snap["rss"],
+           "rss_growth_bytes": (snap["rss"] - base["rss"]) if snap["rss"] is not None and base["rss"] is not None else None}
+    if "cuda_allocated" in snap:
+        row["cuda_allocated_bytes"] = snap["cuda_allocated"]
+        row["cuda_growth_bytes"] = snap["cuda_allocated"] - base["cuda_allocated"]
+    return row
+
+
 def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     """Warm-up, baseline, then c.sequences lives cycling LIFECYCLES. Returns the JSON document."""
     check_flags(c, rt.cfg)
@@ -99,18 +119,19 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
                         max_seq_len=c.max_seq_len, alloc=c.alloc, eos_ids=[], device=rt.device, graphs=c.graphs,
                         check_invariants=True, inject_leak=c.inject_leak)
 
-    def live(req: Request, eos: set[int]) -> tuple[str, int]:
+    def run_round(reqs: list[Request], eos: set[int]) -> list[tuple[str, int]]:
         engine.eos = eos
         try:
-            res = engine.generate([req])[0]
-            return res.finish_reason, len(res.tokens)
-        except InjectedFailure:
-            return "failed", -1
+            return [(r.finish_reason, len(r.tokens)) for r in engine.generate(reqs, batch_size=c.batch_size)]
+        except InjectedFailure as e:
+            # the failing request, and the others it aborted (live in a slot or still waiting)
+            return [("failed" if q.request_id == e.request_id else "aborted", -1) if r is None or not r.finish_reason
+                    else (r.finish_reason, len(r.tokens)) for q, r in zip(reqs, e.results)]
 
     with torch.no_grad():
-        live(Request(prompt(), c.max_new_tokens, request_id=-1), set())
+        run_round([Request(prompt(), c.max_new_tokens, request_id=-1)], set())
         base = _snapshot(pools, rt.device)
-        rows = []
+        lives = []
         for i in range(c.sequences):
             kind = LIFECYCLES[i % len(LIFECYCLES)]
             p = prompt()
@@ -127,19 +148,20 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
                 req.cancel_after_steps = 1 + (i // len(LIFECYCLES)) % 2
             elif kind == "failed":
                 req.fail_at_step = 1 + (i // len(LIFECYCLES)) % 2
-            finish, ntok = live(req, eos)
+            lives.append((kind, req, eos))
+        size = 1 if c.batch_size == 1 else 2 * c.batch_size
+        if size > 1:
+            lives.sort(key=lambda life: life[0] == "failed")  # a failure aborts its round: those go last
+        rows = []
+        for r0 in range(0, len(lives), size):
+            group = lives[r0:r0 + size]
+            outcomes = run_round([req for _, req, _ in group], set().union(*(eos for _, _, eos in group)))
             snap = _snapshot(pools, rt.device)
-            growth = {k: snap["bytes_held"].get(k, 0) - base["bytes_held"].get(k, 0) for k in snap["bytes_held"]}
-            row = {"sequence": i, "lifecycle": kind, "finish_reason": finish, "prompt_tokens": len(p),
-                   "tokens": ntok, "blocks_held": snap["blocks_held"], "bytes_held": snap["bytes_held"],
-                   "growth_bytes": growth, "rss_bytes": snap["rss"],
-                   "rss_growth_bytes": (snap["rss"] - base["rss"]) if snap["rss"] is not None and base["rss"] is not None else None}
-            if "cuda_allocated" in snap:
-                row["cuda_allocated_bytes"] = snap["cuda_allocated"]
-                row["cuda_growth_bytes"] = snap["cuda_allocated"] - base["cuda_allocated"]
-            rows.append(row)
-            if on_sequence is not None:
-                on_sequence(row)
+            for (kind, req, _), (finish, ntok) in zip(group, outcomes):
+                rows.append(_row(req, kind, finish, ntok, snap, base))
+                if on_sequence is not None:
+                    on_sequence(rows[-1])
+    engine.close()
 
     last = rows[-1]
     leaked = {k: v / c.sequences for k, v in last["growth_bytes"].items() if v > 0}
@@ -148,7 +170,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     return {
         "model": rt.resolved.spec, "device": str(rt.device), "dtype": str(rt.dtype).replace("torch.", ""),
         "gamma": c.gamma, "alloc": c.alloc, "max_seq_len": c.max_seq_len, "max_new_tokens": c.max_new_tokens,
-        "inject_leak": c.inject_leak, "graphs": c.graphs, "judged_on": "ledger+cuda_allocated" if rt.device.type == "cuda" else "ledger",
+        "inject_leak": c.inject_leak, "graphs": c.graphs, "batch_size": c.batch_size, "judged_on": "ledger+cuda_allocated" if rt.device.type == "cuda" else "ledger",
         "baseline": {"blocks_held": base["blocks_held"], "bytes_held": base["bytes_held"], "rss_bytes": base["rss"],
                      **({"cuda_allocated_bytes": base["cuda_allocated"]} if "cuda_allocated" in base else {})},
         "lifecycles_seen": sorted({r["finish_reason"] for r in rows}),

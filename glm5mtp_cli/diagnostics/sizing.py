@@ -267,15 +267,16 @@ def _glm5_scratch(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
 
 
 def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int) -> int:
-    """What one batch slot's CUDA graphs keep allocated between replays (graphs.BatchGraphs): the
-    static inputs (ids, lengths, block tables of each cache component, drafter hiddens) and the
-    outputs the graphs own (the verify's logits and hiddens; the greedy chain's drafts). Their
-    intermediates live in the graphs' private pool, the same peak as `scratch`."""
+    """What a one-slot engine's CUDA graphs keep allocated between replays (graphs.EngineGraphs, one
+    bucket, one gamma): the static inputs (ids, lengths, row slots, drafter hiddens), the block
+    tables of each cache component (`tokens` wide: the engine's --max-seq-len; the slot's row and
+    the all-scratch row) and the outputs the graphs own (the verify's logits and hiddens; the greedy
+    chain's drafts). Their intermediates live in the graphs' private pool, the same peak as `scratch`."""
     if any(c.kind == SLOT for c in family_of(cfg).state_components(cfg, dtype)):
         return 0  # graph modes refuse fixed-size state (engine/graphs.py): such a family runs eagerly
     d, t = dtype_bytes(dtype), gamma + 1
-    tables = 8 * math.ceil(tokens / block_size)
-    verify = t * 8 + 8 + 2 * tables + t * cfg.vocab_size * d + t * cfg.hidden_size * d
+    tables = 2 * 8 * math.ceil(tokens / block_size)
+    verify = 8 + t * 8 + 8 + 2 * tables + t * cfg.vocab_size * d + t * cfg.hidden_size * d
     if gamma == 0:
         return verify
     draft = t * 8 + 8 + 8 + 2 * tables + t * cfg.hidden_size * d + gamma * 8

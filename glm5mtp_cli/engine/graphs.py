@@ -1,27 +1,32 @@
 """How the engine runs its decode forwards: one runner (ForwardRunner) owns the three modes.
 
-eager: every forward reads and writes the caches through their block tables. static: one batch's
-decode forwards (the target's verify or gamma-0 decode; the drafter's catch-up and chain step, or,
-greedy, its whole draft chain in one forward) over static device buffers, run eagerly (the CPU
-tests compare this with eager). cuda: the same forwards captured as CUDA graphs and replayed.
+eager: every forward reads and writes the caches through their block tables. static: the decode
+forwards (the target's verify or gamma-0 decode; the drafter's catch-up and chain step, or, greedy,
+its whole draft chain in one forward) over static device buffers, run eagerly (the CPU tests compare
+this with eager). cuda: the same forwards captured as CUDA graphs and replayed.
 
-Each static forward is a function of its buffers alone: token ids (and drafter hiddens), each
-slot's cached length, and each slot's block table per row component. A replay reads whatever the
-buffers hold, so the host only copies a step's inputs in (asynchronously, from pinned memory) and
-keeps the caches' lengths; nothing in a step waits for the device except the one read of the
-accepted counts.
+Built once per engine (EngineGraphs), for a set of batch-size buckets (1, 2, 4, ... up to the
+engine's slot count, as vLLM and nano-vllm do) and, per bucket, for every gamma the engine may use
+in a step (a verify of g + 1 rows and a fused greedy chain of g drafts per g). A step of A active
+sequences replays the smallest bucket >= A; its rows 0..A-1 are the active sequences in order and
+rows A.. are padding that reads and writes only the scratch block.
 
-Shapes are fixed per batch: B slots (the batch's sequences, in order) x T rows, and the block
-tables as wide as the batch's largest reservation, so attention reads NB * block_size rows, masked
-past each slot's length. Catch-up feeds vary from 1 to gamma + 1 rows; they are padded to gamma + 1
-and the logits are taken at each slot's last real row; padding rows land past the slot's length
-(overwritten later) or, past its reservation, in a scratch block.
+Each static forward is a function of its buffers alone: token ids (and drafter hiddens), each row's
+cached length, and each row's slot (`idx`): which row of the engine's block tables it reads. The
+tables ([slots + 1, NB] per row component, NB = the engine's per-sequence ceiling max_seq_len /
+block_size; the last row is all scratch) are gathered by `idx` inside the forward, so a replay
+reads whatever the buffers hold and the host only copies a step's inputs in (asynchronously, from
+pinned memory). Attention reads stop at each row's cached length on the device (kernels/paged.py),
+so the tables' width costs nothing on the CUDA kernels' path.
 
-Slot reuse. A graph bakes the addresses of its buffers and of the pools, never of a sequence's
-blocks: those are data in the table buffers. So the invariant is kept on the tables: a finished
-slot's tables are pointed at the scratch blocks BEFORE its blocks go back to the pools (`retire`),
-and `close` drops every graph and gives the scratch blocks back before the batch's blocks are
-freed. No replay can then write into a block that another sequence owns.
+Slot reuse. A graph bakes the addresses of its buffers, of the tables and of the pools, never a
+sequence's blocks: those are data in the tables. So the invariant is kept on the tables: a slot's
+table rows are written when a sequence takes the slot (`occupy`), and pointed at the scratch
+blocks when it leaves, BEFORE its blocks go back to the pools (`retire`); `close` drops every graph
+and gives the scratch blocks back. No replay can then read or write a block another sequence owns.
+Catch-up feeds vary from 1 to g + 1 rows; they are padded and the logits are taken at each row's
+last real row; padding rows land past the row's length (overwritten later) or, past its
+reservation, in the scratch block.
 """
 
 from __future__ import annotations
@@ -48,30 +53,41 @@ def _warmup_stream(device: torch.device) -> "torch.cuda.Stream":
     return _WARMUP_STREAMS[device]
 
 
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def buckets_for(slots: int) -> list[int]:
+    """The batch sizes captured for an engine of `slots` slots: the powers of two below it, and it."""
+    return [b for b in BUCKETS if b < slots] + [slots]
+
+
 @dataclass
 class _Table:
-    """One cache component's block tables for the batch's slots."""
+    """One cache component's block tables: [slots + 1, NB] block ids; the last row is all scratch
+    (padding rows of a bucket read it)."""
 
     pool: BlockPool
-    table: torch.Tensor  # [B, NB] block ids
+    table: torch.Tensor
     scratch: int
 
-    def rows(self, starts: torch.Tensor, t: int) -> CachedRows:
-        new, all_ = table_slots(self.table, self.pool.block_size, starts, t, self.scratch)
+    def rows(self, idx: torch.Tensor, starts: torch.Tensor, t: int) -> CachedRows:
+        new, all_ = table_slots(self.table.index_select(0, idx), self.pool.block_size, starts, t, self.scratch)
         return CachedRows(self.pool.data, new, all_)
 
 
 class StaticForward:
-    """One forward shape (B slots x T rows) over static buffers: a CUDA graph on CUDA (`capture`),
-    the same function run eagerly otherwise."""
+    """One forward shape (B rows x T new rows) over static buffers: a CUDA graph on CUDA (`capture`),
+    the same function run eagerly otherwise. Row b reads table row idx[b]."""
 
     def __init__(self, context_fn, fn, b: int, t: int, tables: dict[str, _Table], device: torch.device,
-                 hidden: tuple[int, torch.dtype] | None = None, pick_row: bool = False):
+                 hidden: tuple[int, torch.dtype] | None = None, pick_row: bool = False,
+                 idx: torch.Tensor | None = None):
         self.context_fn = context_fn  # the model's context(starts, t, rows)
         self.fn = fn  # fn(this StaticForward) -> its outputs, from the buffers alone
         self.b, self.t = b, t
         self.tables = tables
         self.device = device
+        self.idx = idx if idx is not None else torch.arange(b, device=device)
         self.ids = torch.zeros(b, t, dtype=torch.long, device=device)
         self.hidden = torch.zeros(b, t, hidden[0], dtype=hidden[1], device=device) if hidden else None
         self.starts = torch.zeros(b, dtype=torch.long, device=device)
@@ -80,8 +96,8 @@ class StaticForward:
         self.out = None
 
     def context(self, starts: torch.Tensor, t: int):
-        """The model's context of a forward appending t rows at `starts` (device) to every slot."""
-        return self.context_fn(starts, t, {name: table.rows(starts, t) for name, table in self.tables.items()})
+        """The model's context of a forward appending t rows at `starts` (device) to every row."""
+        return self.context_fn(starts, t, {name: table.rows(self.idx, starts, t) for name, table in self.tables.items()})
 
     def _forward(self):
         with sync_free():
@@ -89,7 +105,7 @@ class StaticForward:
 
     def capture(self, mempool) -> None:
         """Warm up on a side stream (allocator, cuBLAS workspaces, Triton compiles), then capture.
-        The warm-up writes rows at each slot's current length: past its valid rows, so harmless."""
+        The warm-up writes rows where the buffers point: the scratch block at engine start."""
         side = _warmup_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -117,100 +133,121 @@ class StaticForward:
         self.out = None
 
 
-class BatchGraphs:
-    """The static forwards of one batch: the target step; with a proposer, either its whole greedy
-    draft chain as one forward, or (sampling) its catch-up and chain step."""
+@dataclass
+class _Bucket:
+    """The static forwards of one batch size: verify[g] (g + 1 rows), and the drafter's fused greedy
+    chain draft[g], or (sampling) its catch-up and chain step. `idx`: each row's table row."""
 
-    def __init__(self, target, proposer, pools: CachePools, target_caches: list, drafter_caches: list | None,
-                 gamma: int, hidden: tuple[int, torch.dtype], device: torch.device, capture: bool, greedy: bool):
-        self.b = len(target_caches)
+    size: int
+    idx: torch.Tensor
+    verify: dict
+    draft: dict
+    catchup: StaticForward | None = None
+    chain: StaticForward | None = None
+
+    def forwards(self) -> list[StaticForward]:
+        return [*self.verify.values(), *self.draft.values(), *(f for f in (self.catchup, self.chain) if f)]
+
+
+class EngineGraphs:
+    """An engine's static forwards for every bucket and gamma, over its block tables."""
+
+    def __init__(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
+                 hidden: tuple[int, torch.dtype] | None, device: torch.device, capture: bool, greedy: bool):
+        self.slots = slots
         self.device = device
         self.capture = capture
         self.pools = pools
         self.scratch: dict[str, list[int]] = {}
-        self.forwards: list[StaticForward] = []
-        self.tables: list[dict[str, _Table]] = []
+        self.tables: dict[str, dict[str, _Table]] = {}
+        self.buckets: dict[int, _Bucket] = {}
+        self.mempool = None
         try:
-            self._build(target, proposer, target_caches, drafter_caches, gamma, hidden, greedy)
+            self.tables["target"] = self._tables("target", max_blocks)
+            if proposer is not None:
+                self.tables["drafter"] = self._tables("drafter", max_blocks)
+            for b in buckets_for(slots):
+                self.buckets[b] = self._bucket(b, target, proposer, gammas, hidden, greedy)
         except BaseException:
             self.close()
             raise
 
-    def _tables(self, owner: str, caches: list) -> dict[str, _Table]:
-        """Block tables of every slot; a slot whose sequence already finished (None, or a cache
-        holding no blocks) points at the scratch block from the start."""
+    def _tables(self, owner: str, max_blocks: int) -> dict[str, _Table]:
         out = {}
-        live = [c for c in caches if c is not None and c.holds_blocks]
-        if live and live[0].slots:
-            raise UserError("static and CUDA-graph forwards cover paged row components only; this model "
-                            "keeps fixed-size state slots: run it with --no-cuda-graphs")
         for component in self.pools.owners[owner]:
-            short = component[len(owner) + 1:]
             pool = self.pools.pools[component]
+            if not isinstance(pool, BlockPool):
+                raise UserError("static and CUDA-graph forwards cover paged row components only; this model "
+                                "keeps fixed-size state slots: run it with --no-cuda-graphs")
             self.scratch[component] = pool.take(1)
             scratch = self.scratch[component][0]
-            nb = max([len(c.rows[short].blocks) for c in live] + [1])
-            rows = []
-            for c in caches:
-                if c is None or not c.holds_blocks:
-                    rows.append(torch.full((nb,), scratch, dtype=torch.long, device=self.device))
-                else:
-                    rows.append(c.rows[short].padded_table(nb))
-            out[short] = _Table(pool, torch.stack(rows), scratch)
-        self.tables.append(out)
+            table = torch.full((self.slots + 1, max_blocks), scratch, dtype=torch.long, device=self.device)
+            out[component[len(owner) + 1:]] = _Table(pool, table, scratch)
         return out
 
-    def _build(self, target, proposer, target_caches, drafter_caches, gamma, hidden, greedy):
+    def _bucket(self, b: int, target, proposer, gammas, hidden, greedy) -> _Bucket:
         dev = self.device
-        self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
-        tables = self._tables("target", target_caches)
-        self.verify = StaticForward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t), "all"),
-                                    self.b, gamma + 1, tables, dev)
-        self.forwards.append(self.verify)
-        self.catchup = self.chain = self.draft = None
-        if proposer is None:
-            return
-        tables = self._tables("drafter", drafter_caches)
+        idx = torch.full((b,), self.slots, dtype=torch.long, device=dev)  # every row on the scratch row
+        tt = self.tables["target"]
+        verify = {g: StaticForward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t), "all"),
+                                   b, g + 1, tt, dev, idx=idx) for g in gammas}
+        bucket = _Bucket(b, idx, verify, {})
+        if proposer is None or max(gammas) == 0:
+            return bucket
+        td = self.tables["drafter"]
 
         def drafter(f):
             return proposer.drafter_forward(f.ids, f.hidden, f.context(f.starts, f.t),
                                             f.rows if f.rows is not None else "last")
 
-        def greedy_chain(f):
-            return proposer.greedy_chain(f.ids, f.hidden, f.starts, f.rows, f.context, gamma)
+        def chain_of(g):
+            return lambda f: proposer.greedy_chain(f.ids, f.hidden, f.starts, f.rows, f.context, g)
 
+        top = max(gammas)
         if greedy:
-            # the whole chain in one graph: catch-up, then gamma - 1 chained steps, argmax inside
-            self.draft = StaticForward(proposer.context, greedy_chain, self.b, gamma + 1, tables, dev, hidden,
-                                       pick_row=True)
-            self.forwards.append(self.draft)
+            # the whole chain in one graph per gamma: catch-up (as wide as the largest gamma's, since a
+            # step after a smaller one may bring that many rows), then g - 1 chained steps, argmax inside
+            bucket.draft = {g: StaticForward(proposer.context, chain_of(g), b, top + 1, td, dev, hidden,
+                                             pick_row=True, idx=idx) for g in gammas if g}
         else:
-            self.catchup = StaticForward(proposer.context, drafter, self.b, gamma + 1, tables, dev, hidden,
-                                         pick_row=True)
-            self.forwards.append(self.catchup)
-            if gamma > 1:
-                self.chain = StaticForward(proposer.context, drafter, self.b, 1, tables, dev, hidden)
-                self.forwards.append(self.chain)
+            bucket.catchup = StaticForward(proposer.context, drafter, b, top + 1, td, dev, hidden, pick_row=True, idx=idx)
+            if top > 1:
+                bucket.chain = StaticForward(proposer.context, drafter, b, 1, td, dev, hidden, idx=idx)
+        return bucket
 
-    def capture_all(self, target_lengths: list[int], drafter_lengths: list[int] | None) -> None:
-        """Capture every forward (CUDA only), starting each slot at its current length."""
+    def capture_all(self) -> None:
+        """Capture every forward (CUDA only), largest bucket first (its intermediates size the
+        shared pool the smaller ones reuse); every row points at the scratch row meanwhile."""
         if not self.capture:
             return
-        for f in self.forwards:
-            f.set_starts(drafter_lengths if f is not self.verify else target_lengths)
-            f.capture(self.mempool)
+        self.mempool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):
+            for f in self.buckets[b].forwards():
+                f.capture(self.mempool)
+
+    def occupy(self, slot: int, caches: dict[str, object]) -> None:
+        """A sequence takes `slot`: its table rows name its blocks (scratch past them)."""
+        for owner, cache in caches.items():
+            for name, t in self.tables.get(owner, {}).items():
+                blocks = cache.rows[name].blocks
+                if len(blocks) > t.table.shape[1]:
+                    raise RuntimeError(f"{owner} {name}: {len(blocks)} blocks, over the tables' {t.table.shape[1]}")
+                row = torch.full((t.table.shape[1],), t.scratch, dtype=torch.long)
+                row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+                t.table[slot].copy_(to_device(row.tolist(), self.device), non_blocking=True)
 
     def retire(self, slot: int) -> None:
-        """A finished slot: point its tables at the scratch blocks before its blocks are freed."""
-        for tables in self.tables:
+        """A slot whose sequence ends: its tables point at the scratch blocks before its blocks are freed."""
+        for tables in self.tables.values():
             for t in tables.values():
                 t.table[slot].fill_(t.scratch)
 
     def close(self) -> None:
-        """Destroy the graphs, then give the scratch blocks back (before the batch's blocks go)."""
-        for f in self.forwards:
-            f.close()
-        self.forwards = []
+        """Destroy the graphs, then give the scratch blocks back."""
+        for bucket in self.buckets.values():
+            for f in bucket.forwards():
+                f.close()
+        self.buckets = {}
         self.mempool = None
         for name, blocks in self.scratch.items():
             self.pools.pools[name].give(blocks)
@@ -219,8 +256,9 @@ class BatchGraphs:
 
 class ForwardRunner:
     """Runs the engine's decode forwards in one of three modes (module docstring). The engine opens
-    it per batch after the prefill, tells it each step's active slots, and the proposer asks it for
-    its catch-up, chain-step and fused-chain forwards; nothing else in the engine knows the mode."""
+    it once (`open`), tells it when a slot is taken or left (`occupy`, `retire`) and each step's
+    active slots (`step`); the proposer asks it for its catch-up, chain-step and fused-chain
+    forwards; nothing else in the engine knows the mode."""
 
     MODES = ("eager", "static", "cuda")
 
@@ -231,54 +269,69 @@ class ForwardRunner:
             raise UserError("CUDA graphs need --device cuda")
         self.mode = mode
         self.device = device
-        self.graphs: BatchGraphs | None = None
-        self._slot_index: dict[tuple, torch.Tensor] = {}
-        self.slot_list: list[int] = []
-        self.slots_dev: torch.Tensor | None = None
+        self.graphs: EngineGraphs | None = None
+        self.bucket: _Bucket | None = None
+        self.active = 0
+        self._idx: dict[tuple, torch.Tensor] = {}
 
-    # ---- a batch's lifetime -----------------------------------------------------------------
-    def open(self, target, proposer, pools: CachePools, target_caches: list, drafter_caches: list | None,
-             gamma: int, hidden: tuple[int, torch.dtype], greedy: bool) -> None:
-        """Build (and on CUDA capture) the batch's static forwards; a no-op when eager. Caches of
-        sequences that already finished are None."""
-        if self.mode == "eager":
+    # ---- the engine's lifetime --------------------------------------------------------------
+    def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
+             hidden: tuple[int, torch.dtype] | None, greedy: bool) -> None:
+        """Build (and on CUDA capture) the engine's static forwards; a no-op when eager."""
+        if self.mode == "eager" or self.graphs is not None:
             return
-        self.graphs = BatchGraphs(target, proposer, pools, target_caches, drafter_caches, gamma, hidden,
-                                  self.device, capture=self.mode == "cuda", greedy=greedy)
-        self.graphs.capture_all([c.length if c is not None else 0 for c in target_caches],
-                                [c.length if c is not None else 0 for c in drafter_caches] if drafter_caches else None)
+        self.graphs = EngineGraphs(target, proposer, pools, slots, max_blocks, gammas, hidden, self.device,
+                                   capture=self.mode == "cuda", greedy=greedy)
+        try:
+            self.graphs.capture_all()
+        except BaseException:
+            self.close()
+            raise
 
-    def step(self, slots: list[int]) -> None:
-        """The slots (batch rows) of this step's active sequences, in the order inputs come."""
-        self.slot_list = slots
-        key = tuple(slots)
-        if self.graphs is not None and key not in self._slot_index:
-            self._slot_index[key] = to_device(slots, self.device)
-        self.slots_dev = self._slot_index.get(key)
+    def occupy(self, slot: int, caches: dict[str, object]) -> None:
+        if self.graphs is not None:
+            self.graphs.occupy(slot, caches)
 
     def retire(self, slot: int | None) -> None:
         if self.graphs is not None and slot is not None:
             self.graphs.retire(slot)
 
+    def step(self, slots: list[int]) -> None:
+        """The slots of this step's active sequences, in the order inputs come: picks the bucket and
+        points its rows at those slots (padding rows at the scratch row)."""
+        self.active = len(slots)
+        if self.graphs is None:
+            return
+        size = next(b for b in sorted(self.graphs.buckets) if b >= len(slots))
+        self.bucket = self.graphs.buckets[size]
+        key = tuple(slots)
+        if key not in self._idx:
+            if len(self._idx) >= 256:  # slot sets change as requests come and go: keep the recent ones
+                self._idx.clear()
+            self._idx[key] = to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device)
+        self.bucket.idx.copy_(self._idx[key], non_blocking=True)
+
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
-        self._slot_index = {}
+        self.bucket = None
+        self._idx = {}
 
     # ---- the target -------------------------------------------------------------------------
     def verify(self, target, ids: torch.Tensor, caches: list):
         """The target forward over ids [A, T] appended to each active sequence's cache."""
         if self.graphs is None:
             return target(ids, caches, rows="all")
-        f = self.graphs.verify
-        load_rows(f.ids, self.slots_dev, self.slot_list, ids)
-        f.set_starts(self._starts(f, caches, [f.t] * len(caches), "verify"))
+        f = self.bucket.verify[ids.shape[1] - 1]
+        a = len(caches)
+        f.ids[:a].copy_(ids)
+        f.set_starts(self._starts(f, caches, [f.t] * a, "verify"))
         out = f.run()
         for c in caches:
             c.length += f.t
-        return type(out)(out.logits.index_select(0, self.slots_dev), None,
-                         hidden_all=out.hidden_all.index_select(0, self.slots_dev))
+        # logits are read before the next replay; the hiddens are kept a step: copied out
+        return type(out)(out.logits[:a], None, hidden_all=out.hidden_all[:a].clone())
 
     # ---- the drafter (called by the proposer) -----------------------------------------------
     def catchup(self, proposer, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list):
@@ -286,10 +339,10 @@ class ForwardRunner:
         carried hidden at each sequence's last row ([A, V], [A, H])."""
         if self.graphs is None:
             return self._catchup_eager(proposer, tokens, hiddens, caches)
-        f = self.graphs.catchup
+        f = self.bucket.catchup
         self._load(f, tokens, hiddens, caches, [tok.shape[0] for tok in tokens], "drafter catch-up")
         logits, carried = f.run()
-        return logits.index_select(0, self.slots_dev), carried.index_select(0, self.slots_dev)
+        return logits[: len(caches)], carried[: len(caches)]
 
     def chain_step(self, proposer, drafts: torch.Tensor, carried: torch.Tensor, caches: list):
         """One chained draft row per sequence: drafts [A] with the carried hiddens [A, H]."""
@@ -297,27 +350,28 @@ class ForwardRunner:
             starts, rows = cached_rows(caches, 1, drafts.device)
             out = proposer.drafter_forward(drafts[:, None], carried[:, None], proposer.context(starts, 1, rows), "last")
         else:
-            f = self.graphs.chain
-            load_rows(f.ids, self.slots_dev, self.slot_list, drafts[:, None])
-            load_rows(f.hidden, self.slots_dev, self.slot_list, carried[:, None])
-            f.set_starts(self._starts(f, caches, [1] * len(caches), "draft chain"))
+            f = self.bucket.chain
+            a = len(caches)
+            f.ids[:a, 0].copy_(drafts)
+            f.hidden[:a, 0].copy_(carried)
+            f.set_starts(self._starts(f, caches, [1] * a, "draft chain"))
             logits, hidden = f.run()
-            out = logits.index_select(0, self.slots_dev), hidden.index_select(0, self.slots_dev)
+            out = logits[:a], hidden[:a]
         for c in caches:
             c.length += 1
         return out
 
     def fused_chain(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list,
                     num_drafts: int) -> torch.Tensor | None:
-        """Greedy drafts [A, num_drafts] from the batch's one-forward draft chain, or None when the
-        batch has no such forward (eager, or sampling)."""
-        if self.graphs is None or self.graphs.draft is None:
+        """Greedy drafts [A, num_drafts] from the bucket's one-forward draft chain, or None when the
+        engine has no such forward (eager, or sampling)."""
+        if self.graphs is None or not self.bucket.draft:
             return None
-        f = self.graphs.draft
-        if num_drafts != f.t - 1:
-            raise ValueError(f"the fused draft forward was built for {f.t - 1} drafts, asked for {num_drafts}")
+        f = self.bucket.draft.get(num_drafts)
+        if f is None:
+            raise ValueError(f"no fused draft forward for {num_drafts} drafts (built: {sorted(self.bucket.draft)})")
         self._load(f, tokens, hiddens, caches, [tok.shape[0] + num_drafts - 1 for tok in tokens], "draft chain")
-        return f.run().index_select(0, self.slots_dev)
+        return f.run()[: len(caches)].clone()
 
     def _catchup_eager(self, proposer, tokens, hiddens, caches):
         """Sequences grouped by how many rows they append, one forward per group."""
@@ -338,42 +392,33 @@ class ForwardRunner:
         return torch.stack(logits), torch.stack(carried)
 
     def _load(self, f: StaticForward, tokens, hiddens, caches, grow: list[int], what: str) -> None:
-        """A padded catch-up feed into f's buffers; each cache grows by grow[b] rows."""
-        load_rows(f.ids, self.slots_dev, self.slot_list, tokens)
-        load_rows(f.hidden, self.slots_dev, self.slot_list, hiddens)
-        rows = [0] * f.b
-        for slot, tok in zip(self.slot_list, tokens):
-            rows[slot] = tok.shape[0] - 1
+        """A padded catch-up feed into f's rows 0..A-1; each cache grows by grow[b] rows."""
+        load_rows(f.ids, tokens)
+        load_rows(f.hidden, hiddens)
         f.set_starts(self._starts(f, caches, grow, what))
-        f.set_rows(rows)
+        f.set_rows([tok.shape[0] - 1 for tok in tokens] + [0] * (f.b - len(tokens)))
         for c, n in zip(caches, grow):
             c.length += n
 
-    def _starts(self, f: StaticForward, caches: list, grow: list[int], what: str) -> list[int]:
-        starts = [0] * f.b
-        for slot, c, n in zip(self.slot_list, caches, grow):
+    @staticmethod
+    def _starts(f: StaticForward, caches: list, grow: list[int], what: str) -> list[int]:
+        """Each row's cached length; padding rows start at 0 (in the scratch block)."""
+        for c, n in zip(caches, grow):
             if c.length + n > c.capacity:
-                raise RuntimeError(f"{what} past the reservation its graph was built for")
-            starts[slot] = c.length
-        return starts
+                raise RuntimeError(f"{what} past the reservation of its sequence")
+        return [c.length for c in caches] + [0] * (f.b - len(caches))
 
 
-def load_rows(buf: torch.Tensor, slots: torch.Tensor, slot_list: list[int], values) -> None:
-    """Write the active slots' rows into a static buffer: values[j] (a tensor [A, k, ...] or a list
-    of A tensors of k_j rows) goes to buf[slot_list[j], :k]; `slots` is slot_list on the device."""
+def load_rows(buf: torch.Tensor, values) -> None:
+    """Write the active rows of a static buffer: values[j] (a tensor [A, k, ...] or a list of A
+    tensors of k_j rows) goes to buf[j, :k_j]."""
+    if not isinstance(values, torch.Tensor) and len({v.shape[0] for v in values}) == 1:
+        values = torch.stack(values)
     if isinstance(values, torch.Tensor):
-        stacked = values
-    elif len({v.shape[0] for v in values}) == 1:
-        stacked = torch.stack(values)
-    else:
-        for slot, v in zip(slot_list, values):
-            buf[slot, : v.shape[0]].copy_(v)
+        buf[: values.shape[0], : values.shape[1]].copy_(values)
         return
-    k = stacked.shape[1]
-    if k == buf.shape[1] and slot_list == list(range(buf.shape[0])):
-        buf.copy_(stacked)
-    else:
-        buf[:, :k].index_copy_(0, slots, stacked.to(buf.dtype))
+    for j, v in enumerate(values):
+        buf[j, : v.shape[0]].copy_(v)
 
 
 def sequence_forward(context_fn, fn, cache, t: int, device: torch.device,

@@ -94,6 +94,8 @@ class Latency:
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         return {
             "ttft_ms": ms(med(self.ttft)),
+            "ttft_ms_p50": ms(percentile(self.ttft, 50)),
+            "ttft_ms_p99": ms(percentile(self.ttft, 99)),
             "prefill_ms": ms(med(self.prefill)),
             "propose_ms_per_draft": ms(med(self.propose_per_draft)),
             "verify_ms": ms(med(self.verify)),

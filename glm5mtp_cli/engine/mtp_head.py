@@ -151,11 +151,12 @@ class MtpHead:
         for st, tok in zip(states, tokens):
             self._mark_real(st, tok)
         b = len(states)
+        gens = [st.gen or self.gen for st in states]  # each sequence's drafts from its request's stream
         drafts, probs, confs = [], [], []
         active = [True] * b
         counts = [0] * b
         for i_step in range(num_drafts):
-            d, q = choose(logits, self.sampling, self.gen)
+            d, q = choose(logits, self.sampling, gens)
             if self.draft_head is not None:
                 d = self.draft_head.to_full(d)
                 q = None if q is None else self.draft_head.probs_to_full(q, self.head.weight.shape[0])

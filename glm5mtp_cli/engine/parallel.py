@@ -61,6 +61,15 @@ class Comm:
         best = every[..., 0].argmax(0)  # first (lowest) rank holding the maximum
         return every[..., 1].gather(0, best[None])[0].long()
 
+    def broadcast_int(self, value: int) -> int:
+        """Rank 0's `value` on every rank (a per-step decision that must match across ranks)."""
+        if self.world == 1:
+            return value
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.long, device=dev)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        return int(t.item())
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)

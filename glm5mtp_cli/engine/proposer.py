@@ -43,6 +43,7 @@ class ProposerState:
     last_chain: DraftChain | None = None
     row_tokens: list[torch.Tensor] = field(default_factory=list)  # chunks of t[i+1], one per real row i
     freed: bool = False
+    gen: torch.Generator | None = None  # the request's random stream (sampled drafts); None: the proposer's
 
 
 @runtime_checkable

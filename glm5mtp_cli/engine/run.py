@@ -28,7 +28,10 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_decode_s: float,
               wall_capture_s: float = 0.0) -> tuple[Acceptance, Latency]:
     """End to end = prefill + decode; CUDA-graph capture is one-time setup (as in vLLM and SGLang,
-    which capture at start-up), reported on its own."""
+    which capture at start-up), reported on its own. With continuous batching prefills interleave
+    with decode steps: prefill is the wall time of the admission phases between steps, decode the
+    rest of the run (SpecEngine's docstring), so decode tokens/s is over the steps' wall time alone.
+    TTFT counts each request's wait for a slot."""
     acc = Acceptance(gamma)
     lat = Latency()
     for r in results:
@@ -61,7 +64,7 @@ def check_fits(token_lists: list[list[int]], max_new_tokens: int, gamma: int, li
 def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
                  batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
                  on_tokens=None, draft_vocab: int | None = None, graphs: str = "eager",
-                 draft_vocab_file: Path | None = None):
+                 draft_vocab_file: Path | None = None, schedule: str = "continuous", gamma_policy: str = "fixed"):
     """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes).
 
     draft_vocab_file: the token counts for --draft-vocab (default: token_counts.json beside the checkpoint)."""
@@ -74,9 +77,13 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
     pools = rt.make_pools(per_seq, min(batch_size, len(requests)))
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
-                        device=rt.device, draft_ids=draft_ids, graphs=graphs)
+                        device=rt.device, draft_ids=draft_ids, graphs=graphs, schedule=schedule,
+                        gamma_policy=gamma_policy)
     engine.on_tokens = on_tokens
-    results = engine.generate(requests, batch_size=batch_size)
+    try:
+        results = engine.generate(requests, batch_size=batch_size)
+    finally:
+        engine.close()
     acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s, engine.wall_capture_s)
     leftover = pools.blocks_held()
     if any(leftover.values()):

@@ -182,6 +182,8 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
     SpecEngine's (alloc, eos_ids, graphs, inject_leak, ...)."""
     check_pools(rt, pools)
     device = options.pop("device", rt.device)
+    # the proposer's own stream serves only direct propose() calls: the engine's requests each
+    # bring theirs (sampling.request_stream)
     gen = torch.Generator(device=torch.device(device)).manual_seed(sampling.seed)
     proposer = None
     if gamma > 0 and rt.mtp is not None:
@@ -189,7 +191,7 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
                                                    sampling=sampling, draft_conf_tau=draft_conf_tau,
                                                    generator=gen, draft_ids=draft_ids)
     return SpecEngine(rt.cfg, rt.target, proposer, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
-                      device=device, generator=gen, **options)
+                      device=device, comm=rt.comm, **options)
 
 
 def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:

@@ -1,11 +1,14 @@
 """Token choice shared by target and drafter: greedy, temperature, top-p; and speculative acceptance.
 
 Sampling draws without a host sync (argmax of probs / Exponential(1), as gpt-fast does), from an
-explicit torch.Generator so a seed reproduces a run.
+explicit torch.Generator so a seed reproduces a run. The engine gives each request its own stream
+(request_stream: seeded from --seed and the request id) and a batched draw takes row b's noise from
+row b's stream, so what a request samples does not depend on which requests share its batch.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +38,25 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs
 
 
-def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One token per row of probs, without a host sync."""
-    noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
+def request_stream(seed: int, request_id: int, device: torch.device | str) -> torch.Generator:
+    """A request's own random stream: the same (seed, request id) gives the same draws. The pair
+    is hashed to 32 bits: the CPU generator (mt19937) keeps only a seed's low 32 bits."""
+    mixed = hashlib.blake2b(f"{seed}:{request_id}".encode(), digest_size=4).digest()
+    return torch.Generator(device=torch.device(device)).manual_seed(int.from_bytes(mixed, "little"))
+
+
+def draw(probs: torch.Tensor, gen) -> torch.Tensor:
+    """One token per row of probs, without a host sync. gen: one generator for all rows, or a list
+    with one per row (row b's noise comes from gen[b] alone)."""
+    if isinstance(gen, (list, tuple)):
+        noise = torch.stack([torch.empty_like(probs[b]).exponential_(1.0, generator=g) for b, g in enumerate(gen)])
+    else:
+        noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
     return (probs / noise).argmax(-1)
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
-    """(tokens, probs or None): argmax when greedy, else a draw from probs_from_logits."""
+def choose(logits: torch.Tensor, params: SamplingParams, gen):
+    """(tokens, probs or None): argmax when greedy, else a draw from probs_from_logits (gen as draw's)."""
     if params.greedy:
         return logits.argmax(-1), None
     probs = probs_from_logits(logits, params)

@@ -6,22 +6,39 @@ accepted token, not yet in the cache. A step verifies [t[n], d1..dg] at position
 n+a+1 rows (a drafts accepted) and emits d1..da plus the target's own next token. The drafter is
 then fed the real rows (t[n+1..n+a+1], h[n..n+a]) at the start of the next propose.
 Gamma 0 runs this same loop without a drafter: the baseline.
+
+Scheduling (`generate`): one step loop over a fixed number of slots (the batch size). Between decode
+steps, waiting requests are admitted into free slots (each prefilled on its own, in chunks of
+prefill_chunk rows, one prompt per forward); the schedule decides when: "continuous" whenever a
+slot is free, "static" only when every slot is free (the old batch-by-batch behaviour, kept for
+comparison). Each request samples from its own stream (sampling.request_stream), so what it
+samples does not depend on which requests share its steps.
+
+Wall time of a generate call: prefill = the admission phases (the device caught up at both ends;
+one per step that admits anything), capture = building and capturing the graphs (once per engine),
+decode = the rest of the call's wall time (decode steps and their host bookkeeping). Per request,
+ttft = queue (from the generate call to its admission) + its prefill; decode_s sums its own
+steps' propose + verify times.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
+from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
-from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose
+from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose, request_stream
 from glm5mtp_cli.errors import UserError
+
+SCHEDULES = ("continuous", "static")
 
 
 @dataclass
@@ -49,6 +66,7 @@ class SeqResult:
     verify_s: list[float] = field(default_factory=list)
     trace: list[dict] = field(default_factory=list)
     state_bytes: dict[str, int] = field(default_factory=dict)
+    queue_s: float = 0.0  # from the generate call to this request's admission
     prefilled_target_rows: int = 0
     prefilled_drafter_rows: int = 0
     carried_target_rows: int = 0
@@ -57,7 +75,11 @@ class SeqResult:
 
 
 class InjectedFailure(RuntimeError):
-    """Raised inside a verify step by leak-check's failure injection."""
+    """Raised inside a verify step by leak-check's failure injection; `results` holds the generate
+    call's results so far (None for requests it aborted)."""
+
+    results: list = []
+    request_id: int | None = None
 
 
 class _Clock:
@@ -72,6 +94,10 @@ class _Clock:
             e.record()
             return e
         return time.perf_counter()
+
+    def ready(self, mark) -> bool:
+        """Whether reading `mark` would not wait for the device."""
+        return mark.query() if self.cuda else True
 
     def seconds(self, a, b) -> float:
         if self.cuda:
@@ -97,7 +123,9 @@ class LiveSequence:
     steps: int = 0
     res: SeqResult | None = None
     marks: list = field(default_factory=list)  # (propose start, verify start, verify end, drafts)
-    slot: int | None = None  # row of the batch's static buffers (graph modes)
+    slot: int | None = None  # the engine slot it holds (its rows of the graphs' block tables)
+    gen: torch.Generator | None = None  # its own random stream (sampling)
+    arrive: object = None  # clock mark of the generate call that brought it
 
 
 class SpecEngine:
@@ -109,13 +137,15 @@ class SpecEngine:
                  sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
                  eos_ids: list[int] | None = None, prefill_chunk: int = 1024, device: torch.device | str = "cpu",
                  check_invariants: bool = False, inject_leak: str | None = None, graphs: str = "eager",
-                 generator: torch.Generator | None = None):
+                 schedule: str = "continuous", gamma_policy: str = "fixed", comm=None):
         if gamma < 0:
             raise UserError(f"--gamma must be >= 0, got {gamma}")
         if gamma > 0 and proposer is None:
             raise UserError(f"gamma {gamma} needs a draft proposer (the checkpoint's MTP layer)")
         if alloc not in ("budget", "ceiling"):
             raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
+        if schedule not in SCHEDULES:
+            raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.cfg = cfg
         self.target = target
         self.pools = pools
@@ -128,13 +158,15 @@ class SpecEngine:
         self.device = torch.device(device)
         self.check = check_invariants
         self.inject_leak = inject_leak
+        self.schedule = schedule
+        self.policy = GammaPolicy(gamma if proposer is not None else 0, gamma_policy)
+        self.comm = comm  # parallel.Comm under --tp: the adaptive gamma is rank 0's
+        self._cost_marks: deque = deque()  # (active, gamma, step start, step end) not read yet
         self.runner = ForwardRunner(graphs, self.device)
-        # the proposer draws its drafts from the same stream as acceptance, so sampled runs repeat
-        self.gen = generator or torch.Generator(device=self.device).manual_seed(sampling.seed)
         self.clock = _Clock(self.device)
         self.wall_prefill_s = 0.0
         self.wall_decode_s = 0.0
-        self.wall_capture_s = 0.0  # building and capturing the batches' CUDA graphs (one-time setup, outside both)
+        self.wall_capture_s = 0.0  # building and capturing the engine's graphs (one-time setup, outside both)
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
         self.head = proposer if gamma > 0 else None
 
@@ -161,64 +193,101 @@ class SpecEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def generate(self, requests: list[Request], batch_size: int = 1) -> list[SeqResult]:
+        """Every request through `batch_size` slots (module docstring); results in request order."""
+        if batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+        batch_size = min(batch_size, max(len(requests), 1))  # no slot (nor graph bucket) that nothing could fill
         for r in requests:
             self.check_request(r)  # refuse before anything is allocated
-        results = []
-        for i in range(0, len(requests), batch_size):
-            results += self.run_batch(requests[i:i + batch_size])
+        if self.runner.graphs is not None and self.runner.graphs.slots < batch_size:
+            self.runner.close()  # built for fewer slots: built again below
+        waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
+        results: list[SeqResult | None] = [None] * len(requests)
+        slots: list[LiveSequence | None] = [None] * batch_size
+        arrive = self.clock.now()
+        w0 = self._wall()
+        prefill = capture = 0.0
+        try:
+            while waiting or any(slots):
+                free = [i for i, s in enumerate(slots) if s is None]
+                if waiting and free and (self.schedule == "continuous" or len(free) == batch_size):
+                    a0 = self._wall()
+                    admitted = 0
+                    while waiting and free and (self.schedule == "continuous" or admitted < batch_size):
+                        i, req = waiting.pop()
+                        seq = self.start(req, arrive)
+                        results[i] = seq.res
+                        admitted += 1
+                        if seq.done is None:
+                            self._seat(seq, free.pop(0), slots)
+                    prefill += self._wall() - a0
+                active = [s for s in slots if s is not None]
+                if not active:
+                    continue
+                if self.runner.mode != "eager" and self.runner.graphs is None:
+                    c0 = self._wall()
+                    self._open_graphs(active, batch_size)
+                    capture += self._wall() - c0
+                self._step(active)
+                for s in active:
+                    if s.done is not None:
+                        slots[s.slot] = None
+        except InjectedFailure as e:
+            e.results = results  # leak-check: what ended before the failure (None: aborted by it)
+            raise
+        finally:
+            for s in slots:
+                if s is not None:
+                    self.release(s)
+        self.wall_prefill_s += prefill
+        self.wall_capture_s += capture
+        self.wall_decode_s += self._wall() - w0 - prefill - capture
         return results
 
-    def run_batch(self, requests: list[Request]) -> list[SeqResult]:
-        seqs: list[LiveSequence] = []
-        try:
-            t0 = self._wall()
-            for req in requests:
-                seqs.append(self.start(req))
-            tc = self._wall()
-            if any(s.done is None for s in seqs):
-                self.open_batch(seqs)
-            t1 = self._wall()
-            while True:
-                active = [s for s in seqs if s.done is None]
-                if not active:
-                    break
-                self._step(active)
-            t2 = self._wall()
-            self.wall_prefill_s += tc - t0
-            self.wall_capture_s += t1 - tc
-            self.wall_decode_s += t2 - t1
-            return [s.res for s in seqs]
-        finally:
-            self.runner.close()  # graphs go before any block they could name is freed
-            for s in seqs:
-                self.release(s)
+    def _seat(self, seq: LiveSequence, slot: int, slots: list) -> None:
+        """A prefilled sequence takes a free slot: its rows of the graphs' tables name its blocks."""
+        seq.slot = slot
+        slots[slot] = seq
+        self.runner.occupy(slot, self._slot_caches(seq))
 
-    def open_batch(self, seqs: list[LiveSequence]) -> None:
-        """After the prefill: give each sequence its batch slot and build the runner's static
-        forwards for them (captured on CUDA). runner.close() undoes it."""
-        for i, s in enumerate(seqs):
-            s.slot = i
-        drafter = None
-        if self.head is not None:
-            drafter = [s.state.cache if s.state is not None else None for s in seqs]
-        live = next(s for s in seqs if s.done is None)
+    def _slot_caches(self, seq: LiveSequence) -> dict:
+        caches = {"target": seq.cache}
+        if seq.state is not None:
+            caches["drafter"] = seq.state.cache
+        return caches
+
+    def _open_graphs(self, active: list[LiveSequence], slots: int) -> None:
+        """Build (CUDA: capture) the static forwards once per engine, for every bucket up to
+        `slots`, then write the seated sequences' table rows. A later call with more slots rebuilds."""
+        live = active[0]
         hidden = (live.pend_hidden.shape[-1], live.pend_hidden.dtype) if live.pend_hidden is not None else None
-        self.runner.open(self.target, self.head, self.pools, [None if s.cache.released else s.cache for s in seqs],
-                         drafter, self.gamma, hidden, greedy=self.head is not None and self.head.greedy_fusable())
+        block = min(p.block_size for p in self.pools.pools.values() if hasattr(p, "block_size"))
+        self.runner.open(self.target, self.head, self.pools, slots, -(-self.max_seq_len // block), self.policy.gammas(),
+                         hidden, greedy=self.head is not None and self.head.greedy_fusable())
+        for s in active:
+            self.runner.occupy(s.slot, self._slot_caches(s))
+
+    def close(self) -> None:
+        """Drop the engine's graphs and give their scratch blocks back (the pools' ledger is then
+        what the sequences hold); generate builds them again if called after."""
+        self.runner.close()
 
     def _wall(self) -> float:
-        """Host time after the device caught up: read only at batch boundaries, never inside a step."""
+        """Host time after the device caught up: read around admissions and captures, never inside a step."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def start(self, req: Request) -> LiveSequence:
+    def start(self, req: Request, arrive=None) -> LiveSequence:
         """Admit one request: reserve its state, prefill the target and the drafter, emit the first
-        token. Public for diagnostics and tests that drive single steps (release it after)."""
+        token. Public for diagnostics and tests that drive single steps (release it after).
+        arrive: the clock mark its queue time counts from (default: now)."""
         self.check_request(req)
         t0 = self.clock.now()
         cache = self.pools.target_cache()
-        seq = LiveSequence(req, cache, None, [], Acceptance(self.gamma), t0)
+        seq = LiveSequence(req, cache, None, [], Acceptance(self.gamma), t0, arrive=arrive)
+        if not self.sampling.greedy:
+            seq.gen = request_stream(self.sampling.seed, req.request_id, self.device)
         try:
             self._fill(seq)
         except BaseException:
@@ -232,11 +301,13 @@ class SpecEngine:
         seq.cache.reserve(self.reserve_tokens(req))
         if self.head is not None and seq.state is None:
             seq.state = self._alloc_state(req)
+        if seq.state is not None:
+            seq.state.gen = seq.gen
         state_bytes = self._state_bytes(seq)
         prompt = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
         p = len(req.prompt)
         logits, hiddens = self.prefill(prompt[start.target_start:], seq.cache)
-        first, _ = choose(logits[None], self.sampling, self.gen)
+        first, _ = choose(logits[None], self.sampling, [seq.gen])
         seq.last = int(first.item())
         seq.last_dev = first.reshape(1)
         t1 = self.clock.now()
@@ -314,24 +385,43 @@ class SpecEngine:
             logits = out.logits[0, -1]
         return logits, torch.cat(hiddens)
 
-    def draft(self, active: list[LiveSequence]):
-        """The proposer's drafts for the active sequences' next verify (gamma of them each)."""
-        self.runner.step([s.slot for s in active])
+    def draft(self, active: list[LiveSequence], g: int):
+        """The proposer's drafts for the active sequences' next verify (g of them each)."""
         return self.head.propose_batch([s.pend_tokens for s in active], [s.pend_hidden for s in active],
-                                       [s.state.real_rows for s in active], self.gamma, [s.state for s in active],
+                                       [s.state.real_rows for s in active], g, [s.state for s in active],
                                        self.runner)
 
+    def _choose_gamma(self, active: int) -> int:
+        """This step's gamma for the whole batch (engine/gamma.py), from the costs measured so far
+        (CUDA events already completed: no wait); under --tp rank 0's choice, broadcast."""
+        while self._cost_marks and self.clock.ready(self._cost_marks[0][3]):
+            n, g, p0, v1 = self._cost_marks.popleft()
+            self.policy.record_cost(n, g, self.clock.seconds(p0, v1))
+        g = self.policy.choose(active)
+        if self.comm is not None and self.policy.adaptive:
+            g = self.comm.broadcast_int(g)
+        return g
+
+    def _catch_up_backlog(self, active: list[LiveSequence]) -> None:
+        """Rows left pending by steps without drafts, beyond what one draft forward takes (gamma + 1),
+        go into the drafter eagerly first."""
+        for s in active:
+            extra = s.pend_tokens.shape[0] - (self.gamma + 1)
+            if extra > 0:
+                self.head.catchup_drafter(s.pend_tokens[:extra], s.pend_hidden[:extra], s.state.real_rows, s.state)
+                s.pend_tokens, s.pend_hidden = s.pend_tokens[extra:], s.pend_hidden[extra:]
+
     def _step(self, active: list[LiveSequence]) -> None:
-        g = self.gamma
+        g = self._choose_gamma(len(active))
         p0 = self.clock.now()
         chains = None
+        self.runner.step([s.slot for s in active])
         if g > 0:
-            chains = self.draft(active)
+            self._catch_up_backlog(active)
+            chains = self.draft(active, g)
             if self.check:
                 for s in active:
                     assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
-        else:
-            self.runner.step([s.slot for s in active])
         v0 = self.clock.now()
         last = torch.cat([s.last_dev for s in active])  # already on the device: no copy from the host
         if chains:
@@ -343,23 +433,32 @@ class SpecEngine:
         starts = [s.cache.length for s in active]
         for s in active:
             if s.req.fail_at_step is not None and s.steps == s.req.fail_at_step:
-                raise InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
+                e = InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
+                e.request_id = s.req.request_id
+                raise e
         out = self.runner.verify(self.target, ids, [s.cache for s in active])
         counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
-        accepted, nxt, draft_ids, nxt_dev = self._accept(drafts, chains, out.logits, counts)
+        accepted, nxt, draft_ids, nxt_dev = self._accept(drafts, chains, out.logits, counts, [s.gen for s in active])
         v1 = self.clock.now()
+        if self.policy.adaptive:
+            self.policy.record_acceptance(counts, accepted)
+            self._cost_marks.append((len(active), g, p0, v1))
         for i, s in enumerate(active):
             a = accepted[i]
             new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
             s.cache.truncate(starts[i] + a + 1)
             s.last_dev = nxt_dev[i:i + 1]
-            if s.state is not None:
+            if s.state is not None and chains:
                 self.head.after_verify(a, s.state)
                 # the accepted drafts and the target's token, from device tensors (no host copy)
                 s.pend_tokens = torch.cat([drafts[i, :a], s.last_dev]) if a else s.last_dev
                 s.pend_hidden = out.hidden_all[i, : a + 1]
+            elif s.state is not None:  # a step without drafts: its row waits for the next drafting step
+                s.pend_tokens = torch.cat([s.pend_tokens, s.last_dev])
+                s.pend_hidden = torch.cat([s.pend_hidden, out.hidden_all[i, :1]])
             s.acc.record(counts[i], a)
-            s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], len(new)))
+            s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], new,
+                            draft_ids[i][: counts[i]] if draft_ids is not None else []))
             s.steps += 1
             s.last = new[-1]
             s.all_tokens.extend(new)
@@ -369,7 +468,7 @@ class SpecEngine:
             if self.on_tokens is not None and len(s.out) > before:
                 self.on_tokens(s.req.request_id, s.out[before:])
 
-    def _accept(self, drafts, chains, logits, counts):
+    def _accept(self, drafts, chains, logits, counts, gens):
         """(accepted, next token, draft ids) per sequence on the host, and the next tokens on the
         device; greedy reads the device once per step."""
         if self.sampling.greedy:
@@ -389,9 +488,9 @@ class SpecEngine:
         for i in range(logits.shape[0]):
             if drafts is None:
                 a, t = accept_rejection(logits.new_empty(0, dtype=torch.long), None, logits[i], 0,
-                                        self.sampling, self.gen)
+                                        self.sampling, gens[i])
             else:
-                a, t = accept_rejection(drafts[i], chains[i].probs, logits[i], counts[i], self.sampling, self.gen)
+                a, t = accept_rejection(drafts[i], chains[i].probs, logits[i], counts[i], self.sampling, gens[i])
             acc.append(a)
             nxt.append(t)
         nxt_dev = torch.tensor(nxt, dtype=torch.long, device=logits.device)
@@ -420,10 +519,11 @@ class SpecEngine:
         res.finish_reason = s.done
         prefill = s.marks[0]
         res.prefill_s = self.clock.seconds(prefill[1], prefill[2])
-        res.ttft_s = res.prefill_s
+        res.queue_s = self.clock.seconds(s.arrive, prefill[1]) if s.arrive is not None else 0.0
+        res.ttft_s = res.queue_s + res.prefill_s
         decode = 0.0
         for m in s.marks[1:]:
-            _, p0, v0, v1, nd, a, pos, emitted = m
+            _, p0, v0, v1, nd, a, pos, emitted, drafted = m
             prop = self.clock.seconds(p0, v0)
             ver = self.clock.seconds(v0, v1)
             decode += prop + ver
@@ -431,7 +531,8 @@ class SpecEngine:
                 res.propose_s.append(prop / nd)
             res.verify_s.append(ver)
             res.trace.append({"step": len(res.trace), "request": s.req.request_id, "position": pos,
-                              "drafts": nd, "accepted": a, "emitted": emitted,
+                              "drafts": nd, "accepted": a, "emitted": len(emitted),
+                              "draft_ids": drafted, "emitted_ids": emitted,
                               "propose_ms": prop * 1e3, "verify_ms": ver * 1e3})
         res.decode_s = decode
 

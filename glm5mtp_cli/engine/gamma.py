@@ -1,0 +1,120 @@
+"""How many drafts a step proposes: --gamma-policy fixed (always --gamma) or adaptive.
+
+Adaptive picks one gamma per step for the whole batch, 0..--gamma, maximising predicted tokens per
+second: E(g) / C(b, g), where
+
+- E(g) = 1 + sum over k = 1..g of a_1 * ... * a_k is the expected tokens a step emits with g drafts,
+  a_k the rolling rate at which draft k is accepted given that drafts 1..k-1 were (counters that
+  decay by 1 / window per recorded step, so the rate follows the text being generated);
+- C(b, g) is the measured wall time of a whole step (draft + verify) at batch bucket b (the next
+  power of two >= the active sequences) with g drafts: an exponential average of the steps run so
+  far, linearly interpolated between measured gammas of that bucket for the others.
+
+Drafting is measured before it is judged: a bucket's first steps run at --gamma and at 0, so both
+ends of the cost line are known. When g = 0 wins (drafting does not pay, e.g. at large batches
+where verifying g + 1 rows costs g + 1 times one row), a step at --gamma is still run every
+`probe_every` steps so a change in acceptance or cost can turn drafting back on. This is
+TensorRT-LLM's rolling-acceptance switch generalised from on/off to 0..gamma with measured costs.
+
+Costs arrive late (CUDA events are read when they have completed, never waited on), so the policy
+works from whatever has been measured so far. Under --tp the decision is rank 0's, broadcast by
+the engine, so every rank runs the same gamma.
+"""
+
+from __future__ import annotations
+
+POLICIES = ("fixed", "adaptive")
+
+
+def bucket_of(active: int) -> int:
+    """The cost bucket of a step with `active` sequences: the next power of two."""
+    return 1 << max(active - 1, 0).bit_length()
+
+
+class GammaPolicy:
+    def __init__(self, max_gamma: int, policy: str = "fixed", window: int = 64, probe_every: int = 32,
+                 cost_smoothing: float = 0.2):
+        if policy not in POLICIES:
+            from glm5mtp_cli.errors import UserError
+
+            raise UserError(f"--gamma-policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.max_gamma = max_gamma
+        self.adaptive = policy == "adaptive" and max_gamma > 0
+        self.decay = 1.0 - 1.0 / window
+        self.probe_every = probe_every
+        self.smoothing = cost_smoothing
+        self.tried = [0.0] * max_gamma  # [k-1]: decayed count of drafts k that were verified
+        self.kept = [0.0] * max_gamma  # [k-1]: of those, accepted
+        self.costs: dict[int, dict[int, float]] = {}  # bucket -> gamma -> seconds per step
+        self.off_steps: dict[int, int] = {}  # bucket -> steps chosen at 0 since the last probe
+
+    def gammas(self) -> list[int]:
+        """Every gamma a step may use (the static forwards are built for each)."""
+        return list(range(self.max_gamma + 1)) if self.adaptive else [self.max_gamma]
+
+    # ---- observations -----------------------------------------------------------------------
+    def record_acceptance(self, drafts: list[int], accepted: list[int]) -> None:
+        """One step: per sequence, drafts proposed and accepted."""
+        if not self.adaptive:
+            return
+        for k in range(self.max_gamma):
+            self.tried[k] *= self.decay
+            self.kept[k] *= self.decay
+        for n, a in zip(drafts, accepted):
+            for k in range(min(n, a + 1)):  # drafts 1..a+1 were judged (a + 1 rejected, if proposed)
+                self.tried[k] += 1
+                self.kept[k] += k < a
+
+    def record_cost(self, active: int, gamma: int, seconds: float) -> None:
+        if not self.adaptive:
+            return
+        costs = self.costs.setdefault(bucket_of(active), {})
+        old = costs.get(gamma)
+        costs[gamma] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    # ---- predictions ------------------------------------------------------------------------
+    def rates(self) -> list[float]:
+        """a_k: the rolling acceptance of draft k given the ones before it (unjudged: a_{k-1})."""
+        out = []
+        for k in range(self.max_gamma):
+            if self.tried[k] > 1e-9:
+                out.append(self.kept[k] / self.tried[k])
+            else:
+                out.append(out[-1] if out else 0.0)
+        return out
+
+    def expected_tokens(self, g: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.rates()[:g]:
+            run *= a
+            total += run
+        return total
+
+    def cost(self, active: int, g: int) -> float | None:
+        """Seconds per step at this batch and gamma: measured, else interpolated (None: unknown)."""
+        costs = self.costs.get(bucket_of(active), {})
+        if g in costs:
+            return costs[g]
+        lo = max((x for x in costs if x < g), default=None)
+        hi = min((x for x in costs if x > g), default=None)
+        if lo is None or hi is None:
+            return None
+        return costs[lo] + (costs[hi] - costs[lo]) * (g - lo) / (hi - lo)
+
+    # ---- the decision -----------------------------------------------------------------------
+    def choose(self, active: int) -> int:
+        if not self.adaptive:
+            return self.max_gamma
+        b = bucket_of(active)
+        costs = self.costs.get(b, {})
+        if self.max_gamma not in costs:
+            return self.max_gamma
+        if 0 not in costs:
+            return 0
+        best = max(range(self.max_gamma + 1), key=lambda g: self.expected_tokens(g) / self.cost(active, g))
+        if best == 0:
+            self.off_steps[b] = self.off_steps.get(b, 0) + 1
+            if self.off_steps[b] >= self.probe_every:
+                self.off_steps[b] = 0
+                return self.max_gamma  # re-measure acceptance and the cost of drafting now and then
+        return best

@@ -1,0 +1,180 @@
+"""Adaptive gamma (engine/gamma.py): its decisions on synthetic acceptance and costs, and the
+engine's output whatever gamma each step uses: greedy adaptive equals gamma 0, both families."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm5mtp_cli.engine.gamma import GammaPolicy, bucket_of
+from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.errors import UserError
+
+from test_continuous import WORK, _make, _run, glm5next_models
+
+
+@pytest.fixture(scope="module")
+def glm5(spec_runtime):
+    return spec_runtime
+
+
+@pytest.fixture(scope="module")
+def glm5next(tmp_path_factory):
+    return glm5next_models(tmp_path_factory.mktemp("glm5next_gamma"))
+
+
+def _policy(rate: float, costs: dict[int, float], active: int = 1, gamma: int = 4) -> GammaPolicy:
+    """A policy that saw drafts accepted independently with probability `rate` per position (as
+    counts: 1000 sequences' worth) and step costs per gamma at this batch."""
+    p = GammaPolicy(gamma, "adaptive")
+    for k in range(gamma):
+        p.tried[k] = 1000.0
+        p.kept[k] = 1000.0 * rate
+    for g, sec in costs.items():
+        p.record_cost(active, g, sec)
+    return p
+
+
+def test_fixed_policy_always_drafts_gamma():
+    p = GammaPolicy(3, "fixed")
+    p.record_cost(1, 3, 1.0)
+    assert p.gammas() == [3] and {p.choose(a) for a in (1, 8, 64)} == {3}
+
+
+def test_cheap_drafts_with_high_acceptance_draft_the_most():
+    # verify nearly flat in rows (small batch, memory bound), a draft 10% of a verify
+    p = _policy(0.9, {0: 1.0, 4: 1.4})
+    assert p.choose(1) == 4
+    assert p.expected_tokens(4) == pytest.approx(1 + 0.9 + 0.81 + 0.729 + 0.6561)
+
+
+def test_drafting_turns_off_when_it_does_not_pay():
+    # a large batch: verifying g + 1 rows costs ~ g + 1 rows' compute; acceptance middling
+    p = _policy(0.5, {0: 1.0, 4: 5.0}, active=64)
+    assert p.choose(64) == 0
+    # the same acceptance at batch 1, where drafting is cheap, pays
+    p.record_cost(1, 0, 1.0)
+    p.record_cost(1, 4, 1.3)
+    assert p.choose(1) > 0
+
+
+def test_middle_gamma_wins_when_later_drafts_rarely_pass():
+    p = _policy(0.0, {0: 1.0, 4: 1.8})
+    p.kept = [900.0, 300.0, 100.0, 30.0]  # draft 1 usually passes, later ones rarely
+    p.tried = [1000.0] * 4
+    # E: g1 1.9 / 1.2, g2 2.17 / 1.4, g3 2.2 / 1.6, g4 2.2 / 1.8: g = 1 is the best rate
+    assert p.choose(1) == 1
+
+
+def test_both_ends_are_measured_before_judging_and_probing_resumes_drafting():
+    p = GammaPolicy(3, "adaptive", probe_every=4)
+    assert p.choose(2) == 3  # no cost at gamma yet
+    p.record_cost(2, 3, 3.0)
+    assert p.choose(2) == 0  # no cost at 0 yet
+    p.record_cost(2, 0, 1.0)
+    p.record_acceptance([3, 3], [0, 0])  # nothing accepted: drafting cannot pay
+    picks = [p.choose(2) for _ in range(8)]
+    assert picks == [0, 0, 0, 3, 0, 0, 0, 3]  # every 4th choice at 0 probes gamma again
+
+
+def test_acceptance_rates_are_conditional_and_roll():
+    p = GammaPolicy(3, "adaptive", window=4)
+    p.record_acceptance([3, 3, 3, 2], [3, 1, 0, 2])
+    # draft 1 judged 4 times (3 kept); draft 2 judged 3 times (2 kept); draft 3 judged once (by the
+    # first sequence: the last proposed only 2), kept
+    assert p.rates() == pytest.approx([3 / 4, 2 / 3, 1.0])
+    for _ in range(40):
+        p.record_acceptance([3], [0])
+    assert p.rates()[0] < 0.01  # old steps fade
+
+
+def test_costs_interpolate_between_measured_gammas_per_bucket():
+    p = GammaPolicy(4, "adaptive")
+    p.record_cost(3, 0, 1.0)
+    p.record_cost(4, 4, 3.0)  # 3 and 4 active share bucket 4
+    assert bucket_of(3) == bucket_of(4) == 4 and bucket_of(1) == 1 and bucket_of(5) == 8
+    assert p.cost(3, 2) == pytest.approx(2.0)
+    assert p.cost(8, 2) is None
+
+
+def test_bad_policy_is_refused():
+    with pytest.raises(UserError, match="--gamma-policy"):
+        GammaPolicy(3, "sometimes")
+
+
+@pytest.fixture(params=["glm5", "glm5next"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def models(family, request):
+    return request.getfixturevalue(family)
+
+
+def _adaptive(engine):
+    """An adaptive policy that finds gamma 0 nearly free (so it turns drafting off after measuring
+    gamma 3) and probes gamma 3 every third step: steps run with and without drafts, alternating."""
+    engine.policy = GammaPolicy(3, "adaptive", probe_every=3)
+    for active in (1, 2):
+        engine.policy.record_cost(active, 0, 1e-9)
+    used = []
+    real = engine._choose_gamma
+
+    def spy(active):
+        used.append(real(active))
+        return used[-1]
+
+    engine._choose_gamma = spy
+    return used
+
+
+def test_adaptive_greedy_equals_gamma_0(family, models):
+    base, pools = _make(family, models, 0, 2)
+    want = [r.tokens for r in _run(base, pools, 2)]
+    engine, pools = _make(family, models, 3, 2)
+    used = _adaptive(engine)
+    assert [r.tokens for r in _run(engine, pools, 2)] == want
+    assert 0 in used and 3 in used, used
+
+
+def test_adaptive_in_static_mode_equals_gamma_0(glm5):
+    """The static forwards (CUDA graphs' path) for every gamma, and the backlog a run of steps
+    without drafts leaves for the drafter's next catch-up."""
+    base, pools = _make("glm5", glm5, 0, 2)
+    want = [r.tokens for r in _run(base, pools, 2)]
+    engine, pools = _make("glm5", glm5, 3, 2, mode="static")
+    used = _adaptive(engine)
+    assert [r.tokens for r in _run(engine, pools, 2)] == want
+    assert 0 in used and 3 in used, used
+
+
+def test_adaptive_sampling_frees_everything(glm5):
+    engine, pools = _make("glm5", glm5, 3, 2, sampling=SamplingParams(temperature=0.8, seed=1))
+    used = _adaptive(engine)
+    res = _run(engine, pools, 2)  # asserts nothing stays held
+    assert [len(r.tokens) for r in res] == [n for _, n in WORK]
+    assert 0 in used and 3 in used, used
+
+
+def test_tp2_adaptive_runs_rank_0s_gamma(spec_ckpt):
+    """Under --tp 2 (gloo ranks) every step's gamma is rank 0's, broadcast: the ranks finish in
+    lockstep with tp 1's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder, _ = spec_ckpt
+    args = ["generate", "--model", str(folder), "--prompt-ids", "3,17,99,4,250,6,7,8", "--gamma", "3",
+            "--gamma-policy", "adaptive", "--max-new-tokens", "12", "--ignore-eos", "--json", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    two = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *args, "--tp", "2"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert two.returncode == 0, two.stderr
+    base_args = [a if i != args.index("--gamma") + 1 else "0" for i, a in enumerate(args)]
+    base = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *base_args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert base.returncode == 0, base.stderr
+    doc = json.loads(two.stdout)
+    assert doc["tp"] == 2 and doc["gamma_policy"] == "adaptive"
+    assert doc["requests"][0]["tokens"] == json.loads(base.stdout)["requests"][0]["tokens"]
