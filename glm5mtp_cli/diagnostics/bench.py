@@ -1,7 +1,7 @@
 """bench: glm5mtp at gamma 0..4 beside transformers' `generate` on the same checkpoint, one device.
 
-Every configuration runs once as a warm-up (excluded), then `repeats` times; the tables report
-medians. The single draft and target steps against their memory floors are step_bench.py's.
+Every configuration warms up on one batch of its prompts (excluded), then runs its whole workload
+`repeats` times; the tables report medians. The single draft and target steps against their memory floors are step_bench.py's.
 """
 
 from __future__ import annotations
@@ -46,13 +46,15 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
     """End to end over the workload (continuous batching through `batch` slots); medians of the
     timed runs, TTFT (queue + prefill) and TPOT percentiles over the requests of the median run."""
     runs = []
+    work = _workload(prompts, batch, c)
     for i in range(c.repeats + 1):
-        _, acc, lat, _, _ = run_generate(rt, _workload(prompts, batch, c), gamma=gamma, max_new_tokens=c.max_new_tokens,
+        # the warm-up (allocator, kernels, Triton compiles) needs one prompt per slot, not the whole set
+        _, acc, lat, _, _ = run_generate(rt, work if i else work[:batch], gamma=gamma, max_new_tokens=c.max_new_tokens,
                                          sampling=SamplingParams(), batch_size=batch,
                                          max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
                                          draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
                                          schedule=c.schedule, gamma_policy=c.gamma_policy)
-        if i:  # the first run warms caches, allocator and kernels up
+        if i:
             runs.append((acc, lat))
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
     system = f"gamma {gamma}" + (" adaptive" if gamma and c.gamma_policy == "adaptive" else "") + \
@@ -62,7 +64,7 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
             "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
             "tpot_ms_p50": med("tpot_ms_p50"), "tpot_ms_p99": med("tpot_ms_p99"),
             "ttft_ms_p50": med("ttft_ms_p50"), "ttft_ms_p99": med("ttft_ms_p99"),
-            "prompts": len(_workload(prompts, batch, c)), "graph_capture_ms": med("graph_capture_ms"),
+            "prompts": len(work), "graph_capture_ms": med("graph_capture_ms"),
             "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,
             "per_position": runs[0][0].per_position}
 
@@ -89,7 +91,7 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
         _sync(rt.device)
         t0 = time.perf_counter()
         new = 0
-        for ids, mask in groups:
+        for ids, mask in (groups if i else groups[:1]):  # the warm-up: one batch
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=c.max_new_tokens,
                                      min_new_tokens=c.max_new_tokens, do_sample=False, pad_token_id=pad)
