@@ -198,7 +198,7 @@ def test_index_share_reuses_step0_selection_in_chained_steps(models):
     (plus every pool completed after it) while recomputing picks others; step 0 is the same both ways,
     and the engine's drafts equal the model-level chain's (Glm5NextMtpLayer.propose)."""
     cfg, target, mtp, _ = models
-    P, budget = cfg.index_kpool, cfg.index_topk // cfg.index_kpool
+    budget = cfg.index_topk // cfg.index_kpool
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(2, cfg.vocab_size, (27,), generator=g)
     hiddens = torch.randn(27, cfg.hidden_size, generator=g)
