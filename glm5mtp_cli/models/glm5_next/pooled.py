@@ -175,7 +175,9 @@ class PooledMtp(torch.nn.Module):
         self.cfg = layer.cfg
         self.share_topk = layer.cfg.index_share_for_mtp_iteration
         self._chaining = False
-        self._step0: dict[int, torch.Tensor] = {}  # row-0 slot -> [1, Np] selection of its last unchained row
+        # row-0 slot -> [1, Np] selection of that sequence's last unchained row; a sequence's next
+        # catch-up overwrites it, so it holds at most one entry per block of the pool
+        self._step0: dict[int, torch.Tensor] = {}
         self.register_state_dict_post_hook(_unwrap_names)  # keys relative to `layers.{N}.`
 
     @contextmanager
