@@ -139,7 +139,20 @@ def _matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, stride_xt, s_cols, TIL
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
 
 
+@jit
+def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, NUMEL, BLOCK: tl.constexpr):
+    # out = the split-K partial sums part [SPLIT, NUMEL] added in fp32, stored in out's dtype: one
+    # launch instead of torch's sum then cast-copy (a decode step runs ~10 split FP8 GEMMs)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for z in range(SPLIT):
+        acc += tl.load(part_ptr + z * NUMEL + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 _TARGET_PROGRAMS = 264  # two per H200 multiprocessor (132)
+_SUM_BLOCK = 1024
 
 
 def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
@@ -147,8 +160,8 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
     """Triton version of :func:`fp8_block_matmul_ref`: a tiled GEMM dequantising `w` on the fly.
 
     Decode GEMMs (few rows) have too few output tiles to fill the GPU, so K is split until there
-    are about `_TARGET_PROGRAMS` programs (`split_k` overrides); the fp32 partial sums are added in
-    torch (deterministic, unlike atomics).
+    are about `_TARGET_PROGRAMS` programs (`split_k` overrides); a second kernel adds the fp32 partial
+    sums in a fixed order (deterministic, unlike atomics) and writes x.dtype.
     """
     assert w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
     assert block >= 16 and block & (block - 1) == 0, "block must be a power of two >= 16"
@@ -175,7 +188,8 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
                              DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(),
                              num_warps=4, num_stages=3)
         if split > 1:
-            out.copy_(dest.sum(0))
+            _sum_splits_kernel[(triton.cdiv(t * n, _SUM_BLOCK),)](dest, out, split, t * n, BLOCK=_SUM_BLOCK,
+                                                                 num_warps=4)
     return out.reshape(*x.shape[:-1], n)
 
 

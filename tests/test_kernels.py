@@ -138,6 +138,23 @@ def case_fp8_matmul_no_split(device, big):
     return fp8_block_matmul_triton(x, w, s, split_k=1), fp8_block_matmul_ref(x, w, s)
 
 
+def case_fp8_matmul_decode_row(device, big):
+    # one row (a draft step): glm5-nano's kv_a_proj (384 -> 160: a partial row tile and 3 splits),
+    # big: GLM-5's (6144 -> 576, 24 splits)
+    n, k = (576, 6144) if big else (160, 384)
+    x = _rand(1, k, device=device, dtype=BF16)
+    w, s = _fp8(n, k, device)
+    return fp8_block_matmul(x, w, s, force_triton=True), fp8_block_matmul_ref(x, w, s)
+
+
+def case_fp8_matmul_uneven_splits(device, big):
+    # split-K whose last split has fewer K tiles (3 tiles in splits of 2; big: 48 in splits of 5)
+    t, n, k, split = (2, 6144, 6144, 10) if big else (2, 100, 384, 2)
+    x = _rand(t, k, device=device)
+    w, s = _fp8(n, k, device)
+    return fp8_block_matmul_triton(x, w, s, split_k=split), fp8_block_matmul_ref(x, w, s)
+
+
 def case_fp8_matmul_prefill_bf16(device, big):
     t, n, k = (300, 2048, 6144) if big else (40, 64, 256)  # several row tiles
     x = _rand(t, k, device=device, dtype=BF16)
