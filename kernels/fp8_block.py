@@ -139,7 +139,20 @@ def _matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, stride_xt, s_cols, TIL
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
 
 
+@jit
+def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, NUMEL, BLOCK: tl.constexpr):
+    # out = the split-K partial sums part [SPLIT, NUMEL] added in fp32, stored in out's dtype: one
+    # launch instead of torch's sum then cast-copy (a decode step runs ~10 split FP8 GEMMs)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for z in range(SPLIT):
+        acc += tl.load(part_ptr + z * NUMEL + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 _TARGET_PROGRAMS = 264  # two per H200 multiprocessor (132)
+_SUM_BLOCK = 1024
 
 
 def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
@@ -147,8 +160,8 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
     """Triton version of :func:`fp8_block_matmul_ref`: a tiled GEMM dequantising `w` on the fly.
 
     Decode GEMMs (few rows) have too few output tiles to fill the GPU, so K is split until there
-    are about `_TARGET_PROGRAMS` programs (`split_k` overrides); the fp32 partial sums are added in
-    torch (deterministic, unlike atomics).
+    are about `_TARGET_PROGRAMS` programs (`split_k` overrides); a second kernel adds the fp32 partial
+    sums in a fixed order (deterministic, unlike atomics) and writes x.dtype.
     """
     assert w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
     assert block >= 16 and block & (block - 1) == 0, "block must be a power of two >= 16"
@@ -175,7 +188,8 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
                              DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(),
                              num_warps=4, num_stages=3)
         if split > 1:
-            out.copy_(dest.sum(0))
+            _sum_splits_kernel[(triton.cdiv(t * n, _SUM_BLOCK),)](dest, out, split, t * n, BLOCK=_SUM_BLOCK,
+                                                                 num_warps=4)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -213,3 +227,96 @@ def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, 
     if use_triton(x, w, scale_inv, force=force_triton):
         return fp8_block_matmul_triton(x, w, scale_inv, block)
     return fp8_block_matmul_ref(x, w, scale_inv, block)
+
+
+# ---- per-head products with one block-scaled FP8 matrix (MLA's absorbed kv_b) -------------------------
+
+def fp8_heads_matmul_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, heads: int, row0: int, rows: int,
+                         absorb: bool, block: int = 128) -> torch.Tensor:
+    """PyTorch reference. w [heads * R, C] is `heads` stacked [R, C] matrices (MLA's kv_b: R = nope + v,
+    C = kv_lora); each head uses its rows row0..row0+rows-1, W_h [rows, C]. In fp32, returned in x.dtype:
+    absorb: x [..., heads, rows] -> x_h @ W_h [..., heads, C] (q_nope folded into latent space);
+    else:   x [..., heads, C] -> x_h @ W_h^T [..., heads, rows] (the output latent through the value half)."""
+    wf = fp8_block_dequant_ref(w, scale_inv, block, torch.float32).view(heads, -1, w.shape[1])[:, row0:row0 + rows]
+    eq = "...hr,hrc->...hc" if absorb else "...hc,hrc->...hr"
+    return torch.einsum(eq, x.float(), wf).to(x.dtype)
+
+
+@jit
+def _heads_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, C, R, row0, stride_xt, stride_xh, s_cols, SB,
+                  ABSORB: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr, DOT_BF16: tl.constexpr):
+    # program (t-tile, head * n-tiles): out[t, h, n-tile] = sum over K in TILE steps of x[t, h, k] * Wt[k, n],
+    # Wt[k, n] = W[h*R + row0 + n, k] (value) or W[h*R + row0 + k, n] (absorb). TILE divides R, row0 and
+    # the scale block SB, so every [TILE x TILE] weight tile has one scale.
+    pid_t = tl.program_id(0)
+    n_tiles = tl.cdiv(N, TILE)
+    h = tl.program_id(1) // n_tiles
+    n0 = (tl.program_id(1) % n_tiles) * TILE
+    base = h * R + row0
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs = tl.arange(0, TILE)
+    tmask = offs_t < T
+    nmask = n0 + offs < N
+    x_rows = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + h * stride_xh
+    acc = tl.zeros((BLOCK_T, TILE), dtype=tl.float32)
+    for k0 in range(0, K, TILE):
+        kmask = k0 + offs < K
+        xa = tl.load(x_rows + (k0 + offs)[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        m = kmask[:, None] & nmask[None, :]
+        if ABSORB:
+            wt = tl.load(w_ptr + (base + k0 + offs)[:, None].to(tl.int64) * C + (n0 + offs)[None, :], mask=m, other=0.0)
+            s = tl.load(s_ptr + ((base + k0) // SB) * s_cols + n0 // SB)
+        else:
+            wt = tl.load(w_ptr + (base + n0 + offs)[None, :].to(tl.int64) * C + (k0 + offs)[:, None], mask=m, other=0.0)
+            s = tl.load(s_ptr + ((base + n0) // SB) * s_cols + k0 // SB)
+        if DOT_BF16:
+            part = tl.dot(xa, wt.to(tl.bfloat16))
+        else:
+            part = tl.dot(xa.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+        acc += part * s
+    out = out_ptr + offs_t[:, None].to(tl.int64) * (tl.num_programs(1) // n_tiles) * N + h * N + n0 + offs[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+
+
+def heads_tile(r: int, row0: int, block: int) -> int:
+    """The kernel's square weight tile: the largest power of two <= 64 dividing R, row0 and the block
+    (0 when below 16, the smallest tl.dot side: the caller then dequantizes instead)."""
+    tile = 64
+    while tile >= 16 and (r % tile or row0 % tile or block % tile):
+        tile //= 2
+    return tile if tile >= 16 else 0
+
+
+def fp8_heads_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, heads: int, row0: int,
+                            rows: int, absorb: bool, block: int = 128) -> torch.Tensor:
+    """Triton version of :func:`fp8_heads_matmul_ref`: the FP8 matrix read in place, once per row tile
+    (no dequantized copy: MLA's kv_b is 29 MB in bf16 at GLM-5's dims, 14.7 MB in FP8)."""
+    assert w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
+    _check_scale(w, scale_inv, block)
+    assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
+    r, c = w.shape[0] // heads, w.shape[1]
+    assert r * heads == w.shape[0] and 0 <= row0 and row0 + rows <= r, f"{heads} heads of rows {row0}.. in {tuple(w.shape)}"
+    tile = heads_tile(r, row0, block)
+    assert tile, f"no tile of 16..64 divides R {r}, row0 {row0} and block {block}"
+    k, n = (rows, c) if absorb else (c, rows)
+    assert x.shape[-2:] == (heads, k), f"x {tuple(x.shape)} should end in ({heads}, {k})"
+    x3 = x.reshape(-1, heads, k)
+    assert x3.stride(-1) == 1, "x needs a unit stride in its last dimension"
+    t = x3.shape[0]
+    out = alloc((t, heads, n), dtype=x.dtype, device=x.device)
+    if t and n and heads:
+        block_t = 16 if t <= 16 else (32 if t <= 32 else 64)
+        grid = (triton.cdiv(t, block_t), heads * triton.cdiv(n, tile))
+        _heads_kernel[grid](x3, w, scale_inv, out, t, n, k, c, r, row0, x3.stride(0), x3.stride(1),
+                            scale_inv.shape[1], block, ABSORB=absorb, BLOCK_T=block_t, TILE=tile,
+                            DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(), num_warps=4)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def fp8_heads_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, heads: int, row0: int, rows: int,
+                     absorb: bool, block: int = 128, force_triton: bool = False) -> torch.Tensor:
+    """Per-head products with slices of one block-scaled FP8 matrix (see :func:`fp8_heads_matmul_ref`);
+    the Triton kernel when the heads' rows align to a 16..64 tile, else the reference."""
+    if heads_tile(w.shape[0] // heads, row0, block) and use_triton(x, w, scale_inv, force=force_triton):
+        return fp8_heads_matmul_triton(x, w, scale_inv, heads, row0, rows, absorb, block)
+    return fp8_heads_matmul_ref(x, w, scale_inv, heads, row0, rows, absorb, block)

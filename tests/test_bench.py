@@ -70,6 +70,23 @@ def test_bench_random_weights_draft_step_only():
     assert sub["bytes"]["lm_head"] == full["bytes"]["lm_head"] * 64 // 256
 
 
+def test_bench_kernels_breakdown():
+    """--kernels: each step carries its profiled top kernels (CPU: operators), shares of their sum."""
+    r = CliRunner().invoke(app, ["bench", "--model", "glm5-tiny", "--random-weights", "--draft-context", "32",
+                                 "--device", "cpu", "--kernels", "--target-layers", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    for step in (doc["draft_step"], doc["target_step"]):
+        k = step["kernels"]
+        assert k["steps"] == 5 and 0 < k["total_ms_per_step"] and len(k["top"]) == 12 and k["kinds"] >= 12
+        shares = [row["share"] for row in k["top"]]
+        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+        assert any(row["name"] in ("aten::mm", "aten::bmm", "aten::addmm") for row in k["top"])
+    plain = json.loads(CliRunner().invoke(app, ["bench", "--model", "glm5-tiny", "--random-weights", "--draft-context",
+                                                "32", "--device", "cpu", "--target-layers", "0", "--json"]).stdout)
+    assert plain["draft_step"]["kernels"] is None
+
+
 def test_bench_random_fp8_draft_step_floor_counts_fp8():
     """--fp8: the random drafter holds FP8 weights, and the floor counts 1 byte + block scales for them
     (the lm_head stays unquantized)."""

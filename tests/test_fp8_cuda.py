@@ -2,7 +2,12 @@
 weights resident in FP8 (Triton FP8 GEMM, FP8 MoE kernel, CUDA graphs), against its fp32 twin (the
 same weights dequantized) run in bf16:
 
-- bf16-activation logits of the 8 shipped prompts agree to 2e-2 relative (to the largest logit);
+- bf16-activation logits of the 8 shipped prompts agree to 2e-2 relative (to the largest logit) with
+  every router's expert choices pinned to the fp32 twin's: bf16 rounding alone flips near-tie top-k
+  choices (a CPU emulation of both bf16 runs flips one token's choice in 2 of the 8 prompts, the
+  twin's own bf16 run too, and a flipped token's logits move by 3-6% of the largest), which is not
+  the FP8 arithmetic the test is about; the unpinned difference and the flips are printed. Also,
+  pinned, the FP8 run is no further from the fp32 twin than the twin's own bf16 run (within 2x);
 - greedy tokens (64 new, gamma 0, CUDA graphs) are equal on at least 7 of the 8 prompts;
 - greedy speculation (gamma 3) on the FP8 model equals its gamma 0 on at least 7 of 8 (bf16 batch
   shapes may flip a near-tie; the exact, CPU fp32 check is in tests/test_fp8.py).
@@ -11,6 +16,8 @@ Run: python -m pytest -q tests/test_fp8_cuda.py -s   (skipped without CUDA)
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -37,6 +44,43 @@ def runs(tmp_path_factory):
     return fp8, ref, prompts
 
 
+@pytest.fixture(scope="module")
+def twin32(runs):
+    """The fp32 twin run in fp32: the exact reference both bf16 runs are measured against."""
+    from glm5mtp_cli.engine.runtime import load_runtime
+
+    return load_runtime(str(runs[1].resolved.folder), device="cuda", dtype="fp32", progress=False)
+
+
+@contextlib.contextmanager
+def _routing(rt, pinned: list | None, record: list):
+    """Inside: the target's routers append their expert choices to `record`, or (pinned: one [N, k]
+    per router, in module order) return those instead of their own."""
+    from glm5mtp_cli.models.glm5.layers import Router
+
+    routers = [m for m in rt.target.modules() if isinstance(m, Router)]
+    for i, r in enumerate(routers):
+        own = r.choose
+        r.choose = (lambda s, own=own: record.append(own(s)) or record[-1]) if pinned is None else \
+            (lambda s, i=i: record.append(pinned[i]) or pinned[i])
+    try:
+        yield
+    finally:
+        for r in routers:
+            del r.choose
+
+
+def _logits(rt, ids, pinned=None):
+    record = []
+    with _routing(rt, pinned, record):
+        logits = rt.target(ids, [None]).logits.float()
+    return logits, record
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
 def _greedy(rt, prompts, gamma):
     from glm5mtp_cli.engine.run import run_generate
     from glm5mtp_cli.engine.sampling import SamplingParams
@@ -56,16 +100,24 @@ def test_fp8_weights_stay_fp8_on_cuda(runs):
     assert module_bytes(fp8.target) < 0.8 * module_bytes(ref.target)
 
 
-def test_fp8_bf16_logits_match_twin(runs):
+def test_fp8_bf16_logits_match_twin(runs, twin32):
     fp8, ref, prompts = runs
-    worst = 0.0
-    for p in prompts:
+    worst = {"unpinned": 0.0, "pinned": 0.0, "fp8_vs_fp32": 0.0, "twin_vs_fp32": 0.0}
+    for n, p in enumerate(prompts):
         ids = torch.tensor([p], device="cuda")
-        a = fp8.target(ids, [None]).logits.float()
-        b = ref.target(ids, [None]).logits.float()
-        worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
-    print(f"\nFP8 vs twin, bf16 logits: max |diff| / max |logit| = {worst:.4g}")
-    assert worst <= 2e-2
+        exact, choices = _logits(twin32, ids)
+        (a, a_ids), (b, b_ids) = _logits(fp8, ids), _logits(ref, ids)
+        flips = [int((x.sort(-1).values != y.sort(-1).values).any(-1).sum()) for x, y in zip(a_ids, b_ids)]
+        a_pin, b_pin = _logits(fp8, ids, choices)[0], _logits(ref, ids, choices)[0]
+        row = {"unpinned": _rel(a, b), "pinned": _rel(a_pin, b_pin), "fp8_vs_fp32": _rel(a_pin, exact),
+               "twin_vs_fp32": _rel(b_pin, exact)}
+        worst = {k: max(v, row[k]) for k, v in worst.items()}
+        print(f"\nprompt {n} ({len(p)} tokens): FP8 vs twin bf16 logits unpinned {row['unpinned']:.4g} "
+              f"(tokens with other expert choices per MoE layer: {flips}), routing pinned {row['pinned']:.4g}; "
+              f"vs the fp32 twin: FP8 {row['fp8_vs_fp32']:.4g}, twin bf16 {row['twin_vs_fp32']:.4g}")
+    print("worst: " + ", ".join(f"{k} {v:.4g}" for k, v in worst.items()))
+    assert worst["pinned"] <= 2e-2
+    assert worst["fp8_vs_fp32"] <= 2 * worst["twin_vs_fp32"]
 
 
 def test_fp8_greedy_tokens_match_twin(runs):

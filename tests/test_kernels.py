@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 
 from kernels import _triton  # noqa: E402
 from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_block_matmul,  # noqa: E402
-                               fp8_block_matmul_ref, fp8_block_matmul_triton)
+                               fp8_block_matmul_ref, fp8_block_matmul_triton, fp8_heads_matmul, fp8_heads_matmul_ref)
 from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
                            mla_attention_paged_ref)
 from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
@@ -136,6 +136,36 @@ def case_fp8_matmul_no_split(device, big):
     x = _rand(t, k, device=device, dtype=BF16)
     w, s = _fp8(n, k, device)
     return fp8_block_matmul_triton(x, w, s, split_k=1), fp8_block_matmul_ref(x, w, s)
+
+
+def case_fp8_matmul_decode_row(device, big):
+    # one row (a draft step): glm5-nano's kv_a_proj (384 -> 160: 3 splits); big: GLM-5's (6144 -> 576)
+    n, k = (576, 6144) if big else (160, 384)
+    x, (w, s) = _rand(1, k, device=device, dtype=BF16), _fp8(n, k, device)
+    return fp8_block_matmul(x, w, s, force_triton=True), fp8_block_matmul_ref(x, w, s)
+
+
+def case_fp8_matmul_uneven_splits(device, big):
+    # split-K whose last split has fewer K tiles (3 tiles in splits of 2; big: 48 in splits of 10)
+    t, n, k, split = (2, 6144, 6144, 10) if big else (2, 100, 384, 2)
+    x, (w, s) = _rand(t, k, device=device), _fp8(n, k, device)
+    return fp8_block_matmul_triton(x, w, s, split_k=split), fp8_block_matmul_ref(x, w, s)
+
+
+def _kv_b_cases(device, big, dtype, t):  # MLA's kv_b, absorb and value; glm5-nano's: heads straddle scale blocks
+    heads, nope, v, c = (64, 192, 256, 512) if big else (6, 32, 64, 128)
+    w, s = _fp8(heads * (nope + v), c, device)
+    args = [(_rand(t, heads, nope, device=device, dtype=dtype), w, s, heads, 0, nope, True),
+            (_rand(t, heads, c, device=device, dtype=dtype), w, s, heads, nope, v, False)]
+    return tuple(fp8_heads_matmul(*a, force_triton=True) for a in args), tuple(fp8_heads_matmul_ref(*a) for a in args)
+
+
+def case_fp8_heads_fp32(device, big):
+    return _kv_b_cases(device, big, torch.float32, 20)
+
+
+def case_fp8_heads_bf16_one_row(device, big):  # big: GLM-5's dims
+    return _kv_b_cases(device, big, BF16, 1)
 
 
 def case_fp8_matmul_prefill_bf16(device, big):

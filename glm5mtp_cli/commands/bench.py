@@ -54,6 +54,20 @@ def _floor(step: dict) -> str:
     return f"floor {step['floor_ms']:.3f} ms ({step['ratio_to_floor']:.2f}x)"
 
 
+def _print_kernels(out, what: str, step: dict) -> None:
+    from glm5mtp_cli.diagnostics.report import fit_table
+
+    k = step["kernels"]
+    t = fit_table(out, f"{what}: {k['source']}, {k['total_ms_per_step']:.3f} ms per step in {k['calls_per_step']:.0f} "
+                       f"calls of {k['kinds']} kinds (step {step['step_ms']:.3f} ms)",
+                  caption=f"top {len(k['top'])} by time per step, over {k['steps']} profiled steps")
+    for col in ("kernel", "calls", "ms", "share"):
+        t.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in k["top"]:
+        t.add_row(r["name"][:90], f"{r['calls_per_step']:.0f}", f"{r['ms_per_step']:.4f}", f"{r['share']:.1%}")
+    out.print(t)
+
+
 def bench_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     prompts: Annotated[Optional[Path], typer.Option("--prompts",
@@ -84,6 +98,8 @@ def bench_cmd(
     target_layers: Annotated[Optional[int], typer.Option("--target-layers", metavar="N", help="With --random-weights: "
         "also time one decode step of the target truncated to its first N layers, which must hold every kind of layer "
         "(default: 4, or all of a smaller model; 0: skip).")] = None,
+    kernels: Annotated[bool, typer.Option("--kernels", metavar="", help="Also profile the draft (and target) step: "
+                                          "the top kernels by time per step and their share (torch.profiler).")] = False,
     cuda_graphs: CudaGraphsOpt = True,
     schedule: ScheduleOpt = "continuous",
     gamma_policy: GammaPolicyOpt = "fixed",
@@ -100,7 +116,7 @@ def bench_cmd(
 
       glm5mtp bench --model glm5 --random-weights --device cuda --draft-vocab-sizes 0,32768 --json
 
-      glm5mtp bench --model glm5 --random-weights --fp8 --device cuda --json    (GLM-5-FP8's draft step)
+      glm5mtp bench --model glm5 --random-weights --fp8 --device cuda --kernels    (GLM-5-FP8's draft step, per kernel)
 
       glm5mtp bench --model glm5next --random-weights --device cuda --draft-context 2048 --target-layers 4
     """
@@ -177,14 +193,14 @@ def bench_cmd(
     add_ratios(rows)
     bw = copy_bandwidth(dev)
     step_graphs = cuda_graphs and not eager_only(cfg, dt)
-    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, step_graphs, draft_vocab_file)
-              for k in sizes]
+    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, step_graphs, draft_vocab_file,
+                         kernels) for k in sizes]
     t_step = None
     if random_weights and target_layers:
         del mtp, embed, head
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, step_graphs)
+        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, step_graphs, kernels)
     doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1, "graphs": c.graphs,
            "target_step": t_step,
            "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
@@ -214,7 +230,11 @@ def bench_cmd(
     for d in drafts:
         out.print(f"one draft step ({d['timing']}), vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} "
                   f"drafter rows: {d['step_ms']:.3f} ms, reads {d['bytes']['total'] / 1e9:.4f} GB; {_floor(d)}")
+        if d["kernels"]:
+            _print_kernels(out, f"draft step, vocab {d['draft_vocab'] or cfg.vocab_size}", d)
     if t_step:
         out.print(f"one target decode step ({t_step['timing']}), {t_step['layers']} layers, {draft_context} cached "
                   f"rows: {t_step['step_ms']:.3f} ms, reads {t_step['bytes']['total'] / 1e9:.4f} GB; {_floor(t_step)}")
+        if t_step["kernels"]:
+            _print_kernels(out, f"target step, {t_step['layers']} layers", t_step)
     out.print("[dim]--json prints these numbers as one JSON document[/dim]")

@@ -10,6 +10,11 @@ bandwidth measured in the same run. Timing: GLM-5 on CUDA replays the forward as
 (what the engine replays), timed with device events; families whose forwards run eagerly
 (fixed-size state slots, GLM-5-Next) and every CPU run are host-timed around a synchronised
 eager forward. Both report the median of `repeats` runs after 3 warm-ups.
+
+With `kernels` (bench --kernels), torch.profiler then records a few more steps (graph replays or
+eager forwards) and the step's dict gets "kernels": the top device kernels by time per step with
+their share of all kernel time (on the CPU: the top operators by self CPU time), so a step far from
+its floor says which kernels (or, when their sum is well below the step time, which gaps) cost it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.family import SLOT
 
 WARMUPS = 3
+PROFILED_STEPS = 5
+TOP_KERNELS = 12
 
 
 def _sync(device: torch.device) -> None:
@@ -62,14 +69,49 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
     return nbytes / statistics.median(times)
 
 
-def _graph_step_seconds(f, context: int, repeats: int) -> float:
-    """Capture a one-row static forward (graphs.StaticForward) appending at row `context` and
-    return the median device time of its replays."""
+def kernel_breakdown(step, device: torch.device, reset=lambda: None, steps: int = PROFILED_STEPS,
+                     top: int = TOP_KERNELS) -> dict:
+    """torch.profiler around `steps` calls of `step` (`reset` after each): per step, the `top` device
+    kernels by total time (CPU: operators by self time), each with calls, ms and share of the sum."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    step()
+    reset()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+            reset()
+        _sync(device)
+    want = DeviceType.CUDA if cuda else DeviceType.CPU
+    rows = [(e.key, e.count, e.self_device_time_total if cuda else e.self_cpu_time_total)
+            for e in prof.key_averages() if e.device_type == want]
+    rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+    total_us = sum(r[2] for r in rows)
+    return {"source": "cuda kernels" if cuda else "cpu operators (self time)", "steps": steps,
+            "total_ms_per_step": total_us / steps / 1e3, "kinds": len(rows),
+            "calls_per_step": sum(r[1] for r in rows) / steps,
+            "top": [{"name": name, "calls_per_step": count / steps, "ms_per_step": us / steps / 1e3,
+                     "share": us / total_us} for name, count, us in rows[:top]]}
+
+
+def _graph_step(f, context: int, repeats: int, kernels: bool) -> tuple[float, dict | None]:
+    """Capture a one-row static forward (graphs.StaticForward) appending at row `context`; the
+    median device time of its replays, and their kernel breakdown with `kernels`."""
     f.ids.fill_(1)
     f.set_starts([context])
     f.capture(torch.cuda.graph_pool_handle())
     try:
-        return _replay_seconds(f.run, repeats)
+        seconds = _replay_seconds(f.run, repeats)
+        if not kernels:
+            return seconds, None
+        prof = kernel_breakdown(f.run, f.device)
+        if not prof["top"]:  # a profiler that does not see kernels inside graph replays: the same forward, eager
+            prof = kernel_breakdown(f._forward, f.device)
+            prof["source"] += " (eager forwards: none seen in graph replays)"
+        return seconds, prof
     finally:
         f.close()
 
@@ -109,9 +151,11 @@ def _fill_random(pools) -> None:
 
 
 def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, context: int,
-                    draft_ids: torch.Tensor | None = None, repeats: int = 20, graphs: bool = True) -> float:
+                    draft_ids: torch.Tensor | None = None, repeats: int = 20, graphs: bool = True,
+                    kernels: bool = False) -> tuple[float, dict | None]:
     """Median seconds of one chained draft step (batch 1) at a context of `context` drafter rows:
-    one new row appended and dropped again. CUDA graph replays with `graphs` on CUDA, else eager."""
+    one new row appended and dropped again. CUDA graph replays with `graphs` on CUDA, else eager.
+    With `kernels`, also the step's kernel_breakdown (else None)."""
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.engine.graphs import sequence_forward
     from glm5mtp_cli.engine.mtp_head import MtpHead
@@ -133,18 +177,26 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
                                  lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
                                  state.cache, 1, device, (cfg.hidden_size, dtype))
             f.hidden.copy_(hidden[None])
-            return _graph_step_seconds(f, context, repeats)
-        return _host_seconds(lambda: mtp(token[None], hidden[None], [state.cache], embed, out_head, rows="last"),
-                             lambda: state.cache.truncate(context), device, repeats)
+            return _graph_step(f, context, repeats, kernels)
+
+        def step():
+            mtp(token[None], hidden[None], [state.cache], embed, out_head, rows="last")
+
+        def reset():
+            state.cache.truncate(context)
+
+        return (_host_seconds(step, reset, device, repeats),
+                kernel_breakdown(step, device, reset) if kernels else None)
     finally:
         head_.free_state(state)
 
 
 def time_target_step(target, device: torch.device, dtype: torch.dtype, context: int, repeats: int = 20,
-                     graphs: bool = True) -> float:
+                     graphs: bool = True, kernels: bool = False) -> tuple[float, dict | None]:
     """Median seconds of one batch-1 decode step of `target` at `context` cached rows: CUDA graph
     replays with `graphs` on CUDA; else an eager forward of one row plus the commit of its
-    fixed-size state (what the engine's truncate after a verify writes), host-timed."""
+    fixed-size state (what the engine's truncate after a verify writes), host-timed. With
+    `kernels`, also the step's kernel_breakdown (else None)."""
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.engine.graphs import sequence_forward
 
@@ -157,7 +209,7 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
         if graphs and device.type == "cuda":
             f = sequence_forward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
                                  cache, 1, device)
-            return _graph_step_seconds(f, context, repeats)
+            return _graph_step(f, context, repeats, kernels)
         cache.length = context
         ids = torch.ones(1, 1, dtype=torch.long, device=device)
 
@@ -168,7 +220,7 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
         def reset():
             cache.length = context  # the next step overwrites that row; states stay random-like
 
-        return _host_seconds(step, reset, device, repeats)
+        return _host_seconds(step, reset, device, repeats), kernel_breakdown(step, device, reset) if kernels else None
     finally:
         cache.release()
 
@@ -232,35 +284,39 @@ def random_drafter(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0)
     return mtp.eval(), embed, head
 
 
-def _against_floor(step_s: float, nbytes: dict, bw: float | None) -> dict:
+def _against_floor(step_s: float, nbytes: dict, bw: float | None, kernels: dict | None) -> dict:
     floor = nbytes["total"] / bw if bw else None
     return {"step_ms": step_s * 1e3, "bytes": nbytes, "copy_bandwidth_bytes_per_s": bw,
-            "floor_ms": floor * 1e3 if floor else None, "ratio_to_floor": step_s / floor if floor else None}
+            "floor_ms": floor * 1e3 if floor else None, "ratio_to_floor": step_s / floor if floor else None,
+            "kernels": kernels}
 
 
 def target_step(cfg, layers: int, dev: torch.device, dt: torch.dtype, context: int, bw: float | None,
-                graphs: bool) -> dict:
-    """One decode step of a random target truncated to `layers`, timed and set against its memory floor."""
+                graphs: bool, kernels: bool = False) -> dict:
+    """One decode step of a random target truncated to `layers`, timed and set against its memory floor
+    (with `kernels`: and its kernel breakdown)."""
     target = random_target(cfg, layers, dev, dt)
-    step_s = time_target_step(target, dev, dt, context, graphs=graphs)
+    step_s, prof = time_target_step(target, dev, dt, context, graphs=graphs, kernels=kernels)
     nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=dt).element_size(), context)
     del target
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return {"layers": layers, "context": context, "timing": "cuda graph" if graphs and dev.type == "cuda" else "eager",
-            **_against_floor(step_s, nbytes, bw)}
+            **_against_floor(step_s, nbytes, bw, prof)}
 
 
 def draft_step(mtp, embed, head, cfg, dev: torch.device, dt: torch.dtype, context: int, k: int,
-               folder, bw: float | None, graphs: bool, counts_file=None) -> dict:
-    """One chained draft step over a vocabulary of k tokens (0: all), timed and set against its memory floor.
+               folder, bw: float | None, graphs: bool, counts_file=None, kernels: bool = False) -> dict:
+    """One chained draft step over a vocabulary of k tokens (0: all), timed and set against its memory floor
+    (with `kernels`: and its kernel breakdown).
     folder/counts_file: where the token counts for k come from (random weights: the first k ids)."""
     ids = None
     if k:
         # a checkpoint drafts over its most frequent tokens; random weights have no counts: first k ids
         ids = (load_draft_ids(folder, k, cfg.vocab_size, dev, path=counts_file) if folder is not None
                else torch.arange(min(k, cfg.vocab_size), device=dev))
-    step_s = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs)
+    step_s, prof = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs, kernels=kernels)
     nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=dt).element_size(), context, k or None)
     return {"draft_vocab": k or None, "context": context,
-            "timing": "cuda graph" if graphs and dev.type == "cuda" else "eager", **_against_floor(step_s, nbytes, bw)}
+            "timing": "cuda graph" if graphs and dev.type == "cuda" else "eager",
+            **_against_floor(step_s, nbytes, bw, prof)}

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.fp8_block import fp8_heads_matmul, heads_tile
 from kernels.paged import indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
 
 from glm5mtp_cli.engine.cache import CachedRows
-from glm5mtp_cli.models.fp8 import linear_weight
+from glm5mtp_cli.models.fp8 import Fp8Linear, linear_weight
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.layers import RMSNorm
 
@@ -129,30 +130,45 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
 
-        # kv_b as [heads, nope + v, kv_lora]: an FP8 kv_b (models/fp8.py) is dequantized for this forward
-        kv_b = linear_weight(self.kv_b_proj, q_nope.dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
-        q_abs = torch.einsum("bthn,hnc->bthc", q_nope, kv_b[:, : self.nope])  # q_nope folded into latent space
+        q_abs, values = self._absorbed(x, q_nope)
 
         # All sequences of a forward append the same number of rows, so they run as one group:
         # cache-free (training) ones all start at 0; cached ones read their own rows through padded
         # slot tables. topk is that group's [B, T, K] selection, reused by the next shared layer.
         out, topk = self._group(bc, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
-                                indexer_losses, t, kv_b[:, self.nope:])
+                                indexer_losses, t, values)
         out = self.o_proj(out.reshape(b, t, self.n_heads * self.v_dim))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
         return out, topk
 
+    def _absorbed(self, x: torch.Tensor, q_nope: torch.Tensor):
+        """(q_nope folded through kv_b's key half into latent space [B, T, heads, kv_lora], the function
+        taking an output latent [G, T, heads, kv_lora] through the value half to [G, T, heads, v]).
+
+        kv_b as [heads, nope + v, kv_lora]. FP8 on CUDA: kernels/fp8_block.fp8_heads_matmul reads it in
+        place; else an FP8 kv_b (models/fp8.py) is dequantized for this forward (on the CPU: exactly
+        the weights an unquantized twin holds)."""
+        lin, r = self.kv_b_proj, self.nope + self.v_dim
+        if x.is_cuda and isinstance(lin, Fp8Linear) and heads_tile(r, self.nope, lin.block):
+            w, s, b, h = lin.weight, lin.weight_scale_inv, lin.block, self.n_heads
+            return (fp8_heads_matmul(q_nope, w, s, h, 0, self.nope, True, b),
+                    lambda out: fp8_heads_matmul(out.contiguous(), w, s, h, self.nope, self.v_dim, False, b))
+        kv_b = linear_weight(lin, q_nope.dtype).view(self.n_heads, r, self.kv_lora)
+        w_uv = kv_b[:, self.nope:]
+        return (torch.einsum("bthn,hnc->bthc", q_nope, kv_b[:, : self.nope]),
+                lambda out: torch.einsum("gthc,hvc->gthv", out, w_uv))
+
     def _group(self, bc: BatchContext, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
-               indexer_losses, t, w_uv):
+               indexer_losses, t, values):
         """Attention for G sequences at once. Cached sequences of different lengths are read
         through slot tables padded to the longest; padded keys are masked out like future ones.
-        w_uv: kv_b's value half [heads, v, kv_lora]."""
+        values: the output latent through kv_b's value half (_absorbed)."""
         cos, sin = bc.cos, bc.sin
         qr = rope_gt(q_rope, cos, sin)
         rows = torch.cat([latent, rope_gt(k_rope, cos, sin)], dim=-1)  # [G, T, C+R]
         if bc.mla is not None and indexer_losses is None and self.use_paged_kernels(x):
-            return self._group_paged(bc, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, w_uv)
+            return self._group_paged(bc, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, values)
         if bc.mla is not None:
             rows = bc.mla.write_read(kv_layer, rows)
         keep = self._causal(bc.starts, t, rows.shape[1], x.device)  # [G, T, L]
@@ -173,7 +189,7 @@ class MLAttention(nn.Module):
         out, probs_dense = self._attend(q_abs, qr, rows, keep & selected, keep, want_dense)
         if probs_dense is not None:
             indexer_losses.append(_indexer_kl(probs_dense, index_scores, keep))
-        return torch.einsum("gthc,hvc->gthv", out, w_uv), topk
+        return values(out), topk
 
     # kernels/paged.py runs one program per (query, 16 heads), each streaming its selected keys. On
     # the H200 that won with 128 keys per query (glm5-nano decode 0.96 -> 0.68 ms) and lost with
@@ -184,7 +200,7 @@ class MLAttention(nn.Module):
         """Cached inference on CUDA reads the pools through kernels/paged.py (small selections)."""
         return x.is_cuda and not torch.is_grad_enabled() and self.index_topk <= self.PAGED_MAX_TOPK
 
-    def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, w_uv):
+    def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, values):
         """The cached path on CUDA: kernels/paged.py score the indexer keys and attend over the
         selected latent rows in place in the pools (no gathered copy, no [G, T, H, L] scores)."""
         bc.mla.write(kv_layer, rows)
@@ -197,7 +213,7 @@ class MLAttention(nn.Module):
             topk = scores.topk(min(self.indexer.topk, scores.shape[-1]), dim=-1).indices
         out = mla_attention_paged(q_abs.contiguous(), qr, bc.mla.data[kv_layer], bc.mla.all, bc.starts, topk,
                                   self.scale)
-        return torch.einsum("gthc,hvc->gthv", out, w_uv), topk
+        return values(out), topk
 
     @staticmethod
     def _causal(starts: torch.Tensor, t: int, length: int, device) -> torch.Tensor:

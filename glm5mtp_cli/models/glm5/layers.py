@@ -86,6 +86,15 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        ids = self.choose(scores)
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The experts each token picks [N, k] from its sigmoid scores [N, E] (a test pins them here to
+        compare two runs' arithmetic without near-tie routing flips: tests/test_fp8_cuda.py)."""
         choice = scores + self.e_score_correction_bias
         n, e = choice.shape
         if self.n_group > 1:
@@ -94,11 +103,7 @@ class Router(nn.Module):
             group_mask = torch.zeros_like(group_scores).scatter_(1, keep_groups, 1.0)
             expert_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, e // self.n_group).reshape(n, e)
             choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
+        return choice.topk(self.top_k, dim=-1, sorted=False)[1]
 
 
 class Experts(nn.Module):
