@@ -94,3 +94,18 @@ def test_bad_checkpoints_are_one_line(ckpt, tmp_path):
     shard = next(trunc.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     _one_line(["generate", "--model", str(trunc), "--prompt-ids", "5,6,7", "--device", "cpu"], "")
+
+
+def test_mtp_index_share_flag(ckpt, tmp_path):
+    """--mtp-index-share/--no-mtp-index-share override the config (absent here: true) and are
+    recorded; output stays gamma 0's. A model without the setting refuses the flag in one line."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": list(range(40, 70))}) + "\n")
+    base = ["acceptance", "--model", str(ckpt), "--prompts", str(prompts), "--gammas", "3", "--temperatures", "0",
+            "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu", "--json"]
+    for flag, want in (([], True), (["--no-mtp-index-share"], False), (["--mtp-index-share"], True)):
+        d = _json(base + flag)
+        assert d["mtp_index_share"] is want and d["lossless"]
+        assert set(flag) <= set(d["command"].split())
+    _one_line(["generate", "--model", "glm5-tiny", "--random-weights", "--prompt-ids", "5,6,7", "--device", "cpu",
+               "--no-mtp-index-share"], "only GLM-5-Next")

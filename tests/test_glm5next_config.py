@@ -51,6 +51,16 @@ def test_published_profile():
     assert not any(k.startswith("model.language_model.layers.45.hc_") for k in shapes)
 
 
+def test_index_share_for_mtp_iteration_is_read_with_the_published_default():
+    """Absent: true, as GLM-5.3-Flash's config; a config's own value wins; a non-bool is refused."""
+    assert "index_share_for_mtp_iteration" not in NESTED["text_config"]
+    assert NextConfig.from_dict(_nested()).index_share_for_mtp_iteration is True
+    assert NextConfig.from_dict(_nested(index_share_for_mtp_iteration=False)).index_share_for_mtp_iteration is False
+    assert NextConfig.from_json_file(profile_path("glm5next") / "config.json").index_share_for_mtp_iteration is True
+    with pytest.raises(UserError, match="index_share_for_mtp_iteration"):
+        NextConfig.from_dict(_nested(index_share_for_mtp_iteration="yes"))
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda t: t.pop("index_kpool"), "index_kpool' is missing"),
     (lambda t: t.update(index_topk=10), "divisible by index_kpool"),

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
 
 from glm5mtp_cli.engine.cache import CachePools  # noqa: E402
+from glm5mtp_cli.engine.graphs import ForwardRunner  # noqa: E402
 from glm5mtp_cli.engine.speculate import Request, SpecEngine  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
@@ -32,16 +33,22 @@ def models(tmp_path_factory):
             out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW,
                               eos_token_id=None, pad_token_id=0)
         refs.append(out[0, len(p):].tolist())
-    return cfg, PooledTarget(target), PooledMtp(mtp), refs
+    drafter = PooledMtp(mtp)
+    drafter.share_topk = False  # each test picks the behaviour
+    return cfg, PooledTarget(target), drafter, refs
 
 
-def _run(models, gamma, batch, rollback_check=True):
+def _run(models, gamma, batch, rollback_check=True, share=False):
     cfg, target, mtp, _ = models
     pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
     proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128) if gamma else None
     engine = SpecEngine(cfg, target, proposer, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
                         check_invariants=rollback_check)
-    res = engine.generate([Request(p, NEW, i) for i, p in enumerate(PROMPTS)], batch_size=batch)
+    mtp.share_topk = share
+    try:
+        res = engine.generate([Request(p, NEW, i) for i, p in enumerate(PROMPTS)], batch_size=batch)
+    finally:
+        mtp.share_topk = False
     assert not any(pools.blocks_held().values()), "a block or slot stayed held"
     return res
 
@@ -121,3 +128,94 @@ def test_sampled_runs_repeat_with_the_seed(models):
                             generator=gen)
         runs.append([r.tokens for r in engine.generate([Request(p, 12, i) for i, p in enumerate(PROMPTS)])])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_index_share_stays_lossless(models, batch):
+    """Reusing step 0's top-k moves only the drafts: greedy gamma 3 still gives gamma 0's tokens."""
+    assert [r.tokens for r in _run(models, 3, batch, share=True)] == models[3]
+
+
+def test_index_share_keeps_each_sequences_own_step0(models):
+    """Batched, each sequence's chained steps reuse its OWN step 0, also when the catch-up groups
+    sequences by row count (1, 2, 1 rows here): the drafts equal those of each sequence alone."""
+    cfg, target, mtp, _ = models
+    g = torch.Generator().manual_seed(4)
+    seqs = [(torch.randint(2, cfg.vocab_size, (n,), generator=g), torch.randn(n, cfg.hidden_size, generator=g), f)
+            for n, f in ((27, 1), (31, 2), (22, 1))]
+
+    def drafts(members):
+        pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+        head = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128)
+        states = [head.alloc_state_for(64) for _ in members]
+        for st, (prompt, hid, f) in zip(states, members):
+            head.prefill_drafter(prompt[:-f], hid[:-f], st)
+        chains = head.propose_batch([p[-f:] for p, _, f in members], [h[-f - 1:-1] for _, h, f in members],
+                                    [st.cache.length for st in states], 4, states, ForwardRunner("eager", torch.device("cpu")))
+        for st in states:
+            head.free_state(st)
+        return [c.tokens for c in chains]
+
+    mtp.share_topk = True
+    try:
+        together = drafts(seqs)
+        alone = [drafts([s])[0] for s in seqs]
+    finally:
+        mtp.share_topk = False
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
+def _chain_with_selections(models, share: bool, prompt: torch.Tensor, hiddens: torch.Tensor, gamma: int):
+    """MtpHead's propose after a prefill, and the pool selection [Np] of the drafting row of each
+    forward: step 0 (the catch-up's last row), then each chained step."""
+    cfg, target, mtp, _ = models
+    pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+    head = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128)
+    state = head.alloc_state_for(64)
+    mtp.share_topk = share
+    attn = mtp.layer.self_attn
+    sels = []
+
+    def spy(*args, **kw):
+        y, pending = type(attn).forward(attn, *args, **kw)
+        sels.append(pending.selected[-1].clone())
+        return y, pending
+
+    try:
+        head.prefill_drafter(prompt[:-1], hiddens[:-1], state)
+        attn.forward = spy
+        chain = head.propose(prompt[-1], hiddens[-2], state.cache.length, gamma, state)
+    finally:
+        del attn.forward
+        mtp.share_topk = False
+        head.free_state(state)
+    assert not any(pools.blocks_held().values())
+    return chain.tokens, sels
+
+
+def test_index_share_reuses_step0_selection_in_chained_steps(models):
+    """With more complete pools than the top-k budget, chained steps that share use step 0's pools
+    (plus every pool completed after it) while recomputing picks others; step 0 is the same both ways,
+    and the engine's drafts equal the model-level chain's (Glm5NextMtpLayer.propose)."""
+    cfg, target, mtp, _ = models
+    budget = cfg.index_topk // cfg.index_kpool
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, cfg.vocab_size, (27,), generator=g)
+    hiddens = torch.randn(27, cfg.hidden_size, generator=g)
+    gamma = 4
+    shared_tokens, shared = _chain_with_selections(models, True, prompt, hiddens, gamma)
+    own_tokens, own = _chain_with_selections(models, False, prompt, hiddens, gamma)
+    n0 = shared[0].shape[0]
+    assert n0 > budget, "the context must hold more complete pools than the budget"
+    assert torch.equal(shared[0], own[0]) and int(shared[0].sum()) == budget
+    assert len(shared) == len(own) == gamma
+    assert shared[-1].shape[0] > n0, "a chain row must complete a pool"
+    for sel in shared[1:]:
+        assert torch.equal(sel[:n0], shared[0]) and sel[n0:].all()
+    assert any(not torch.equal(sel[:n0], own[0]) for sel in own[1:]), "recomputing must pick other pools here"
+    for share, tokens in ((True, shared_tokens), (False, own_tokens)):
+        slot = mtp.layer.new_state(64)
+        embed, lm_head = target.model.embed_tokens, target.model.lm_head
+        mtp.layer.prefill(prompt[:-1], hiddens[:-1], slot, embed, lm_head)
+        ref = mtp.layer.propose(prompt[-1], hiddens[-2], slot, gamma, embed, lm_head, share_topk=share)
+        assert torch.equal(tokens, ref.tokens), share

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from glm5mtp_cli.commands.generate import check_flags
-from glm5mtp_cli.commands.options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, MtpIndexShareOpt,
+                                          ThreadsOpt, apply_mtp_index_share)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, read_file
 
@@ -38,6 +39,7 @@ def acceptance_cmd(
     dtype: DtypeOpt = "auto",
     json_out: JsonOpt = False,
     threads: ThreadsOpt = None,
+    mtp_index_share: MtpIndexShareOpt = None,
 ) -> None:
     """Mean acceptance length, draft acceptance rate and per-position acceptance (vLLM definitions) at every
     gamma and temperature over one prompt set; greedy speculation is checked against gamma 0.
@@ -80,6 +82,7 @@ def acceptance_cmd(
     err = Console(stderr=True)
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, None, None, with_mtp=True, progress=not json_out)
+    index_share = apply_mtp_index_share(rt, mtp_index_share)
     pset = PromptSet(source, [p.name for p in items], encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder))
     check_fits(pset.token_lists, max_new_tokens, max(gamma_list), rt.cfg.max_position_embeddings,
                "the model's limit (max_position_embeddings)")
@@ -112,6 +115,8 @@ def acceptance_cmd(
              "--seed", str(seed), "--batch-size", str(batch_size), "--device", device, "--dtype", dtype]
     if ignore_eos:
         argv.append("--ignore-eos")
+    if mtp_index_share is not None:
+        argv.append("--mtp-index-share" if mtp_index_share else "--no-mtp-index-share")
     doc = {
         "command": shlex.join(argv),
         "model": model,
@@ -125,6 +130,7 @@ def acceptance_cmd(
         "seed": seed,
         "batch_size": batch_size,
         "ignore_eos": ignore_eos,
+        "mtp_index_share": index_share,
         "heldout_losses": heldout_losses(rt.resolved.folder),
         **result,
     }

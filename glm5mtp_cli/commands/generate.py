@@ -17,7 +17,8 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          ModelOpt, PromptIdsOpt, PromptOpt, ThreadsOpt, TpOpt)
+                                          ModelOpt, MtpIndexShareOpt, PromptIdsOpt, PromptOpt, ThreadsOpt, TpOpt,
+                                          apply_mtp_index_share)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import read_prompts
 
@@ -123,6 +124,7 @@ def generate_cmd(
                                                  "built on the device (real dimensions without a checkpoint, e.g. "
                                                  "--model glm5 --layers 4).")] = False,
     threads: ThreadsOpt = None,
+    mtp_index_share: MtpIndexShareOpt = None,
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
     kwargs = dict(locals())
@@ -164,6 +166,7 @@ def generate_cmd(
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, layers, revision, with_mtp=gamma > 0 or compare, progress=not json_out,
                       comm=launch.rank_comm(tp, device), random_weights=random_weights)
+    apply_mtp_index_share(rt, mtp_index_share)
     limit = rt.cfg.max_position_embeddings
     if max_seq_len is not None and max_seq_len > limit:
         raise UserError(f"--max-seq-len {max_seq_len} is over the model's limit (max_position_embeddings {limit})")

@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from glm5mtp_cli.errors import UserError
+
 DEFAULT_MODEL = "glm5-nano"  # engine.runtime.DEFAULT_MODEL says the same; a test keeps them equal
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", metavar="MODEL",
@@ -28,7 +30,25 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(
 CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
                                              help="On one CUDA device, replay decode, verify and draft forwards as "
                                                   "CUDA graphs (ignored on the CPU and under --tp).")]
+MtpIndexShareOpt = Annotated[Optional[bool], typer.Option(
+    "--mtp-index-share/--no-mtp-index-share", metavar="",
+    help="GLM-5-Next: chained draft steps reuse the pool top-k of the propose's first draft row (on) or score "
+         "their own (off). Default: the config's index_share_for_mtp_iteration.")]
 # On/off flags pass metavar="" so that help shows no "<bool>" beside them.
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text (needs the checkpoint's tokenizer).")]
 PromptIdsOpt = Annotated[Optional[str], typer.Option("--prompt-ids", metavar="IDS", help="Comma-separated token ids, e.g. 3,17,99.")]
+
+
+def apply_mtp_index_share(rt, share: bool | None) -> bool | None:
+    """--mtp-index-share/--no-mtp-index-share onto a loaded runtime's drafter; returns the setting in
+    force (None: the model has no such setting, or no drafter loaded)."""
+    is_next = rt.cfg.model_type == "glm5_next"
+    if share is not None and not is_next:
+        raise UserError(f"--{'' if share else 'no-'}mtp-index-share: only GLM-5-Next models have "
+                        f"index_share_for_mtp_iteration; this one is {rt.cfg.model_type}")
+    if not is_next or rt.mtp is None:
+        return None
+    if share is not None:
+        rt.mtp.share_topk = share
+    return rt.mtp.share_topk

@@ -12,6 +12,8 @@ position), pre-norm when the config asks for DeepSeek's chaining.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -172,7 +174,8 @@ class MtpHead:
                 counts[i] += active[i]
             if i_step == num_drafts - 1 or not any(active):
                 break
-            logits, carried = runner.chain_step(self, d, carried, caches)
+            with self.chained():
+                logits, carried = runner.chain_step(self, d, carried, caches)
         chains = []
         dev = logits.device
         for i in range(b):
@@ -181,6 +184,11 @@ class MtpHead:
             conf = float(min(c[i] for c in confs[: max(counts[i], 1)])) if confs else None
             chains.append(self._chain(states[i], DraftChain(toks, pr, counts[i] if num_drafts else 0, conf)))
         return chains
+
+    def chained(self):
+        """Marks a chained draft step for a layer that treats those apart (GLM-5-Next's
+        index_share_for_mtp_iteration reuses step 0's top-k in them); a no-op for the others."""
+        return self.layer.chained() if hasattr(self.layer, "chained") else nullcontext()
 
     @staticmethod
     def _chain(state: ProposerState, chain: DraftChain) -> DraftChain:

@@ -95,8 +95,13 @@ class MlaLayer(nn.Module):
                 ) -> tuple[torch.Tensor, MlaPending]:
         """a [T, D] normed rows at positions p..p+T-1 (p = past.length).
 
-        reuse_selection [T, Np'] (optional, MTP chaining): pool selection to use instead of running
-        the indexer's scoring; pools beyond its width are not selected.
+        reuse_selection [T, Np'] (optional, MTP chaining with index_share_for_mtp_iteration): the
+        pool selection of draft step 0's row r (Np' = the pools complete at r) used instead of
+        running the indexer's scoring. Pools beyond its width are all selected: they hold the rows
+        r's always-selected tail held, or rows appended after r (the chain rows), so a chain row at s
+        attends KeySet_r plus rows r+1..s. REFERENCE-glm5next section 9 says the step-0 top-k row is
+        reused but not how later rows enter; dropping them would hide the newest tokens (even the
+        step-0 row) from the draft whenever a chain row completes a pool.
         """
         T, p, P = a.shape[0], past.length, self.pool
         cq = self.q_a_layernorm(self.q_a_proj(a))
@@ -115,7 +120,7 @@ class MlaLayer(nn.Module):
             scores = pool_scores(qi, w, pooled)
             sel = select_pools(scores, visible, self.indexer.n_select)
         else:
-            sel = torch.zeros(T, pooled.shape[0], dtype=torch.bool, device=a.device)
+            sel = torch.ones(T, pooled.shape[0], dtype=torch.bool, device=a.device)
             width = min(reuse_selection.shape[1], pooled.shape[0])
             sel[:, :width] = reuse_selection[:, :width]
             sel &= torch.arange(pooled.shape[0], device=a.device)[None, :] < visible[:, None]

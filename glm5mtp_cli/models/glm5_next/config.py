@@ -82,9 +82,10 @@ class NextConfig:
     eos_token_id: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
     num_nextn_predict_layers: int = 1
-    # Chained MTP drafts may reuse step 0's own top-k (the published config says true). Recomputing
-    # every step is the safe default: reuse only moves acceptance (REFERENCE section 9).
-    index_share_for_mtp_iteration: bool = False
+    # Chained MTP draft steps reuse draft step 0's own pool top-k instead of scoring again
+    # (PooledMtp, MlaLayer.forward). Not read by transformers; GLM-5.3-Flash's config says true
+    # (REFERENCE-glm5next sections 1 and 9). Either way only the drafts move, never the output.
+    index_share_for_mtp_iteration: bool = True
     torch_dtype: str = "bfloat16"
     source: str = "<dict>"
 

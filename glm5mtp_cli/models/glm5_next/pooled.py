@@ -21,6 +21,7 @@ these forwards run eagerly only (no CUDA graphs yet).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -159,13 +160,34 @@ class _Ctx:
 
 class PooledMtp(torch.nn.Module):
     """Glm5NextMtpLayer over the drafter's SequenceCaches, with the MTP-layer interface the engine's
-    MtpHead drives (forward over caches, forward_batch over a context)."""
+    MtpHead drives (forward over caches, forward_batch over a context).
+
+    index_share_for_mtp_iteration (`share_topk`; --mtp-index-share overrides it): MtpHead runs a
+    propose's chained draft steps inside `chained()`. Every forward outside it (a propose's catch-up:
+    draft step 0) keeps its last row's pool selection per sequence; a chained forward reuses that
+    selection instead of scoring (MlaLayer.forward says how the chain rows enter it). A sequence is
+    known by the slot of its drafter row 0, as the catch-up groups sequences by row count while the
+    chain steps take them all: no two live sequences share a block."""
 
     def __init__(self, layer: Glm5NextMtpLayer):
         super().__init__()
         self.layer = layer
         self.cfg = layer.cfg
+        self.share_topk = layer.cfg.index_share_for_mtp_iteration
+        self._chaining = False
+        # row-0 slot -> [1, Np] selection of that sequence's last unchained row; a sequence's next
+        # catch-up overwrites it, so it holds at most one entry per block of the pool
+        self._step0: dict[int, torch.Tensor] = {}
         self.register_state_dict_post_hook(_unwrap_names)  # keys relative to `layers.{N}.`
+
+    @contextmanager
+    def chained(self):
+        """Forwards inside are chained draft steps (see the class docstring)."""
+        self._chaining = True
+        try:
+            yield
+        finally:
+            self._chaining = False
 
     def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows]) -> _Ctx:
         return _Ctx(starts, t, rows)
@@ -184,7 +206,11 @@ class PooledMtp(torch.nn.Module):
         logits, gs = [], []
         for b in range(token_ids.shape[0]):
             slot = PagedIndexed(ctx.rows, 0, b, int(ctx.starts[b]), self.cfg.index_kpool)
-            lg, g, pending = self.layer.forward_rows(token_ids[b], hidden[b], slot, embed, head)
+            key = int(ctx.rows["mla"].all[b, 0]) if self.share_topk else None
+            reuse = self._step0[key] if self.share_topk and self._chaining else None
+            lg, g, pending = self.layer.forward_rows(token_ids[b], hidden[b], slot, embed, head, reuse)
+            if self.share_topk and not self._chaining:
+                self._step0[key] = pending.selected[-1:]
             slot.write(pending)
             logits.append(lg)
             gs.append(g)
