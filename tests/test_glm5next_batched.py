@@ -46,7 +46,9 @@ class Static:
         self.caches, self.pad, self.device = caches, pad, device
         self.scratch = {n[len(owner) + 1:]: pools.pools[n].take(1)[0] for n in pools.owners[owner]
                         if n[len(owner) + 1:] in caches[0].rows}
-        self.scratch_slot = {name: ref.pool.take() for name, ref in caches[0].slots.items()}
+        scratch_slot = {name: ref.pool.take() for name, ref in caches[0].slots.items()}
+        self.slot_index = {name: to_device([c.slots[name].slot for c in caches] + [scratch_slot[name]] * pad, device)
+                           for name in scratch_slot}
         self.tables = {}
         for name, block in self.scratch.items():
             table = torch.full((len(caches) + pad, WIDTH), block, dtype=torch.long, device=device)
@@ -63,9 +65,8 @@ class Static:
             for name, table in self.tables.items():
                 new, all_ = table_slots(table, BS, starts, t, self.scratch[name])
                 rows[name] = CachedRows(self.caches[0].rows[name].pool.data, new, all_)
-            slots = {name: CachedSlots(ref.pool.data, to_device([c.slots[name].slot for c in self.caches]
-                                                                 + [self.scratch_slot[name]] * self.pad, self.device))
-                     for name, ref in self.caches[0].slots.items()}
+            slots = {name: CachedSlots(self.caches[0].slots[name].pool.data, index)
+                     for name, index in self.slot_index.items()}
             return model.context(starts, t, rows, slots)
         return context
 
@@ -75,70 +76,112 @@ def _pools(cfg, device="cpu"):
 
 
 def _rel(a, b) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _compare_state(cfg, model, cache, ref):
+def _compare_state(cfg, cache, ref, tol: float):
     """Every component of one pooled sequence equals the model's own SequenceState `ref`."""
     P, n = cfg.index_kpool, ref.length
     assert cache.length == n
     for j, i in enumerate(cfg.kda_layers):
-        assert _rel(cache.slots["kda"].pool.data[j, cache.slots["kda"].slot], ref.kda[i].state) < 1e-5
-        assert _rel(cache.slots["conv"].pool.data[j, cache.slots["conv"].slot], ref.kda[i].window) < 1e-5
+        assert _rel(cache.slots["kda"].pool.data[j, cache.slots["kda"].slot], ref.kda[i].state) < tol
+        assert _rel(cache.slots["conv"].pool.data[j, cache.slots["conv"].slot], ref.kda[i].window) < tol
     for j, i in enumerate(cfg.indexed_layers):
         def read(name, a, z):
             r = cache.rows[name]
-            pos = torch.arange(a, z)
+            pos = torch.arange(a, z, device=r.table.device)
             return r.pool.data[j].index_select(0, r.table[pos // BS] * BS + pos % BS)
         slot = ref.indexed[i]
-        assert _rel(read("mla", 0, n), slot.latent[:n]) < 1e-5
-        assert _rel(read("pool", 0, n // P * P).reshape(n // P, -1), slot.pooled[: n // P]) < 1e-5
+        assert _rel(read("mla", 0, n), slot.latent[:n]) < tol
+        assert _rel(read("pool", 0, n // P * P).reshape(n // P, -1), slot.pooled[: n // P]) < tol
         if n % P:
-            assert _rel(read("raw", n // P * P, n), slot.tail[: n % P]) < 1e-5
+            assert _rel(read("raw", n // P * P, n), slot.tail[: n % P]) < tol
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_static_target_steps_equal_per_sequence_path(models, batch):
-    """Verify (T = gamma + 1 = 4) and decode (T = 1) steps with per-sequence partial accepts."""
+def capture(fn):
+    """fn() captured as a CUDA graph after a warm-up on a side stream: (graph, its outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), sync_free():
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), sync_free():
+        out = fn()
+    return graph, out
+
+
+def _target_steps(models, batch: int, device: str, graphs: bool, tol: float):
+    """Verify (T = gamma + 1 = 4) and decode (T = 1) steps with per-sequence partial accepts through
+    the static forward (captured when `graphs`) on `device`, against the CPU per-sequence path."""
     cfg, target, _ = models
     model = target.model
+    pooled = target if device == "cpu" else copy.deepcopy(target).to(device)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in PROMPTS[:batch]]
-    pools = _pools(cfg)
+    pools = _pools(cfg, device)
     caches, refs = [], []
     for p in prompts:
         cache = pools.target_cache()
         cache.reserve(60)
-        target(p[None], [cache], rows="last")  # eager prefill through the same batched path, B = 1
+        pooled(p[None].to(device), [cache], rows="last")  # eager prefill through the same batched path, B = 1
         ref = model.new_state(64)
         model.prefill(p, ref)
         caches.append(cache)
         refs.append(ref)
-    static = Static(pools, "target", caches, pad=1)
-    context_at = static.context_at(target)
+    static = Static(pools, "target", caches, pad=1, device=device)
+    context_at = static.context_at(pooled)
+    starts = torch.zeros(batch + 1, dtype=torch.long, device=device)
+    forwards = {}  # t -> (ids buffer, run)
     ties = 0
     # (rows, kept per sequence): partial accepts, a reject-all, a full accept, a decode step
     for t, keeps in ((4, [2, 1, 3]), (1, [1, 1, 1]), (4, [4, 3, 1]), (4, [1, 2, 4]), (4, [3, 4, 2])):
         ids = torch.randint(2, cfg.vocab_size, (batch + 1, t), generator=g)
         for c in caches:
             c.prepare(t)  # commits the prefill's pending state, as a runner does before a run
+        starts.copy_(static.starts())
+        if t not in forwards:
+            buf = torch.zeros(batch + 1, t, dtype=torch.long, device=device)
+            fn = lambda buf=buf, t=t: pooled.forward_batch(buf, context_at(starts, t), "all")  # noqa: E731
+            if graphs:
+                buf.copy_(ids)
+                graph, out = capture(fn)
+                forwards[t] = (buf, lambda graph=graph, out=out: (graph.replay(), out)[1])
+            else:
+                forwards[t] = (buf, fn)
+        buf, run = forwards[t]
+        buf.copy_(ids)
         with sync_free():
-            out = target.forward_batch(ids, context_at(static.starts(), t), "all")
-        target.leave_pending(caches, out.pending)
+            out = run()
+        pooled.leave_pending(caches, out.pending)
         for b, (cache, ref) in enumerate(zip(caches, refs)):
             logits, _, pending = model.verify(ids[b], ref)
-            assert _rel(out.logits[b], logits) < 1e-5, (t, b)
+            assert _rel(out.logits[b], logits) < tol, (t, b)
             for i, p in pending.layers.items():
                 if getattr(p, "scores", None) is not None:
                     visible = (ref.length + 1 + torch.arange(t)) // cfg.index_kpool
-                    ties += int(boundary_ties(p.scores, visible, cfg.index_topk // cfg.index_kpool, 1e-6).sum())
+                    ties += int(boundary_ties(p.scores, visible, cfg.index_topk // cfg.index_kpool, tol).sum())
             model.commit(ref, pending, keeps[b])
             cache.length += t
             cache.truncate(ref.length)
-            _compare_state(cfg, model, cache, ref)
+            _compare_state(cfg, cache, ref, tol)
     assert ties == 0, "a top-k boundary tie makes the selection order-dependent"
     for c in caches:
         c.release()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_target_steps_equal_per_sequence_path(models, batch):
+    _target_steps(models, batch, "cpu", graphs=False, tol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cuda_graph_target_steps_equal_per_sequence_path(models, batch):
+    """The same steps replayed from CUDA graphs captured once per T (fp32 on the GPU, TF32 off)."""
+    _target_steps(models, batch, "cuda", graphs=True, tol=1e-4)
 
 
 def test_padding_rows_touch_no_real_state(models):
@@ -178,38 +221,57 @@ def test_padding_rows_touch_no_real_state(models):
     assert _rel(outs[1][0], outs[0][0]) < 1e-5 and _rel(outs[1][1], outs[0][1]) < 1e-5
 
 
-def test_static_greedy_chain_equals_model_chain(models):
+def _greedy_chain(models, device: str, graphs: bool):
     """MtpHead.greedy_chain (the fused draft forward a runner captures) over padded catch-up feeds of
-    1 and 3 real rows gives the model-level chain's drafts for each sequence."""
+    1, 3 and 2 real rows (a padding row beside them) against the model-level chain on the CPU."""
     cfg, target, mtp = models
     embed, lm_head = target.model.embed_tokens, target.model.lm_head
+    on_dev = (target, mtp) if device == "cpu" else (copy.deepcopy(target).to(device), copy.deepcopy(mtp).to(device))
     g = torch.Generator().manual_seed(5)
     gamma = 4
     seqs = [(torch.randint(2, cfg.vocab_size, (n,), generator=g), torch.randn(n, cfg.hidden_size, generator=g), f)
             for n, f in ((27, 1), (31, 3), (22, 2))]
-    pools = _pools(cfg)
-    head = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=64)
+    pools = _pools(cfg, device)
+    head = family_of(cfg).make_proposer(*on_dev, pools, max_seq_len=64)
     states = [head.alloc_state_for(48) for _ in seqs]
     refs = []
     for st, (tok, hid, f) in zip(states, seqs):
-        head.prefill_drafter(tok[:-f], hid[:-f], st)
+        head.prefill_drafter(tok[:-f].to(device), hid[:-f].to(device), st)
         slot = mtp.layer.new_state(64)
         mtp.layer.prefill(tok[:-f], hid[:-f], slot, embed, lm_head)
         if f > 1:  # the pending real rows before the last one, then the chain from the last
             mtp.layer.catchup(tok[-f:-1], hid[-f - 1:-2], slot, embed, lm_head)
         refs.append(mtp.layer.propose(tok[-1], hid[-2], slot, gamma, embed, lm_head, share_topk=False).tokens)
-    static = Static(pools, "drafter", [st.cache for st in states], pad=1)
-    ids = torch.zeros(len(seqs) + 1, gamma + 1, dtype=torch.long)
-    hidden = torch.zeros(len(seqs) + 1, gamma + 1, cfg.hidden_size)
-    last = torch.zeros(len(seqs) + 1, dtype=torch.long)
+    static = Static(pools, "drafter", [st.cache for st in states], pad=1, device=device)
+    ids = torch.zeros(len(seqs) + 1, gamma + 1, dtype=torch.long, device=device)
+    hidden = torch.zeros(len(seqs) + 1, gamma + 1, cfg.hidden_size, device=device)
+    last = torch.zeros(len(seqs) + 1, dtype=torch.long, device=device)
+    starts = static.starts()
     for b, (tok, hid, f) in enumerate(seqs):
         ids[b, :f], hidden[b, :f], last[b] = tok[-f:], hid[-f - 1:-1], f - 1
-    with sync_free():
-        drafts = head.greedy_chain(ids, hidden, static.starts(), last, static.context_at(mtp), gamma)
+
+    def fn():
+        return head.greedy_chain(ids, hidden, starts, last, static.context_at(on_dev[1]), gamma)
+
+    if graphs:
+        graph, drafts = capture(fn)
+        graph.replay()
+    else:
+        with sync_free():
+            drafts = fn()
     for b, ref in enumerate(refs):
-        assert torch.equal(drafts[b], ref), b
+        assert torch.equal(drafts[b].cpu(), ref), b
     for st in states:
         head.free_state(st)
+
+
+def test_static_greedy_chain_equals_model_chain(models):
+    _greedy_chain(models, "cpu", graphs=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_greedy_chain_equals_model_chain(models):
+    _greedy_chain(models, "cuda", graphs=True)
 
 
 def test_forwards_read_nothing_on_the_host(models):
