@@ -221,9 +221,10 @@ def test_padding_rows_touch_no_real_state(models):
     assert _rel(outs[1][0], outs[0][0]) < 1e-5 and _rel(outs[1][1], outs[0][1]) < 1e-5
 
 
-def _greedy_chain(models, device: str, graphs: bool):
+def _greedy_chain(models, device: str, graphs: bool, share: bool = False):
     """MtpHead.greedy_chain (the fused draft forward a runner captures) over padded catch-up feeds of
-    1, 3 and 2 real rows (a padding row beside them) against the model-level chain on the CPU."""
+    1, 3 and 2 real rows (a padding row beside them) against the model-level chain on the CPU;
+    share: index_share_for_mtp_iteration (chain steps reuse each sequence's step-0 selection)."""
     cfg, target, mtp = models
     embed, lm_head = target.model.embed_tokens, target.model.lm_head
     on_dev = (target, mtp) if device == "cpu" else (copy.deepcopy(target).to(device), copy.deepcopy(mtp).to(device))
@@ -232,6 +233,7 @@ def _greedy_chain(models, device: str, graphs: bool):
     seqs = [(torch.randint(2, cfg.vocab_size, (n,), generator=g), torch.randn(n, cfg.hidden_size, generator=g), f)
             for n, f in ((27, 1), (31, 3), (22, 2))]
     pools = _pools(cfg, device)
+    on_dev[1].share_topk = share
     head = family_of(cfg).make_proposer(*on_dev, pools, max_seq_len=64)
     states = [head.alloc_state_for(48) for _ in seqs]
     refs = []
@@ -241,7 +243,7 @@ def _greedy_chain(models, device: str, graphs: bool):
         mtp.layer.prefill(tok[:-f], hid[:-f], slot, embed, lm_head)
         if f > 1:  # the pending real rows before the last one, then the chain from the last
             mtp.layer.catchup(tok[-f:-1], hid[-f - 1:-2], slot, embed, lm_head)
-        refs.append(mtp.layer.propose(tok[-1], hid[-2], slot, gamma, embed, lm_head, share_topk=False).tokens)
+        refs.append(mtp.layer.propose(tok[-1], hid[-2], slot, gamma, embed, lm_head, share_topk=share).tokens)
     static = Static(pools, "drafter", [st.cache for st in states], pad=1, device=device)
     ids = torch.zeros(len(seqs) + 1, gamma + 1, dtype=torch.long, device=device)
     hidden = torch.zeros(len(seqs) + 1, gamma + 1, cfg.hidden_size, device=device)
@@ -253,25 +255,32 @@ def _greedy_chain(models, device: str, graphs: bool):
     def fn():
         return head.greedy_chain(ids, hidden, starts, last, static.context_at(on_dev[1]), gamma)
 
-    if graphs:
-        graph, drafts = capture(fn)
-        graph.replay()
-    else:
-        with sync_free():
-            drafts = fn()
+    try:
+        if graphs:
+            graph, drafts = capture(fn)
+            graph.replay()
+        else:
+            with sync_free():
+                drafts = fn()
+    finally:
+        on_dev[1].share_topk = False
     for b, ref in enumerate(refs):
         assert torch.equal(drafts[b].cpu(), ref), b
     for st in states:
         head.free_state(st)
+    return refs
 
 
 def test_static_greedy_chain_equals_model_chain(models):
-    _greedy_chain(models, "cpu", graphs=False)
+    own = _greedy_chain(models, "cpu", graphs=False)
+    shared = _greedy_chain(models, "cpu", graphs=False, share=True)
+    assert any(not torch.equal(a, b) for a, b in zip(own, shared)), "sharing must change a draft here"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_greedy_chain_equals_model_chain(models):
-    _greedy_chain(models, "cuda", graphs=True)
+@pytest.mark.parametrize("share", [False, True])
+def test_cuda_graph_greedy_chain_equals_model_chain(models, share):
+    _greedy_chain(models, "cuda", graphs=True, share=share)
 
 
 def test_forwards_read_nothing_on_the_host(models):
@@ -279,6 +288,7 @@ def test_forwards_read_nothing_on_the_host(models):
     (nonzero, masked select, bincount) raises: the target and drafter forwards run there whole."""
     cfg, target, mtp = models
     target, mtp = copy.deepcopy(target).to("meta"), copy.deepcopy(mtp).to("meta")
+    mtp._step0_rows = None  # a selection an earlier test's static chain left on the copied layer
     pools = _pools(cfg, "meta")
     for owner, model in (("target", target), ("drafter", mtp)):
         caches = [pools.sequence_cache(owner) for _ in range(2)]
@@ -295,9 +305,13 @@ def test_forwards_read_nothing_on_the_host(models):
                 hidden = torch.zeros(3, 4, cfg.hidden_size, device="meta")
                 out = model.forward_batch(ids, hidden, ctx, target.model.embed_tokens, target.model.lm_head,
                                           torch.zeros(3, dtype=torch.long, device="meta"))
-                mtp.share_topk = True
-                with pytest.raises(UserError, match="eager forwards only"):
+                mtp.share_topk = True  # step 0 keeps its selection on the device, chained steps reuse it
+                with mtp.chained(), pytest.raises(UserError, match="step-0 pool selection"):
                     model.forward_batch(ids, hidden, ctx, target.model.embed_tokens, target.model.lm_head, "last")
+                model.forward_batch(ids, hidden, ctx, target.model.embed_tokens, target.model.lm_head, "last")
+                with mtp.chained():
+                    model.forward_batch(ids[:, :1], hidden[:, :1], static.context_at(model)(static.starts(), 1),
+                                        target.model.embed_tokens, target.model.lm_head, "last")
                 mtp.share_topk = False
         assert out.logits.shape == (3, 4 if owner == "target" else 1, cfg.vocab_size)
 

@@ -31,8 +31,8 @@ Forwards run B sequences at once with fixed shapes per (B, T, table width) and n
         (t <= MAX_VERIFY_ROWS: a replay of the kept rows from the untouched slot, eager, outside the
         graph; longer forwards keep the final state and commit whole).
 The drafter: mtp.context(starts, t, rows) and mtp.forward_batch(ids, hidden, ctx, embed, head,
-rows), called by MtpHead's drafter_forward / greedy_chain; its rows roll back by length alone. With
-share_topk its forwards keep host-side state, so they run eagerly only (a static forward refuses).
+rows), called by MtpHead's drafter_forward / greedy_chain; its rows roll back by length alone
+(share_topk: PooledMtp says where the step-0 selection lives).
 """
 
 from __future__ import annotations
@@ -153,9 +153,14 @@ class PooledMtp(torch.nn.Module):
     index_share_for_mtp_iteration (`share_topk`; --mtp-index-share overrides it): MtpHead runs a
     propose's chained draft steps inside `chained()`. Every forward outside it (a propose's catch-up:
     draft step 0) keeps its last row's pool selection per sequence; a chained forward reuses that
-    selection instead of scoring (MlaLayer.forward says how the chain rows enter it). A sequence is
-    known by the slot of its drafter row 0, as the catch-up groups sequences by row count while the
-    chain steps take them all: no two live sequences share a block."""
+    selection instead of scoring (MlaLayer.forward says how the chain rows enter it). Eager, a
+    sequence is known by the slot of its drafter row 0, as the catch-up groups sequences by row count
+    while the chain steps take them all: no two live sequences share a block. In a static forward
+    (sync_free: no host reads) the selection stays on the device by batch row (static batches keep
+    a sequence's row), from the last unchained forward to the chained ones after it: inside
+    MtpHead.greedy_chain, the fused chain a runner captures whole, or between a static catch-up and
+    chain step run eagerly. A runner's separate chain-step CUDA graph is captured outside chained(),
+    so its steps score their own pools (sharing moves only acceptance, never the output)."""
 
     def __init__(self, layer: Glm5NextMtpLayer):
         super().__init__()
@@ -166,6 +171,7 @@ class PooledMtp(torch.nn.Module):
         # row-0 slot -> [Np] selection of that sequence's last unchained row; a sequence's next
         # catch-up overwrites it, so it holds at most one entry per block of the pool
         self._step0: dict[int, torch.Tensor] = {}
+        self._step0_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # static: ([B, Np], widths [B])
         self.register_state_dict_post_hook(_unwrap_names)  # keys relative to `layers.{N}.`
 
     @contextmanager
@@ -193,15 +199,22 @@ class PooledMtp(torch.nn.Module):
 
     @torch.no_grad()
     def forward_batch(self, token_ids, hidden, ctx: PagedContext, embed, head, rows="all") -> ForwardOut:
-        """token_ids [B, T] (t[i+1]) with hidden [B, T, D] (h[i]); a function of device tensors
-        alone unless share_topk (its step-0 selections are kept per sequence on the host)."""
-        if self.share_topk and Experts.sync_free:
-            raise UserError("GLM-5-Next's index_share_for_mtp_iteration runs in eager forwards only so far: "
-                            "pass --no-mtp-index-share (or --no-cuda-graphs)")
-        reuse = self._reused(ctx) if self.share_topk and self._chaining else None
+        """token_ids [B, T] (t[i+1]) with hidden [B, T, D] (h[i]): a function of device tensors alone
+        inside sync_free(); eager, share_topk keeps its step-0 selections on the host (class doc)."""
+        static = Experts.sync_free
+        reuse = None
+        if self.share_topk and self._chaining:
+            reuse = self._step0_rows if static else self._reused(ctx)
+            if reuse is None or reuse[0].shape[0] != token_ids.shape[0]:
+                raise UserError("a static chained draft step reuses the step-0 pool selection of its own fused "
+                                "chain only: run the chain in one forward, or pass --no-mtp-index-share")
         g_all, sel, visible = mtp_forward(self.layer, token_ids, hidden, ctx, embed, reuse)
         if self.share_topk and not self._chaining:
-            self._keep_step0(ctx, sel, visible, rows)
+            if static:
+                self._step0_rows = (_rows(sel, rows)[:, -1], _rows(visible[..., None], rows)[:, -1, 0])
+            else:
+                self._keep_step0(ctx, sel, visible, rows)
+                self._step0_rows = None
         g = _rows(g_all, rows)
         return ForwardOut(head(g), g, g)
 
