@@ -60,10 +60,6 @@ class KdaInputs:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v, self.g, self.beta))
 
-    def row(self, b: int) -> "KdaInputs":
-        """Sequence b's inputs [T, H, d] of batched ones [B, T, H, d]."""
-        return KdaInputs(self.q[b], self.k[b], self.v[b], self.g[b], self.beta[b])
-
     def folded(self) -> "KdaInputs":
         """Batched inputs [B, T, H, d] as one sequence of B*H heads [T, B*H, d]: heads are
         independent, so the recurrences run every sequence at once."""
@@ -175,16 +171,36 @@ class KdaPending:
 
 @dataclass
 class KdaBatchPending:
-    """What a KDA forward over B sequences x T rows leaves (KdaLayer.forward_batch): per sequence a
-    KdaPending once given its committed S (the engine's slot, untouched by the forward)."""
+    """What a KDA forward over B sequences x T rows leaves (KdaLayer.forward_batch), for the commit
+    after it: S is untouched by the forward (the engine's slot). `stack` puts every KDA layer's
+    behind one leading layer dim, so one sequence's commit replays all its layers at once (layers
+    folded into heads: a few ops per kept row, not a few per kept row and layer)."""
 
-    extended: torch.Tensor                 # [B, K-1+T, 3C]
-    final: torch.Tensor | None = None      # mode final: [B, H, d, d]
-    inputs: KdaInputs | None = None        # mode replay: [B, T, H, d] ([B, T, H] beta)
+    extended: torch.Tensor                 # [(Lk,) B, K-1+T, 3C]
+    final: torch.Tensor | None = None      # mode final: [(Lk,) B, H, d, d]
+    inputs: KdaInputs | None = None        # mode replay: [(Lk,) B, T, H, d] ([(Lk,) B, T, H] beta)
 
-    def row(self, b: int, start: torch.Tensor) -> KdaPending:
-        return KdaPending(self.extended[b], final=None if self.final is None else self.final[b],
-                          inputs=None if self.inputs is None else self.inputs.row(b), start=start)
+    @classmethod
+    def stack(cls, layers: list["KdaBatchPending"]) -> "KdaBatchPending":
+        x = [p.inputs for p in layers]
+        return cls(torch.stack([p.extended for p in layers]),
+                   None if layers[0].final is None else torch.stack([p.final for p in layers]),
+                   None if x[0] is None else KdaInputs(*(torch.stack([getattr(i, n) for i in x])
+                                                         for n in ("q", "k", "v", "g", "beta"))))
+
+    def commit_row(self, b: int, state: torch.Tensor, keep: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked: sequence b's (S [Lk, H, d, d], conv windows [Lk, K-1, 3C]) after keeping its first
+        `keep` rows, from its committed S `state` [Lk, H, d, d]; k = conv kernel width."""
+        window = self.extended[:, b, keep:keep + k - 1].clone()
+        if keep == 0:
+            return state.clone(), window
+        if self.inputs is not None:
+            x = KdaInputs(*(getattr(self.inputs, n)[:, b] for n in ("q", "k", "v", "g", "beta"))).folded()
+            _, s, _ = kda_recurrent(x.take(keep), state.reshape(-1, *state.shape[2:]))
+            return s.view(state.shape), window
+        if keep != self.extended.shape[2] - (k - 1):
+            raise ValueError("a 'final' KDA forward can only commit all of its rows")
+        return self.final[:, b], window
 
 
 class _Weight(nn.Module):

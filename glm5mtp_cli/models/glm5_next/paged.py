@@ -119,9 +119,9 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
     return (out if attn.comm is None else attn.comm.all_reduce_sum(out)), sel, visible
 
 
-def target_forward(model, ids: torch.Tensor, ctx: PagedContext) -> tuple[torch.Tensor, dict[int, KdaBatchPending]]:
-    """Glm5NextForCausalLM over the pools: ids [B, T] -> (post-norm hiddens [B, T, D], the
-    KdaBatchPending of each KDA layer by its index in cfg.kda_layers)."""
+def target_forward(model, ids: torch.Tensor, ctx: PagedContext) -> tuple[torch.Tensor, KdaBatchPending | None]:
+    """Glm5NextForCausalLM over the pools: ids [B, T] -> (post-norm hiddens [B, T, D], the KDA
+    layers' records stacked in cfg.kda_layers order; None without KDA layers)."""
     cfg = model.cfg
     kda_at = {i: j for j, i in enumerate(cfg.kda_layers)}
     idx_at = {i: j for j, i in enumerate(cfg.indexed_layers)}
@@ -135,7 +135,7 @@ def target_forward(model, ids: torch.Tensor, ctx: PagedContext) -> tuple[torch.T
                 streams, lambda a: block.self_attn.forward_batch(a, state, window, ctx.kda_mode))
         else:
             streams, _ = block.run(streams, lambda a: mla_paged(block.self_attn, a, ctx, idx_at[i])[:2])
-    return model.norm(contract_streams(streams)), pending
+    return model.norm(contract_streams(streams)), KdaBatchPending.stack(list(pending.values())) if pending else None
 
 
 def mtp_forward(layer, ids: torch.Tensor, hidden: torch.Tensor, ctx: PagedContext, embed,

@@ -61,7 +61,7 @@ class ForwardOut:
     hidden: torch.Tensor  # [B, R, D] post-norm (target: model.norm; MTP: shared_head.norm)
     prenorm: torch.Tensor | None = None
     hidden_all: torch.Tensor | None = None  # target: post-norm hiddens of every appended row
-    pending: dict[int, KdaBatchPending] | None = None  # target: KDA state to commit (leave_pending)
+    pending: KdaBatchPending | None = None  # target: KDA state to commit (leave_pending)
 
 
 def _checkpoint_names(module, state_dict, prefix, local_metadata) -> None:
@@ -120,28 +120,29 @@ class PooledTarget(torch.nn.Module):
             cache.length += t
         return out
 
-    def leave_pending(self, caches: list, pending: dict[int, KdaBatchPending], batch_rows: list[int] | None = None) -> None:
+    def leave_pending(self, caches: list, pending: KdaBatchPending | None, batch_rows: list[int] | None = None) -> None:
         """Host side, after a forward (eager, or a static/graph replay: outside the graph) and
         before the caches' lengths grow: caches[i] (batch row batch_rows[i], default i) gets the
         commit of its KDA states. The commit reads `pending`'s tensors when the engine truncates
         (or the next forward prepares), so they must not be overwritten before: a graph's outputs
         stay until its next replay."""
+        if pending is None:
+            return
         k = self.cfg.linear_conv_kernel_dim
         for i, cache in enumerate(caches):
             b = i if batch_rows is None else batch_rows[i]
             cache.leave_pending(_kda_commit(cache, pending, b, cache.length, k))
 
 
-def _kda_commit(cache, pending: dict[int, KdaBatchPending], b: int, start: int, k: int):
+def _kda_commit(cache, pending: KdaBatchPending, b: int, start: int, k: int):
     state, conv = cache.slots["kda"], cache.slots["conv"]
     s_slot, w_slot = state.slot, conv.slot
 
     def commit(length: int) -> None:
-        for j, p in pending.items():
-            s, w = state.pool.data[j, s_slot], conv.pool.data[j, w_slot]
-            kept = p.row(b, s).commit(length - start, k)
-            s.copy_(kept[0])
-            w.copy_(kept[1])
+        s, w = state.pool.data[:, s_slot], conv.pool.data[:, w_slot]  # every KDA layer's
+        kept = pending.commit_row(b, s, length - start, k)
+        s.copy_(kept[0])
+        w.copy_(kept[1])
 
     return commit
 
