@@ -323,3 +323,17 @@ def test_pool_scores_batch_equals_per_sequence():
     batched = pool_scores(q, w, pooled)
     for b in range(3):
         assert torch.allclose(batched[b], pool_scores(q[b], w[b], pooled[b]), rtol=1e-6, atol=1e-6)
+
+
+def test_tables_narrower_than_a_pool(models):
+    """Blocks of 2 rows (< P = 4): the first decode steps read a table with no whole pool."""
+    cfg, target, _ = models
+    pools = CachePools.create(cfg, num_blocks=32, block_size=2, dtype=torch.float32, device="cpu")
+    cache = pools.target_cache()
+    cache.reserve(16)
+    ref = target.model.new_state(16)
+    tokens = torch.randint(2, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    for tok in tokens:
+        out = target(tok.view(1, 1), [cache], "all")
+        assert _rel(out.logits[0], target.model.decode(tok, ref)[0]) < 1e-5
+    cache.release()

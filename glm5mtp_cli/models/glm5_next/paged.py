@@ -66,7 +66,7 @@ def write_pools(rows: CachedRows, layer: int, raw: torch.Tensor, starts: torch.T
     fresh = (base + pool <= n + t) & (base >= n // pool * pool)  # complete now, and not before
     data.index_copy_(0, slots, torch.where(fresh[..., None], chunk.to(data.dtype), old).reshape(slots.shape[0], -1))
     whole = length // pool * pool
-    return data.index_select(0, rows.all[:, :whole].reshape(-1)).view(b, length // pool, -1)
+    return data.index_select(0, rows.all[:, :whole].reshape(-1)).view(b, length // pool, pool * data.shape[-1])
 
 
 def key_mask(sel: torch.Tensor, pos: torch.Tensor, length: int, pool: int, always_tail: bool) -> torch.Tensor:
