@@ -25,8 +25,11 @@ Forwards run B sequences at once with fixed shapes per (B, T, table width) and n
         slots {"kda", "conv"}: CachedSlots(pool.data, index [B] long on the device), the SlotPool
             slot of each batch row's sequence (cache.slots[name].slot; a padding row names a scratch
             slot taken from the pool). KDA state is only read inside the forward.
-    out = target.forward_batch(ids [B, T], ctx, rows)      # capture this
-    target.leave_pending(caches, out.pending, batch_rows)   # host, after each run/replay
+    cache.prepare(t)                                        # host, before each run: commits a
+                                                            # pending prefill state whole
+    out = target.forward_batch(ids [B, T], ctx, rows)      # capture this (inside sync_free())
+    target.leave_pending(caches, out.pending, batch_rows)   # host, after each run/replay: the commit
+                                                            # reads out.pending before the next replay
     ... cache.length += t; the engine's cache.truncate(kept) then commits each sequence's KDA state
         (t <= MAX_VERIFY_ROWS: a replay of the kept rows from the untouched slot, eager, outside the
         graph; longer forwards keep the final state and commit whole).
