@@ -15,7 +15,9 @@ from glm5mtp_cli.engine.cache import CachePools  # noqa: E402
 from glm5mtp_cli.engine.graphs import ForwardRunner  # noqa: E402
 from glm5mtp_cli.engine.speculate import Request, SpecEngine  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
+from glm5mtp_cli.models.glm5_next import paged  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
+from glm5mtp_cli.models.glm5_next.paged import mla_paged  # noqa: E402
 from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 4, 250, 31, 8], list(range(40, 70)), [7, 7, 7, 200, 13]]
@@ -172,20 +174,19 @@ def _chain_with_selections(models, share: bool, prompt: torch.Tensor, hiddens: t
     head = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128)
     state = head.alloc_state_for(64)
     mtp.share_topk = share
-    attn = mtp.layer.self_attn
     sels = []
 
     def spy(*args, **kw):
-        y, pending = type(attn).forward(attn, *args, **kw)
-        sels.append(pending.selected[-1].clone())
-        return y, pending
+        y, sel, visible = mla_paged(*args, **kw)
+        sels.append(sel[0, -1, : int(visible[0, -1])].clone())
+        return y, sel, visible
 
     try:
         head.prefill_drafter(prompt[:-1], hiddens[:-1], state)
-        attn.forward = spy
+        paged.mla_paged = spy
         chain = head.propose(prompt[-1], hiddens[-2], state.cache.length, gamma, state)
     finally:
-        del attn.forward
+        paged.mla_paged = mla_paged
         mtp.share_topk = False
         head.free_state(state)
     assert not any(pools.blocks_held().values())

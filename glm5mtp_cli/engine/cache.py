@@ -216,6 +216,28 @@ class CachedRows:
         return self.data[layer].index_select(0, self.all.reshape(-1)).view(*self.all.shape, -1)
 
 
+@dataclass
+class CachedSlots:
+    """One fixed-size component's (a recurrent state) side of a cached forward: the pool's data
+    [layers, slots, *shape] and the slot of each of the B sequences [B] on the device, so a forward
+    reads its sequences' states with no host value (a static forward's padding rows name a scratch
+    slot). Forwards only read through it; what they advance is committed after (leave_pending)."""
+
+    data: torch.Tensor
+    index: torch.Tensor
+
+    def read(self, layer: int) -> torch.Tensor:
+        """Each sequence's state of `layer`: [B, *shape] (a copy; the pool stays as it was)."""
+        return self.data[layer].index_select(0, self.index)
+
+
+def cached_slots(caches: list, device) -> dict[str, CachedSlots]:
+    """Eager forwards: the CachedSlots of every fixed-size component of `caches` (reserved by
+    cached_rows' prepare)."""
+    return {name: CachedSlots(ref.pool.data, to_device([c.slots[name].slot for c in caches], device))
+            for name, ref in caches[0].slots.items()}
+
+
 def cached_rows(caches: list, t: int, device) -> tuple[torch.Tensor, dict[str, CachedRows]]:
     """Eager forwards: (each sequence's cached length on the device, the CachedRows of every row
     component) for appending t rows to each of `caches`, reading each sequence's rows through its

@@ -115,7 +115,9 @@ class MtpHead:
         drafts = [self._full_ids(logits.argmax(-1))]
         starts = starts + last_real + 1  # each sequence's first chain row: right after its real rows
         for _ in range(gamma - 1):
-            logits, carried = self.drafter_forward(drafts[-1][:, None], carried[:, None], context_at(starts, 1), "last")
+            with self.chained():
+                logits, carried = self.drafter_forward(drafts[-1][:, None], carried[:, None], context_at(starts, 1),
+                                                       "last")
             drafts.append(self._full_ids(logits.argmax(-1)))
             starts = starts + 1
         return torch.stack(drafts, dim=1)

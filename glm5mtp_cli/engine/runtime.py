@@ -197,7 +197,8 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
 def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:
     """The engine's forward mode: CUDA graphs on one CUDA device unless switched off; eager on the
     CPU, under --tp (whose collectives run outside graphs) and for families with fixed-size state
-    slots (their forwards read each sequence's position on the host: GLM-5-Next so far)."""
+    slots (GLM-5-Next: its forwards are capturable, models/glm5_next/pooled.py, but graphs.py does not
+    yet hand them the slot indices nor leave their KDA commits)."""
     slots = any(c.kind == SLOT for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype))
     if cuda_graphs and rt.device.type == "cuda" and rt.comm is None and not slots:
         return "cuda"

@@ -67,12 +67,15 @@ class NextBlock(nn.Module):
 
     def forward(self, streams: torch.Tensor, past, kda_mode: str = "final", chunk: int = CHUNK):
         """streams [T, n, D]; past: (S, window) for a KDA layer, an MlaPast otherwise."""
-        pre, post, comb = self._hc("attn", streams)
-        a = self.input_layernorm(hc_collapse(streams, pre))
         if self.kda:
-            y, pending = self.self_attn(a, past[0], past[1], mode=kda_mode, chunk=chunk)
-        else:
-            y, pending = self.self_attn(a, past)
+            return self.run(streams, lambda a: self.self_attn(a, past[0], past[1], mode=kda_mode, chunk=chunk))
+        return self.run(streams, lambda a: self.self_attn(a, past))
+
+    def run(self, streams: torch.Tensor, attend):
+        """The block around its attention: streams [..., T, n, D]; attend(a) -> (y, pending) attends
+        the normed rows a [..., T, D] (one sequence's past, or B sequences' pools: paged.py)."""
+        pre, post, comb = self._hc("attn", streams)
+        y, pending = attend(self.input_layernorm(hc_collapse(streams, pre)))
         streams = hc_expand(streams, y, post, comb)
         pre, post, comb = self._hc("ffn", streams)
         y = self.mlp(self.post_attention_layernorm(hc_collapse(streams, pre)))

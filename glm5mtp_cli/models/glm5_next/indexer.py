@@ -40,8 +40,8 @@ class Indexer(nn.Module):
         return torch.cat([self.k_norm(self.wk(a)), F.linear(a, self.index_kpool_compress_gate)], dim=-1)
 
     def queries(self, a: torch.Tensor, cq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [T, Hi, di] from the MLA query latent, head weights [T, Hi] fp32 scaled by Hi^-1/2)."""
-        q = self.wq_b(cq).view(cq.shape[0], self.heads, self.head_dim)
+        """(q [..., T, Hi, di] from the MLA query latent, head weights [..., T, Hi] fp32 scaled by Hi^-1/2)."""
+        q = self.wq_b(cq).view(*cq.shape[:-1], self.heads, self.head_dim)
         w = self.weights_proj(a.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
         return q, w
 
@@ -61,22 +61,23 @@ def pool_keys(raw: torch.Tensor, ape: torch.Tensor, pool: int) -> torch.Tensor:
 
 
 def pool_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-    """I[s, p] = sum_h w[s,h] ReLU(q[s,h] . K̄_p / sqrt(di)) in fp32: [T, Np]."""
-    s = torch.einsum("thc,pc->thp", q.float(), pooled.float()) * q.shape[-1] ** -0.5
-    return torch.einsum("th,thp->tp", w, F.relu(s))
+    """I[s, p] = sum_h w[s,h] ReLU(q[s,h] . K̄_p / sqrt(di)) in fp32: [..., T, Np] (q [..., T, Hi, di],
+    w [..., T, Hi], pooled [..., Np, di]: the leading dims are a batch of sequences)."""
+    s = torch.einsum("...thc,...pc->...thp", q.float(), pooled.float()) * q.shape[-1] ** -0.5
+    return torch.einsum("...th,...thp->...tp", w, F.relu(s))
 
 
 def select_pools(scores: torch.Tensor, visible: torch.Tensor, n_select: int) -> torch.Tensor:
-    """Boolean [T, Np]: for each query the top min(n_select, visible) pools among its `visible` [T]
-    first ones (complete pools whose last token it can see)."""
-    t, np_ = scores.shape
+    """Boolean [..., T, Np]: for each query the top min(n_select, visible) pools among its `visible`
+    [..., T] first ones (complete pools whose last token it can see)."""
+    np_ = scores.shape[-1]
     if np_ == 0:
-        return torch.zeros(t, 0, dtype=torch.bool, device=scores.device)
-    valid = torch.arange(np_, device=scores.device)[None, :] < visible[:, None]
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    valid = torch.arange(np_, device=scores.device) < visible[..., None]
     masked = scores.masked_fill(~valid, float("-inf"))
     k = min(n_select, np_)
     top = masked.topk(k, dim=-1).indices
-    sel = torch.zeros_like(valid).scatter_(1, top, True)
+    sel = torch.zeros_like(valid).scatter_(-1, top, True)
     return sel & valid
 
 

@@ -30,13 +30,13 @@ CHUNK = 64  # chunk length of the prefill form (transformers' and FLA's)
 def conv_apply(z: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over new rows.
 
-    z [T, C] (pre-conv), window [K-1, C] (the K-1 rows before z; zeros at the sequence start),
-    weight [C, K]. Returns (silu(conv) [T, C] in z's dtype, the extended window [K-1+T, C]).
-    The new window after accepting the first m rows is extended[m : m+K-1].
+    z [..., T, C] (pre-conv), window [..., K-1, C] (the K-1 rows before z; zeros at the sequence
+    start), weight [C, K]. Returns (silu(conv) [..., T, C] in z's dtype, the extended window
+    [..., K-1+T, C]). The new window after accepting the first m rows is extended[m : m+K-1].
     """
     k = weight.shape[-1]
-    full = torch.cat([window.to(z.dtype), z], dim=0)
-    cols = full.float().unfold(0, k, 1)  # [T, C, K]: column j is row t+j of `full`
+    full = torch.cat([window.to(z.dtype), z], dim=-2)
+    cols = full.float().unfold(-2, k, 1)  # [..., T, C, K]: column j is row t+j of `full`
     out = F.silu((cols * weight.float()).sum(-1))
     return out.to(z.dtype), full
 
@@ -59,6 +59,13 @@ class KdaInputs:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v, self.g, self.beta))
+
+    def folded(self) -> "KdaInputs":
+        """Batched inputs [B, T, H, d] as one sequence of B*H heads [T, B*H, d]: heads are
+        independent, so the recurrences run every sequence at once."""
+        def fold(t):
+            return t.transpose(0, 1).reshape(t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
+        return KdaInputs(*(fold(t) for t in (self.q, self.k, self.v, self.g, self.beta)))
 
 
 def prepare_inputs(q, k, v, g, beta) -> KdaInputs:
@@ -162,6 +169,40 @@ class KdaPending:
         return self.final, window
 
 
+@dataclass
+class KdaBatchPending:
+    """What a KDA forward over B sequences x T rows leaves (KdaLayer.forward_batch), for the commit
+    after it: S is untouched by the forward (the engine's slot). `stack` puts every KDA layer's
+    behind one leading layer dim, so one sequence's commit replays all its layers at once (layers
+    folded into heads: a few ops per kept row, not a few per kept row and layer)."""
+
+    extended: torch.Tensor                 # [(Lk,) B, K-1+T, 3C]
+    final: torch.Tensor | None = None      # mode final: [(Lk,) B, H, d, d]
+    inputs: KdaInputs | None = None        # mode replay: [(Lk,) B, T, H, d] ([(Lk,) B, T, H] beta)
+
+    @classmethod
+    def stack(cls, layers: list["KdaBatchPending"]) -> "KdaBatchPending":
+        x = [p.inputs for p in layers]
+        return cls(torch.stack([p.extended for p in layers]),
+                   None if layers[0].final is None else torch.stack([p.final for p in layers]),
+                   None if x[0] is None else KdaInputs(*(torch.stack([getattr(i, n) for i in x])
+                                                         for n in ("q", "k", "v", "g", "beta"))))
+
+    def commit_row(self, b: int, state: torch.Tensor, keep: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked: sequence b's (S [Lk, H, d, d], conv windows [Lk, K-1, 3C]) after keeping its first
+        `keep` rows, from its committed S `state` [Lk, H, d, d]; k = conv kernel width."""
+        window = self.extended[:, b, keep:keep + k - 1].clone()
+        if keep == 0:
+            return state.clone(), window
+        if self.inputs is not None:
+            x = KdaInputs(*(getattr(self.inputs, n)[:, b] for n in ("q", "k", "v", "g", "beta"))).folded()
+            _, s, _ = kda_recurrent(x.take(keep), state.reshape(-1, *state.shape[2:]))
+            return s.view(state.shape), window
+        if keep != self.extended.shape[2] - (k - 1):
+            raise ValueError("a 'final' KDA forward can only commit all of its rows")
+        return self.final[:, b], window
+
+
 class _Weight(nn.Module):
     """A bare `.weight` holder so state_dict names match the checkpoint (`q_conv1d.weight`)."""
 
@@ -204,24 +245,24 @@ class KdaLayer(nn.Module):
 
     def inputs(self, a: torch.Tensor, window: torch.Tensor) -> tuple[KdaInputs, torch.Tensor]:
         """Kernel inputs of rows a [T, D] after the window [K-1, 3C]; also the extended window."""
-        T = a.shape[0]
+        lead = a.shape[:-1]  # [T] or [B, T]
         z = torch.cat([self.q_proj(a), self.k_proj(a), self.v_proj(a)], dim=-1)
         zc, extended = conv_apply(z, window, self.conv_weight())
-        q, k, v = (t.reshape(T, self.heads, self.head_dim) for t in zc.chunk(3, dim=-1))
+        q, k, v = (t.reshape(*lead, self.heads, self.head_dim) for t in zc.chunk(3, dim=-1))
         # forget gate (reads the pre-conv input a): lb * sigmoid(exp(A_log) (f_b f_a a + dt_bias))
-        f = (self.f_b_proj(self.f_a_proj(a)).float() + self.dt_bias.float()).view(T, self.heads, self.head_dim)
+        f = (self.f_b_proj(self.f_a_proj(a)).float() + self.dt_bias.float()).view(*lead, self.heads, self.head_dim)
         g = self.lower_bound * torch.sigmoid(self.A_log.float().exp().view(1, -1, 1) * f)
         beta = torch.sigmoid(self.b_proj(a))
         return prepare_inputs(q, k, v, g, beta), extended
 
     def output(self, a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Gated per-head RMSNorm (fp32, weight included) then o_proj."""
-        T = a.shape[0]
-        gate = self.g_b_proj(self.g_a_proj(a)).view(T, self.heads, self.head_dim)
+        lead = a.shape[:-1]
+        gate = self.g_b_proj(self.g_a_proj(a)).view(*lead, self.heads, self.head_dim)
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         of = of * torch.sigmoid(gate.float())
-        out = self.o_proj(of.to(a.dtype).reshape(T, -1))
+        out = self.o_proj(of.to(a.dtype).reshape(*lead, -1))
         return out if self.comm is None else self.comm.all_reduce_sum(out)
 
     def forward(self, a: torch.Tensor, state: torch.Tensor, window: torch.Tensor, mode: str = "final",
@@ -240,4 +281,22 @@ class KdaLayer(nn.Module):
             pending = KdaPending(extended, final=s, start=state)
         else:
             raise ValueError(f"unknown KDA mode {mode!r}")
+        return self.output(a, o.to(a.dtype)), pending
+
+    def forward_batch(self, a: torch.Tensor, state: torch.Tensor, window: torch.Tensor, mode: str = "replay",
+                      chunk: int = CHUNK) -> tuple[torch.Tensor, KdaBatchPending]:
+        """B sequences at once, T rows each: a [B, T, D]; state [B, H, d, d] fp32 and window
+        [B, K-1, 3C] are read, not written. mode "replay" (a verify's rows: keep the kernel inputs)
+        or "final" (prefill: keep the state after all rows). Fixed shapes for a given (B, T)."""
+        if mode not in ("replay", "final"):
+            raise ValueError(f"batched KDA forwards keep 'replay' or 'final', got {mode!r}")
+        b, t = a.shape[:2]
+        x, extended = self.inputs(a, window)
+        flat = state.reshape(b * self.heads, *state.shape[2:])
+        run = kda_chunked(x.folded(), flat, chunk) if t > 1 else kda_recurrent(x.folded(), flat)[:2]
+        o = run[0].view(t, b, self.heads, self.head_dim).transpose(0, 1)
+        if mode == "replay":
+            pending = KdaBatchPending(extended, inputs=x)
+        else:
+            pending = KdaBatchPending(extended, final=run[1].view(state.shape))
         return self.output(a, o.to(a.dtype)), pending

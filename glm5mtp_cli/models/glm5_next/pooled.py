@@ -15,8 +15,27 @@ a forward leaves it pending (SequenceCache.leave_pending) and the engine's trunc
 keeps the accepted prefix; forwards of more rows than any verify (prefill chunks) are committed
 whole, so they keep only the final state, the rest keep what a replay of a kept prefix needs.
 
-One sequence per forward (the model's math is per sequence); the starts are read on the host, so
-these forwards run eagerly only (no CUDA graphs yet).
+Forwards run B sequences at once with fixed shapes per (B, T, table width) and no host reads
+(paged.py), so a runner can capture them (engine/graphs.py). What a runner provides and does:
+
+    ctx = target.context(starts, t, rows, slots)
+        starts [B] long (device): each sequence's cached length before the forward;
+        rows {"mla", "pool", "raw"}: CachedRows through [B, NB] block tables (as GLM-5's), NB * block
+            size >= starts + t; a row past a slot's reservation goes to a scratch block;
+        slots {"kda", "conv"}: CachedSlots(pool.data, index [B] long on the device), the SlotPool
+            slot of each batch row's sequence (cache.slots[name].slot; a padding row names a scratch
+            slot taken from the pool). KDA state is only read inside the forward.
+    cache.prepare(t)                                        # host, before each run: commits a
+                                                            # pending prefill state whole
+    out = target.forward_batch(ids [B, T], ctx, rows)      # capture this (inside sync_free())
+    target.leave_pending(caches, out.pending, batch_rows)   # host, after each run/replay: the commit
+                                                            # reads out.pending before the next replay
+    ... cache.length += t; the engine's cache.truncate(kept) then commits each sequence's KDA state
+        (t <= MAX_VERIFY_ROWS: a replay of the kept rows from the untouched slot, eager, outside the
+        graph; longer forwards keep the final state and commit whole).
+The drafter: mtp.context(starts, t, rows) and mtp.forward_batch(ids, hidden, ctx, embed, head,
+rows), called by MtpHead's drafter_forward / greedy_chain; its rows roll back by length alone
+(share_topk: PooledMtp says where the step-0 selection lives).
 """
 
 from __future__ import annotations
@@ -26,12 +45,14 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachedRows, cached_rows
-from glm5mtp_cli.models.glm5_next.attention import MlaPast, MlaPending
+from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, cached_rows, cached_slots
+from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models.glm5.layers import Experts
 from glm5mtp_cli.models.glm5_next.decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM
+from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
 from glm5mtp_cli.models.glm5_next.layout import LM_HEAD, PREFIX
 from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
-from glm5mtp_cli.models.glm5_next.state import KdaSlot
+from glm5mtp_cli.models.glm5_next.paged import PagedContext, mtp_forward, target_forward
 
 # Forwards up to this many rows keep what a partial commit needs (a verify is gamma + 1 <= 17 rows).
 MAX_VERIFY_ROWS = 17
@@ -43,6 +64,7 @@ class ForwardOut:
     hidden: torch.Tensor  # [B, R, D] post-norm (target: model.norm; MTP: shared_head.norm)
     prenorm: torch.Tensor | None = None
     hidden_all: torch.Tensor | None = None  # target: post-norm hiddens of every appended row
+    pending: KdaBatchPending | None = None  # target: KDA state to commit (leave_pending)
 
 
 def _checkpoint_names(module, state_dict, prefix, local_metadata) -> None:
@@ -54,44 +76,6 @@ def _checkpoint_names(module, state_dict, prefix, local_metadata) -> None:
 def _unwrap_names(module, state_dict, prefix, local_metadata) -> None:
     for key in [k for k in state_dict if k.startswith(prefix + "layer.")]:
         state_dict[prefix + key[len(prefix) + len("layer."):]] = state_dict.pop(key)
-
-
-class PagedIndexed:
-    """One indexed layer of one sequence as the model's IndexedSlot: past() gathers the rows
-    0..n-1 through the block tables, write() stores a forward's new rows at positions n.."""
-
-    def __init__(self, rows: dict[str, CachedRows], layer: int, b: int, n: int, pool: int):
-        self.rows, self.layer, self.b, self.length, self.pool = rows, layer, b, n, pool
-
-    def _read(self, name: str, a: int, z: int) -> torch.Tensor:
-        r = self.rows[name]
-        return r.data[self.layer].index_select(0, r.all[self.b, a:z])
-
-    def past(self) -> MlaPast:
-        n, P = self.length, self.pool
-        whole = n // P * P
-        pooled = self._read("pool", 0, whole).reshape(n // P, P * self.rows["pool"].data.shape[-1])
-        return MlaPast(self._read("mla", 0, n), pooled, self._read("raw", whole, n))
-
-    def write(self, p: MlaPending) -> None:
-        """Every new row (rejected ones land past the kept length and are overwritten later)."""
-        n, P = self.length, self.pool
-        self._write("mla", n, p.latent)
-        self._write("raw", n, p.raw[n % P:])
-        if p.pooled.shape[0]:  # pools completed here, from the one the sequence was filling
-            self._write("pool", n // P * P, p.pooled.reshape(-1, self.rows["pool"].data.shape[-1]))
-
-    def _write(self, name: str, at: int, values: torch.Tensor) -> None:
-        r = self.rows[name]
-        slots = r.all[self.b, at:at + values.shape[0]]
-        r.data[self.layer].index_copy_(0, slots, values.to(r.data.dtype))
-
-
-class _State:
-    """The per-sequence state the target's forward_rows reads (SequenceState's shape), as views."""
-
-    def __init__(self, kda: dict, indexed: dict, length: int):
-        self.kda, self.indexed, self.length = kda, indexed, length
 
 
 def _rows(h: torch.Tensor, rows) -> torch.Tensor:
@@ -114,48 +98,56 @@ class PooledTarget(torch.nn.Module):
     def lm_head(self) -> torch.nn.Linear:
         return self.model.lm_head
 
+    def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows],
+                slots: dict[str, CachedSlots]) -> PagedContext:
+        """The context of a forward appending t rows at `starts` [B] (device) to B sequences:
+        rows `mla`/`pool`/`raw` through their tables, slots `kda`/`conv` through their slot indices."""
+        return PagedContext(starts, t, rows, slots, DEFAULT_ROLLBACK if t <= MAX_VERIFY_ROWS else "final")
+
+    @torch.no_grad()
+    def forward_batch(self, input_ids: torch.Tensor, ctx: PagedContext, rows: str | torch.Tensor = "all") -> ForwardOut:
+        """The forward as a function of device tensors alone (what a CUDA graph captures): input_ids
+        [B, T]; the caller keeps the caches' lengths and applies `out.pending` (leave_pending)."""
+        h_all, pending = target_forward(self.model, input_ids, ctx)
+        h = _rows(h_all, rows)
+        return ForwardOut(self.model.lm_head(h), h, hidden_all=h_all, pending=pending)
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all") -> ForwardOut:
-        cfg, t = self.cfg, input_ids.shape[1]
-        starts, paged = cached_rows(caches, t, input_ids.device)
-        mode = DEFAULT_ROLLBACK if t <= MAX_VERIFY_ROWS else "final"
-        logits, hiddens = [], []
-        for b, cache in enumerate(caches):
-            n = int(starts[b])
-            kda = {}
-            for j, i in enumerate(cfg.kda_layers):
-                s, w = cache.slots["kda"], cache.slots["conv"]
-                kda[i] = KdaSlot(s.pool.data[j, s.slot], w.pool.data[j, w.slot])
-            indexed = {i: PagedIndexed(paged, j, b, n, cfg.index_kpool) for j, i in enumerate(cfg.indexed_layers)}
-            lg, h, pending = self.model.forward_rows(input_ids[b], _State(kda, indexed, n), mode)
-            for i, slot in indexed.items():
-                slot.write(pending.layers[i])
-            cache.leave_pending(self._commit(kda, {i: pending.layers[i] for i in kda}, n))
-            logits.append(lg)
-            hiddens.append(h)
+        """Append input_ids [B, T] to each sequence's cache (one batched forward)."""
+        t, dev = input_ids.shape[1], input_ids.device
+        starts, paged = cached_rows(caches, t, dev)
+        out = self.forward_batch(input_ids, self.context(starts, t, paged, cached_slots(caches, dev)), rows)
+        self.leave_pending(caches, out.pending)
         for cache in caches:
             cache.length += t
-        h_all = torch.stack(hiddens)
-        return ForwardOut(_rows(torch.stack(logits), rows), _rows(h_all, rows), hidden_all=h_all)
+        return out
 
-    def _commit(self, kda: dict, pending: dict, start: int):
+    def leave_pending(self, caches: list, pending: KdaBatchPending | None, batch_rows: list[int] | None = None) -> None:
+        """Host side, after a forward (eager, or a static/graph replay: outside the graph) and
+        before the caches' lengths grow: caches[i] (batch row batch_rows[i], default i) gets the
+        commit of its KDA states. The commit reads `pending`'s tensors when the engine truncates
+        (or the next forward prepares), so they must not be overwritten before: a graph's outputs
+        stay until its next replay."""
+        if pending is None:
+            return
         k = self.cfg.linear_conv_kernel_dim
-
-        def commit(length: int) -> None:
-            for i, slot in kda.items():
-                slot.apply(*pending[i].commit(length - start, k))
-
-        return commit
-
-    def context(self, starts, t, rows):
-        raise NotImplementedError("GLM-5-Next forwards run eagerly (pools read on the host)")
+        for i, cache in enumerate(caches):
+            b = i if batch_rows is None else batch_rows[i]
+            cache.leave_pending(_kda_commit(cache, pending, b, cache.length, k))
 
 
-@dataclass
-class _Ctx:
-    starts: torch.Tensor
-    t: int
-    rows: dict[str, CachedRows]
+def _kda_commit(cache, pending: KdaBatchPending, b: int, start: int, k: int):
+    state, conv = cache.slots["kda"], cache.slots["conv"]
+    s_slot, w_slot = state.slot, conv.slot
+
+    def commit(length: int) -> None:
+        s, w = state.pool.data[:, s_slot], conv.pool.data[:, w_slot]  # every KDA layer's
+        kept = pending.commit_row(b, s, length - start, k)
+        s.copy_(kept[0])
+        w.copy_(kept[1])
+
+    return commit
 
 
 class PooledMtp(torch.nn.Module):
@@ -165,9 +157,14 @@ class PooledMtp(torch.nn.Module):
     index_share_for_mtp_iteration (`share_topk`; --mtp-index-share overrides it): MtpHead runs a
     propose's chained draft steps inside `chained()`. Every forward outside it (a propose's catch-up:
     draft step 0) keeps its last row's pool selection per sequence; a chained forward reuses that
-    selection instead of scoring (MlaLayer.forward says how the chain rows enter it). A sequence is
-    known by the slot of its drafter row 0, as the catch-up groups sequences by row count while the
-    chain steps take them all: no two live sequences share a block."""
+    selection instead of scoring (MlaLayer.forward says how the chain rows enter it). Eager, a
+    sequence is known by the slot of its drafter row 0, as the catch-up groups sequences by row count
+    while the chain steps take them all: no two live sequences share a block. In a static forward
+    (sync_free: no host reads) the selection stays on the device by batch row (static batches keep
+    a sequence's row), from the last unchained forward to the chained ones after it: inside
+    MtpHead.greedy_chain, the fused chain a runner captures whole, or between a static catch-up and
+    chain step run eagerly. A runner's separate chain-step CUDA graph is captured outside chained(),
+    so its steps score their own pools (sharing moves only acceptance, never the output)."""
 
     def __init__(self, layer: Glm5NextMtpLayer):
         super().__init__()
@@ -175,9 +172,10 @@ class PooledMtp(torch.nn.Module):
         self.cfg = layer.cfg
         self.share_topk = layer.cfg.index_share_for_mtp_iteration
         self._chaining = False
-        # row-0 slot -> [1, Np] selection of that sequence's last unchained row; a sequence's next
+        # row-0 slot -> [Np] selection of that sequence's last unchained row; a sequence's next
         # catch-up overwrites it, so it holds at most one entry per block of the pool
         self._step0: dict[int, torch.Tensor] = {}
+        self._step0_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # static: ([B, Np], widths [B])
         self.register_state_dict_post_hook(_unwrap_names)  # keys relative to `layers.{N}.`
 
     @contextmanager
@@ -189,30 +187,55 @@ class PooledMtp(torch.nn.Module):
         finally:
             self._chaining = False
 
-    def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows]) -> _Ctx:
-        return _Ctx(starts, t, rows)
+    def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows],
+                slots: dict[str, CachedSlots] | None = None) -> PagedContext:
+        """As PooledTarget.context; the drafter has no slot components."""
+        return PagedContext(starts, t, rows, slots or {})
 
     @torch.no_grad()
     def forward(self, token_ids, hidden, caches: list, embed, head, rows="all") -> ForwardOut:
         t = token_ids.shape[1]
         starts, paged = cached_rows(caches, t, token_ids.device)
-        out = self.forward_batch(token_ids, hidden, _Ctx(starts, t, paged), embed, head, rows)
+        out = self.forward_batch(token_ids, hidden, self.context(starts, t, paged), embed, head, rows)
         for cache in caches:
             cache.length += t
         return out
 
     @torch.no_grad()
-    def forward_batch(self, token_ids, hidden, ctx: _Ctx, embed, head, rows="all") -> ForwardOut:
-        logits, gs = [], []
-        for b in range(token_ids.shape[0]):
-            slot = PagedIndexed(ctx.rows, 0, b, int(ctx.starts[b]), self.cfg.index_kpool)
-            key = int(ctx.rows["mla"].all[b, 0]) if self.share_topk else None
-            reuse = self._step0[key] if self.share_topk and self._chaining else None
-            lg, g, pending = self.layer.forward_rows(token_ids[b], hidden[b], slot, embed, head, reuse)
-            if self.share_topk and not self._chaining:
-                self._step0[key] = pending.selected[-1:]
-            slot.write(pending)
-            logits.append(lg)
-            gs.append(g)
-        g = _rows(torch.stack(gs), rows)
-        return ForwardOut(_rows(torch.stack(logits), rows), g, g)
+    def forward_batch(self, token_ids, hidden, ctx: PagedContext, embed, head, rows="all") -> ForwardOut:
+        """token_ids [B, T] (t[i+1]) with hidden [B, T, D] (h[i]): a function of device tensors alone
+        inside sync_free(); eager, share_topk keeps its step-0 selections on the host (class doc)."""
+        static = Experts.sync_free
+        reuse = None
+        if self.share_topk and self._chaining:
+            reuse = self._step0_rows if static else self._reused(ctx)
+            if reuse is None or reuse[0].shape[0] != token_ids.shape[0]:
+                raise UserError("a static chained draft step reuses the step-0 pool selection of its own fused "
+                                "chain only: run the chain in one forward, or pass --no-mtp-index-share")
+        g_all, sel, visible = mtp_forward(self.layer, token_ids, hidden, ctx, embed, reuse)
+        if self.share_topk and not self._chaining:
+            if static:
+                self._step0_rows = (_rows(sel, rows)[:, -1], _rows(visible[..., None], rows)[:, -1, 0])
+            else:
+                self._keep_step0(ctx, sel, visible, rows)
+                self._step0_rows = None
+        g = _rows(g_all, rows)
+        return ForwardOut(head(g), g, g)
+
+    def _keys(self, ctx: PagedContext) -> list[int]:
+        return ctx.rows["mla"].all[:, 0].tolist()
+
+    def _keep_step0(self, ctx: PagedContext, sel: torch.Tensor, visible: torch.Tensor, rows) -> None:
+        """Each sequence's selection at its last real row (`rows`, else the last), as wide as the
+        pools that row sees."""
+        t = sel.shape[1]
+        last = [t - 1] * sel.shape[0] if isinstance(rows, str) else rows.tolist()
+        for b, (key, r) in enumerate(zip(self._keys(ctx), last)):
+            self._step0[key] = sel[b, r, : int(visible[b, r])]
+
+    def _reused(self, ctx: PagedContext) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = [self._step0[key] for key in self._keys(ctx)]
+        step0 = torch.zeros(len(kept), max([k.shape[0] for k in kept] + [1]), dtype=torch.bool, device=ctx.starts.device)
+        for b, k in enumerate(kept):
+            step0[b, : k.shape[0]] = k
+        return step0, torch.tensor([k.shape[0] for k in kept], device=ctx.starts.device)

@@ -1,0 +1,151 @@
+"""GLM-5-Next over the engine's pools, B sequences per forward with fixed shapes: what the engine's
+static and CUDA-graph forwards run, and its eager forwards too (pooled.py).
+
+Every shape depends only on (B, T, the tables' width L): no sequence length is read on the host.
+Per indexed layer (NoPE MLA + pooled indexer, REFERENCE-glm5next section 6):
+- the new rows' latent and raw indexer rows are written through the tables, then every sequence's
+  rows 0..L-1 are read back (past a sequence's length they are masked like future ones);
+- pools: the T + P - 1 positions ending at the last new row cover every pool the forward can
+  complete. Each gets its pool's key chunk (pooled.py: a key is split over its pool's P rows) when
+  that pool is complete now and was not before, else the value it already holds (positions before 0
+  clamp to 0, so duplicate slots receive equal values and the write is order-free);
+- scores over all L // P pools, -inf past each query's complete ones, top-min(k, L // P) of them;
+- attention over the L latent rows masked to the selected pools and the query's own tail pool.
+Per KDA layer: each sequence's S and conv window are read through its slot index (CachedSlots),
+the recurrence runs for all B sequences at once (heads folded), and a KdaBatchPending is left for
+the commit after the forward: nothing writes S inside a forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glm5mtp_cli.engine.cache import CachedRows, CachedSlots
+from glm5mtp_cli.models.glm5_next.attention import MlaLayer
+from glm5mtp_cli.models.glm5_next.indexer import pool_keys, pool_scores, select_pools
+from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
+from glm5mtp_cli.models.glm5_next.mhc import contract_streams, expand_streams
+
+
+@dataclass
+class PagedContext:
+    """One forward of B sequences appending t rows each. starts [B] (device): rows each sequence
+    held before; rows: `mla`, `pool`, `raw` (CachedRows over tables L rows wide, L >= starts + t);
+    slots: `kda`, `conv` (target only); kda_mode: "replay" (verify-sized) or "final" (prefill)."""
+
+    starts: torch.Tensor
+    t: int
+    rows: dict[str, CachedRows]
+    slots: dict[str, CachedSlots] = field(default_factory=dict)
+    kda_mode: str = "replay"
+
+    def positions(self) -> torch.Tensor:
+        """[B, t] position of each new row."""
+        return self.starts[:, None] + torch.arange(self.t, device=self.starts.device)
+
+
+def write_pools(rows: CachedRows, layer: int, raw: torch.Tensor, starts: torch.Tensor, t: int, pool: int,
+                ape: torch.Tensor) -> torch.Tensor:
+    """Store the pooled keys of pools completed by the t new rows; -> every pooled key [B, L//P, di].
+    raw [B, L, 2 di]: each sequence's raw rows, the new ones included (module docstring)."""
+    b, length = rows.all.shape
+    dev = starts.device
+    pos = (starts[:, None] - (pool - 1) + torch.arange(t + pool - 1, device=dev)).clamp(min=0)  # [B, W]
+    base = pos // pool * pool
+    members = (base[..., None] + torch.arange(pool, device=dev)).clamp(max=length - 1)           # [B, W, P]
+    grouped = raw.gather(1, members.reshape(b, -1, 1).expand(-1, -1, raw.shape[-1]))
+    keys = pool_keys(grouped.reshape(-1, raw.shape[-1]), ape, pool)                              # [B*W, di]
+    chunks = keys.view(b, pos.shape[1], pool, -1)
+    chunk = chunks.gather(2, (pos % pool)[..., None, None].expand(-1, -1, 1, chunks.shape[-1])).squeeze(2)
+    data = rows.data[layer]
+    slots = rows.all.gather(1, pos.clamp(max=length - 1)).reshape(-1)
+    old = data.index_select(0, slots).view(*pos.shape, -1)
+    n = starts[:, None]
+    fresh = (base + pool <= n + t) & (base >= n // pool * pool)  # complete now, and not before
+    data.index_copy_(0, slots, torch.where(fresh[..., None], chunk.to(data.dtype), old).reshape(slots.shape[0], -1))
+    whole = length // pool * pool
+    return data.index_select(0, rows.all[:, :whole].reshape(-1)).view(b, length // pool, pool * data.shape[-1])
+
+
+def key_mask(sel: torch.Tensor, pos: torch.Tensor, length: int, pool: int, always_tail: bool) -> torch.Tensor:
+    """[B, T, L]: keys of the selected pools, plus each query's tail {P floor((s+1)/P) .. s}."""
+    tok = torch.arange(length, device=pos.device)
+    np_ = sel.shape[-1]
+    if np_:
+        mask = sel.gather(-1, (tok // pool).clamp(max=np_ - 1).expand(*sel.shape[:-1], length)) & (tok < np_ * pool)
+    else:
+        mask = torch.zeros(*pos.shape, length, dtype=torch.bool, device=pos.device)
+    if always_tail:
+        mask |= (tok >= ((pos + 1) // pool * pool)[..., None]) & (tok <= pos[..., None])
+    return mask
+
+
+def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
+              reuse: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """An indexed layer over the pools: a [B, T, D] normed rows -> (out [B, T, D], pool selection
+    [B, T, L//P], visible pools [B, T]). reuse (MTP chaining, MlaLayer.forward's reuse_selection):
+    (selection [B, W], its width [B]) of each sequence's draft step 0; pools past the width are
+    all selected."""
+    b, t = a.shape[:2]
+    P = attn.pool
+    cq = attn.q_a_layernorm(attn.q_a_proj(a))
+    q = attn.q_b_proj(cq).view(b, t, attn.heads, attn.dn)
+    latent = ctx.rows["mla"].write_read(layer, attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(a))).to(a.dtype)
+    raw = ctx.rows["raw"].write_read(layer, attn.indexer.raw_keys(a))
+    pooled = write_pools(ctx.rows["pool"], layer, raw, ctx.starts, t, P, attn.indexer.index_kpool_compress_ape)
+    pos = ctx.positions()
+    visible = (pos + 1) // P
+    ids = torch.arange(pooled.shape[1], device=a.device)
+    if reuse is None:
+        qi, w = attn.indexer.queries(a, cq)
+        sel = select_pools(pool_scores(qi, w, pooled), visible, attn.indexer.n_select)
+    else:
+        step0, width = reuse
+        n = min(step0.shape[1], ids.shape[0])
+        padded = torch.zeros(b, ids.shape[0], dtype=torch.bool, device=a.device)
+        padded[:, :n] = step0[:, :n]
+        sel = torch.where(ids < width[:, None], padded, True)[:, None, :] & (ids < visible[..., None])
+    mask = key_mask(sel, pos, latent.shape[1], P, attn.indexer.always_tail)
+
+    wkv = attn.kv_b_proj.weight.view(attn.heads, attn.dn + attn.dv, attn.rank)
+    q_lat = torch.einsum("bthd,hdr->bthr", q, wkv[:, : attn.dn])
+    att = torch.einsum("bthr,blr->bthl", q_lat, latent).float() * attn.scale
+    att = att.masked_fill(~mask[:, :, None, :], float("-inf")).softmax(-1).to(latent.dtype)
+    o_lat = torch.einsum("bthl,blr->bthr", att, latent)
+    o = torch.einsum("bthr,hvr->bthv", o_lat, wkv[:, attn.dn:]).reshape(b, t, attn.heads * attn.dv)
+    out = attn.o_proj(o)
+    return (out if attn.comm is None else attn.comm.all_reduce_sum(out)), sel, visible
+
+
+def target_forward(model, ids: torch.Tensor, ctx: PagedContext) -> tuple[torch.Tensor, KdaBatchPending | None]:
+    """Glm5NextForCausalLM over the pools: ids [B, T] -> (post-norm hiddens [B, T, D], the KDA
+    layers' records stacked in cfg.kda_layers order; None without KDA layers)."""
+    cfg = model.cfg
+    kda_at = {i: j for j, i in enumerate(cfg.kda_layers)}
+    idx_at = {i: j for j, i in enumerate(cfg.indexed_layers)}
+    streams = expand_streams(model.embed_tokens(ids), cfg.hc_mult)
+    pending: dict[int, KdaBatchPending] = {}
+    for i, block in enumerate(model.layers):
+        if block.kda:
+            j = kda_at[i]
+            state, window = ctx.slots["kda"].read(j), ctx.slots["conv"].read(j)
+            streams, pending[j] = block.run(
+                streams, lambda a: block.self_attn.forward_batch(a, state, window, ctx.kda_mode))
+        else:
+            streams, _ = block.run(streams, lambda a: mla_paged(block.self_attn, a, ctx, idx_at[i])[:2])
+    return model.norm(contract_streams(streams)), KdaBatchPending.stack(list(pending.values())) if pending else None
+
+
+def mtp_forward(layer, ids: torch.Tensor, hidden: torch.Tensor, ctx: PagedContext, embed,
+                reuse: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Glm5NextMtpLayer over the drafter's pools: ids [B, T] (t[i+1]), hidden [B, T, D] (h[i]) ->
+    (g [B, T, D] post shared_head.norm, pool selection [B, T, Np], visible pools [B, T])."""
+    e = embed(ids)
+    e = e.masked_fill((ctx.positions() == 0)[..., None], 0.0)  # no embedding at row 0 (mtp.py)
+    x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden.to(e.dtype))], dim=-1))
+    y, sel, visible = mla_paged(layer.self_attn, layer.input_layernorm(x), ctx, 0, reuse)
+    x = x + y
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return layer.shared_head.norm(x), sel, visible
