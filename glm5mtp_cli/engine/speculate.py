@@ -31,6 +31,7 @@ import torch
 
 from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
+from glm5mtp_cli.engine.clock import Clock
 from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.metrics import Acceptance
@@ -83,30 +84,6 @@ class InjectedFailure(RuntimeError):
     request_id: int | None = None
 
 
-class _Clock:
-    """Wall time that waits for the device only where a number is read (end of a request)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ready(self, mark) -> bool:
-        """Whether reading `mark` would not wait for the device."""
-        return mark.query() if self.cuda else True
-
-    def seconds(self, a, b) -> float:
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return b - a
-
-
 @dataclass
 class LiveSequence:
     req: Request
@@ -120,6 +97,7 @@ class LiveSequence:
     last_dev: torch.Tensor | None = None  # the same token as a [1] device tensor (next verify input)
     pend_tokens: torch.Tensor | None = None
     pend_hidden: torch.Tensor | None = None
+    backlog: list = field(default_factory=list)  # (token [1], hidden [1, H]) per step without drafts since the last drafting one
     done: str | None = None
     steps: int = 0
     res: SeqResult | None = None
@@ -136,7 +114,8 @@ class SpecEngine:
 
     def __init__(self, cfg, target, proposer: DraftProposer | None, pools: CachePools, *, gamma: int,
                  sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
-                 eos_ids: list[int] | None = None, prefill_chunk: int = 1024, prefill_tokens: int = 8192, device: torch.device | str = "cpu",
+                 eos_ids: list[int] | None = None, prefill_chunk: int = 1024, prefill_tokens: int = 8192,
+                 device: torch.device | str = "cpu",
                  check_invariants: bool = False, inject_leak: str | None = None, graphs: str = "eager",
                  schedule: str = "continuous", gamma_policy: str = "fixed", comm=None):
         if gamma < 0:
@@ -167,7 +146,7 @@ class SpecEngine:
         self.comm = comm  # parallel.Comm under --tp: the adaptive gamma is rank 0's
         self._cost_marks: deque = deque()  # (active, gamma, step start, step end) not read yet
         self.runner = ForwardRunner(graphs, self.device)
-        self.clock = _Clock(self.device)
+        self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
         self.wall_decode_s = 0.0
         self.wall_capture_s = 0.0  # building and capturing the engine's graphs (one-time setup, outside both)
@@ -403,6 +382,7 @@ class SpecEngine:
         mode = s.req.carry_mode
         drafter = None
         if s.state is not None and s.state.cache is not None:
+            self._join_backlog(s)
             self.head.catchup_drafter(s.pend_tokens, s.pend_hidden, s.state.real_rows, s.state)
             drafter = self.head.take_drafter_kv(s.state)
         target = None
@@ -430,21 +410,36 @@ class SpecEngine:
         return g
 
     def _catch_up_backlog(self, active: list[LiveSequence]) -> None:
-        """Rows left pending by steps without drafts, beyond what one draft forward takes (gamma + 1),
-        go into the drafter eagerly first."""
+        """Before a drafting step's clock starts: the rows left pending by steps without drafts,
+        beyond what one draft forward takes (gamma + 1), go into the drafters in shared forwards.
+        Outside the step's measured cost on purpose (engine/gamma.py: what a cost holds)."""
+        late = []
         for s in active:
-            extra = s.pend_tokens.shape[0] - (self.gamma + 1)
-            if extra > 0:
-                self.head.catchup_drafter(s.pend_tokens[:extra], s.pend_hidden[:extra], s.state.real_rows, s.state)
-                s.pend_tokens, s.pend_hidden = s.pend_tokens[extra:], s.pend_hidden[extra:]
+            self._join_backlog(s)
+            if s.pend_tokens.shape[0] > self.gamma + 1:
+                late.append((s, s.pend_tokens.shape[0] - (self.gamma + 1)))
+        if late:
+            self.head.catchup_batch([s.pend_tokens[:e] for s, e in late], [s.pend_hidden[:e] for s, e in late],
+                                    [s.state for s, _ in late], self.prefill_chunk, self.prefill_tokens)
+            for s, e in late:
+                s.pend_tokens, s.pend_hidden = s.pend_tokens[e:], s.pend_hidden[e:]
+
+    @staticmethod
+    def _join_backlog(s: LiveSequence) -> None:
+        """The rows of steps without drafts (kept as views: no copy per step) appended to the pending ones."""
+        if s.backlog:
+            s.pend_tokens = torch.cat([s.pend_tokens, *(t for t, _ in s.backlog)])
+            s.pend_hidden = torch.cat([s.pend_hidden, *(h for _, h in s.backlog)])
+            s.backlog = []
 
     def _step(self, active: list[LiveSequence]) -> None:
         g = self._choose_gamma(len(active))
+        if g > 0:
+            self._catch_up_backlog(active)
         p0 = self.clock.now()
         chains = None
         self.runner.step([s.slot for s in active])
         if g > 0:
-            self._catch_up_backlog(active)
             chains = self.draft(active, g)
             if self.check:
                 for s in active:
@@ -481,8 +476,7 @@ class SpecEngine:
                 s.pend_tokens = torch.cat([drafts[i, :a], s.last_dev]) if a else s.last_dev
                 s.pend_hidden = out.hidden_all[i, : a + 1]
             elif s.state is not None:  # a step without drafts: its row waits for the next drafting step
-                s.pend_tokens = torch.cat([s.pend_tokens, s.last_dev])
-                s.pend_hidden = torch.cat([s.pend_hidden, out.hidden_all[i, :1]])
+                s.backlog.append((s.last_dev, out.hidden_all[i, :1]))
             s.acc.record(counts[i], a)
             s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], new,
                             draft_ids[i][: counts[i]] if draft_ids is not None else []))
