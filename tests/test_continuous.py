@@ -210,3 +210,21 @@ def test_prompts_of_different_lengths_prefilled_together_equal_alone(family, mod
         assert max(admission) > 1 and len(admission) < sum(-(-len(p) // 8) for p, _ in MIXED)
     else:  # a recurrent state would absorb padding rows: one prompt per forward
         assert set(admission) == {1}
+
+
+def test_continuous_admits_once_an_eighth_of_the_slots_is_free(glm5):
+    engine, _ = _glm5_engine(glm5, 0, 1)
+    assert not engine._admit_now(free=7, slots=64, waiting=100, running=True)
+    assert engine._admit_now(free=8, slots=64, waiting=100, running=True)
+    assert engine._admit_now(free=3, slots=64, waiting=3, running=True)  # the last requests
+    assert engine._admit_now(free=1, slots=64, waiting=100, running=False)  # nothing would run
+    assert engine._admit_now(free=1, slots=8, waiting=100, running=True)
+    engine.schedule = "static"
+    assert not engine._admit_now(free=63, slots=64, waiting=100, running=True)
+    engine.close()
+
+
+def test_more_slots_than_an_eighth_can_wait_still_equal_alone(glm5):
+    engine, pools = _glm5_engine(glm5, 2, 9)  # 9 slots: admits once 2 are free
+    work = WORK * 2
+    assert [r.tokens for r in _run(engine, pools, 9, work=work)] == _alone("glm5", glm5, 2, work=work)

@@ -9,9 +9,11 @@ Gamma 0 runs this same loop without a drafter: the baseline.
 
 Scheduling (`generate`): one step loop over a fixed number of slots (the batch size). Between decode
 steps, waiting requests are admitted into free slots, in batches of at most --prefill-tokens prompt
-tokens whose prompts share prefill forwards (engine/prefill.py); the schedule decides when: "continuous" whenever a
-slot is free, "static" only when every slot is free (the old batch-by-batch behaviour, kept for
-comparison). Each request samples from its own stream (sampling.request_stream), so what it
+tokens whose prompts share prefill forwards (engine/prefill.py); the schedule decides when:
+"continuous" once an eighth of the slots (rounded up; or every waiting request's worth) is free, or
+nothing runs (an eager prefill forward is launch-bound for short prompts, ~10 ms on the H200 for
+glm5-nano whatever its rows: one per finishing request would stall a 64-slot batch's ~1 ms steps),
+"static" only when every slot is free (the old batch-by-batch behaviour, kept for comparison). Each request samples from its own stream (sampling.request_stream), so what it
 samples does not depend on which requests share its steps.
 
 Wall time of a generate call: prefill = the admission phases (the device caught up at both ends;
@@ -193,7 +195,7 @@ class SpecEngine:
         try:
             while waiting or any(slots):
                 free = [i for i, s in enumerate(slots) if s is None]
-                if waiting and free and (self.schedule == "continuous" or len(free) == batch_size):
+                if waiting and free and self._admit_now(len(free), batch_size, len(waiting), len(free) < batch_size):
                     a0 = self._wall()
                     while waiting and free:
                         batch = self._next_batch(waiting, len(free))
@@ -224,6 +226,12 @@ class SpecEngine:
         self.wall_capture_s += capture
         self.wall_decode_s += self._wall() - w0 - prefill - capture
         return results
+
+    def _admit_now(self, free: int, slots: int, waiting: int, running: bool) -> bool:
+        """Whether to admit before the next step (module docstring: the schedules)."""
+        if self.schedule == "static":
+            return free == slots
+        return not running or free >= min(-(-slots // 8), waiting)
 
     def _next_batch(self, waiting: list, free: int) -> list:
         """The next requests admitted together: in order, at most `free`, and (past the first)
@@ -425,8 +433,7 @@ class SpecEngine:
                 s.pend_tokens, s.pend_hidden = s.pend_tokens[e:], s.pend_hidden[e:]
 
     @staticmethod
-    def _join_backlog(s: LiveSequence) -> None:
-        """The rows of steps without drafts (kept as views: no copy per step) appended to the pending ones."""
+    def _join_backlog(s: LiveSequence) -> None:  # rows of steps without drafts: views, no copy per step
         if s.backlog:
             s.pend_tokens = torch.cat([s.pend_tokens, *(t for t, _ in s.backlog)])
             s.pend_hidden = torch.cat([s.pend_hidden, *(h for _, h in s.backlog)])
