@@ -68,7 +68,7 @@ def test_middle_gamma_wins_when_later_drafts_rarely_pass():
 
 
 def test_both_ends_are_measured_before_judging_and_probing_resumes_drafting():
-    p = GammaPolicy(3, "adaptive", probe_every=4, warm=2)
+    p = GammaPolicy(3, "adaptive", probe_every=4, probe_max=8, warm=2)
     assert p.choose(2) == 3  # no cost at gamma yet
     p.record_cost(2, 3, 3.0)
     assert p.choose(2) == 3  # one measurement is not enough
@@ -77,8 +77,12 @@ def test_both_ends_are_measured_before_judging_and_probing_resumes_drafting():
     p.record_cost(2, 0, 1.0)
     p.record_cost(2, 0, 1.0)
     p.record_acceptance([3, 3], [0, 0])  # nothing accepted: drafting cannot pay
-    picks = [p.choose(2) for _ in range(8)]
-    assert picks == [0, 0, 0, 3, 0, 0, 0, 3]  # every 4th choice at 0 probes gamma again
+    picks = [p.choose(2) for _ in range(28)]
+    # after 4 choices at 0 a probe at gamma; each failed probe doubles the gap, up to 8
+    assert [i for i, g in enumerate(picks) if g] == [3, 11, 19, 27] and set(picks) == {0, 3}
+    p.record_acceptance([3, 3], [3, 3])  # drafts pass again: drafting back on, the gap back to 4
+    p.record_acceptance([3, 3], [3, 3])
+    assert p.choose(2) == 3 and p.probe_gap[2] == 4
 
 
 def test_h200_batch_1_drafts_despite_one_slow_step():

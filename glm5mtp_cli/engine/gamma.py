@@ -13,8 +13,9 @@ second: E(g) / C(b, g), where
 Drafting is measured before it is judged: a bucket's first steps run at --gamma and at 0 until each
 has `warm` measurements, so both ends of the cost line are known. When g = 0 wins (drafting does
 not pay, e.g. at large batches where verifying g + 1 rows costs g + 1 times one row), a step at
---gamma is still run every `probe_every` steps so a change in acceptance or cost can turn drafting
-back on. This is TensorRT-LLM's rolling-acceptance switch generalised from on/off to 0..gamma with
+--gamma is still run after `probe_every` steps at 0 so a change in acceptance or cost can turn
+drafting back on; each probe that does not, doubles that gap (up to `probe_max`), since a probe
+costs a drafter catch-up of every row since the last one. This is TensorRT-LLM's rolling-acceptance switch generalised from on/off to 0..gamma with
 measured costs.
 
 What a cost holds, and why. A step without drafts leaves its row pending for the drafter; the next
@@ -47,7 +48,7 @@ def bucket_of(active: int) -> int:
 
 class GammaPolicy:
     def __init__(self, max_gamma: int, policy: str = "fixed", window: int = 64, probe_every: int = 32,
-                 cost_window: int = 9, warm: int = 3):
+                 probe_max: int = 128, cost_window: int = 9, warm: int = 3):
         if policy not in POLICIES:
             from glm5mtp_cli.errors import UserError
 
@@ -56,12 +57,14 @@ class GammaPolicy:
         self.adaptive = policy == "adaptive" and max_gamma > 0
         self.decay = 1.0 - 1.0 / window
         self.probe_every = probe_every
+        self.probe_max = probe_max
         self.cost_window = cost_window
         self.warm = warm
         self.tried = [0.0] * max_gamma  # [k-1]: decayed count of drafts k that were verified
         self.kept = [0.0] * max_gamma  # [k-1]: of those, accepted
         self.costs: dict[int, dict[int, deque]] = {}  # bucket -> gamma -> recent seconds per step
         self.off_steps: dict[int, int] = {}  # bucket -> steps chosen at 0 since the last probe
+        self.probe_gap: dict[int, int] = {}  # bucket -> steps at 0 before the next probe
 
     def gammas(self) -> list[int]:
         """Every gamma a step may use (the static forwards are built for each)."""
@@ -127,9 +130,14 @@ class GammaPolicy:
         if len(costs.get(0, ())) < self.warm:
             return 0
         best = max(range(self.max_gamma + 1), key=lambda g: self.expected_tokens(g) / self.cost(active, g))
-        if best == 0:
-            self.off_steps[b] = self.off_steps.get(b, 0) + 1
-            if self.off_steps[b] >= self.probe_every:
-                self.off_steps[b] = 0
-                return self.max_gamma  # re-measure acceptance and the cost of drafting now and then
-        return best
+        if best > 0:
+            self.off_steps[b] = 0
+            self.probe_gap[b] = self.probe_every
+            return best
+        self.off_steps[b] = self.off_steps.get(b, 0) + 1
+        gap = self.probe_gap.get(b, self.probe_every)
+        if self.off_steps[b] >= gap:
+            self.off_steps[b] = 0
+            self.probe_gap[b] = min(2 * gap, self.probe_max)
+            return self.max_gamma  # re-measure acceptance and the cost of drafting now and then
+        return 0
