@@ -51,6 +51,7 @@ def test_tables_print(spec_ckpt):
     (["--temperature", "-0.5"], "--temperature"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--batch-size", "0"], "--batch-size"),
+    (["--prefill-tokens", "0"], "--prefill-tokens"),
     (["--alloc", "sometimes"], "--alloc"),
     (["--device", "tpu"], "--device"),
     (["--dtype", "int3"], "--dtype"),

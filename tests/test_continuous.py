@@ -186,3 +186,45 @@ def test_leakcheck_over_slot_reuse_in_static_mode(glm5):
                                               graphs="static", batch_size=2))
     assert doc["verdict"] == "clean"
     assert {"length", "eos", "cancelled", "failed"} <= set(doc["lifecycles_seen"])
+
+
+# very different prompt lengths admitted in one batch: 2 to 44 rows, chunked by 8 rows, 24 rows a forward
+MIXED = [(list(range(200, 244)), 7), ([11, 12], 9), (list(range(30, 47)), 5), ([8, 1, 6], 11),
+         (list(range(120, 151)), 8)]
+
+
+@pytest.mark.parametrize("gamma", [0, 2])
+def test_prompts_of_different_lengths_prefilled_together_equal_alone(family, models, gamma):
+    alone = _alone(family, models, gamma, work=MIXED)
+    engine, pools = _make(family, models, gamma, len(MIXED))
+    engine.prefill_chunk, engine.prefill_tokens = 8, 24
+    widths = []  # sequences per target forward during the admission
+    target = engine.target
+    engine.target = lambda ids, caches, rows: widths.append(ids.shape[0]) or target(ids, caches, rows=rows)
+    first = {}  # request -> target forwards run when its first token came
+    engine.on_tokens = lambda rid, toks: first.setdefault(rid, len(widths))
+    res = _run(engine, pools, len(MIXED), work=MIXED)
+    assert [r.tokens for r in res] == alone
+    admission = widths[: max(first.values())]  # every request admitted in one batch: its forwards
+    if family == "glm5":  # paged state only: prompts share forwards, within the 24-row budget
+        assert max(admission) > 1 and len(admission) < sum(-(-len(p) // 8) for p, _ in MIXED)
+    else:  # a recurrent state would absorb padding rows: one prompt per forward
+        assert set(admission) == {1}
+
+
+def test_continuous_admits_once_an_eighth_of_the_slots_is_free(glm5):
+    engine, _ = _glm5_engine(glm5, 0, 1)
+    assert not engine._admit_now(free=7, slots=64, waiting=100, running=True)
+    assert engine._admit_now(free=8, slots=64, waiting=100, running=True)
+    assert engine._admit_now(free=3, slots=64, waiting=3, running=True)  # the last requests
+    assert engine._admit_now(free=1, slots=64, waiting=100, running=False)  # nothing would run
+    assert engine._admit_now(free=1, slots=8, waiting=100, running=True)
+    engine.schedule = "static"
+    assert not engine._admit_now(free=63, slots=64, waiting=100, running=True)
+    engine.close()
+
+
+def test_more_slots_than_an_eighth_can_wait_still_equal_alone(glm5):
+    engine, pools = _glm5_engine(glm5, 2, 9)  # 9 slots: admits once 2 are free
+    work = WORK * 2
+    assert [r.tokens for r in _run(engine, pools, 9, work=work)] == _alone("glm5", glm5, 2, work=work)

@@ -115,6 +115,10 @@ class SpoilingProposer:
     def catchup_drafter(self, tokens, hiddens, row_base, state) -> None:
         state.real_rows += tokens.shape[0]
 
+    def catchup_batch(self, tokens, hiddens, states, chunk, budget) -> None:
+        for tok, st in zip(tokens, states):
+            st.real_rows += tok.shape[0]
+
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         pass
 

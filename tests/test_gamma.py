@@ -30,7 +30,8 @@ def _policy(rate: float, costs: dict[int, float], active: int = 1, gamma: int = 
         p.tried[k] = 1000.0
         p.kept[k] = 1000.0 * rate
     for g, sec in costs.items():
-        p.record_cost(active, g, sec)
+        for _ in range(p.warm):
+            p.record_cost(active, g, sec)
     return p
 
 
@@ -52,8 +53,9 @@ def test_drafting_turns_off_when_it_does_not_pay():
     p = _policy(0.5, {0: 1.0, 4: 5.0}, active=64)
     assert p.choose(64) == 0
     # the same acceptance at batch 1, where drafting is cheap, pays
-    p.record_cost(1, 0, 1.0)
-    p.record_cost(1, 4, 1.3)
+    for _ in range(p.warm):
+        p.record_cost(1, 0, 1.0)
+        p.record_cost(1, 4, 1.3)
     assert p.choose(1) > 0
 
 
@@ -66,14 +68,39 @@ def test_middle_gamma_wins_when_later_drafts_rarely_pass():
 
 
 def test_both_ends_are_measured_before_judging_and_probing_resumes_drafting():
-    p = GammaPolicy(3, "adaptive", probe_every=4)
+    p = GammaPolicy(3, "adaptive", probe_every=4, probe_max=8, warm=2)
     assert p.choose(2) == 3  # no cost at gamma yet
+    p.record_cost(2, 3, 3.0)
+    assert p.choose(2) == 3  # one measurement is not enough
     p.record_cost(2, 3, 3.0)
     assert p.choose(2) == 0  # no cost at 0 yet
     p.record_cost(2, 0, 1.0)
+    p.record_cost(2, 0, 1.0)
     p.record_acceptance([3, 3], [0, 0])  # nothing accepted: drafting cannot pay
-    picks = [p.choose(2) for _ in range(8)]
-    assert picks == [0, 0, 0, 3, 0, 0, 0, 3]  # every 4th choice at 0 probes gamma again
+    picks = [p.choose(2) for _ in range(28)]
+    # after 4 choices at 0 a probe at gamma; each failed probe doubles the gap, up to 8
+    assert [i for i, g in enumerate(picks) if g] == [3, 11, 19, 27] and set(picks) == {0, 3}
+    p.record_acceptance([3, 3], [3, 3])  # drafts pass again: drafting back on, the gap back to 4
+    p.record_acceptance([3, 3], [3, 3])
+    assert p.choose(2) == 3 and p.probe_gap[2] == 4
+
+
+def test_h200_batch_1_drafts_despite_one_slow_step():
+    """The first H200 run's batch 1 (glm5-nano bf16): a step costs 0.72 ms at gamma 0 and 1.73 ms at
+    gamma 3 (TPOT 0.499 ms x MAL 3.46), drafts pass ~87% per position. One gamma-3 step that took
+    15 ms (a first replay, or the eager catch-up the first version charged to it) must not turn
+    drafting off: an average seeded by it did (15 -> 12.3 -> 10.2 ms), the median does not."""
+    p = _policy(0.87, {0: 0.72e-3}, gamma=3)
+    for sec in (15e-3, 1.73e-3, 1.73e-3):
+        p.record_cost(1, 3, sec)
+    assert p.choose(1) == 3
+    assert p.expected_tokens(3) / p.cost(1, 3) > 1.3 / p.cost(1, 0)
+
+
+def test_expensive_drafts_at_a_large_batch_turn_drafting_off():
+    # batch 64: gamma 0 at 1.04 ms a step; drafting 3 and verifying 4 rows per sequence ~5 ms
+    p = _policy(0.6, {0: 1.04e-3, 3: 5e-3}, active=64, gamma=3)
+    assert p.choose(64) == 0 and p.choose(33) == 0
 
 
 def test_acceptance_rates_are_conditional_and_roll():
@@ -111,12 +138,17 @@ def models(family, request):
     return request.getfixturevalue(family)
 
 
-def _adaptive(engine):
-    """An adaptive policy that finds gamma 0 nearly free (so it turns drafting off after measuring
-    gamma 3) and probes gamma 3 every third step: steps run with and without drafts, alternating."""
-    engine.policy = GammaPolicy(3, "adaptive", probe_every=3)
+def _adaptive(engine, probe_every: int = 3):
+    """An adaptive policy that finds gamma 0 nearly free (so it turns drafting off) and probes gamma 3
+    every `probe_every`-th step: steps run with and without drafts. Its costs stay the seeded ones;
+    the engine's measurements are collected in `measured` as (gamma, seconds)."""
+    engine.policy = policy = GammaPolicy(3, "adaptive", probe_every=probe_every)
     for active in (1, 2):
-        engine.policy.record_cost(active, 0, 1e-9)
+        for _ in range(policy.warm):
+            policy.record_cost(active, 0, 1e-9)
+            policy.record_cost(active, 3, 1.0)
+    measured = []
+    policy.record_cost = lambda active, g, sec: measured.append((g, sec))
     used = []
     real = engine._choose_gamma
 
@@ -125,14 +157,14 @@ def _adaptive(engine):
         return used[-1]
 
     engine._choose_gamma = spy
-    return used
+    return used, measured
 
 
 def test_adaptive_greedy_equals_gamma_0(family, models):
     base, pools = _make(family, models, 0, 2)
     want = [r.tokens for r in _run(base, pools, 2)]
     engine, pools = _make(family, models, 3, 2)
-    used = _adaptive(engine)
+    used, _ = _adaptive(engine)
     assert [r.tokens for r in _run(engine, pools, 2)] == want
     assert 0 in used and 3 in used, used
 
@@ -143,14 +175,14 @@ def test_adaptive_in_static_mode_equals_gamma_0(glm5):
     base, pools = _make("glm5", glm5, 0, 2)
     want = [r.tokens for r in _run(base, pools, 2)]
     engine, pools = _make("glm5", glm5, 3, 2, mode="static")
-    used = _adaptive(engine)
+    used, _ = _adaptive(engine)
     assert [r.tokens for r in _run(engine, pools, 2)] == want
     assert 0 in used and 3 in used, used
 
 
 def test_adaptive_sampling_frees_everything(glm5):
     engine, pools = _make("glm5", glm5, 3, 2, sampling=SamplingParams(temperature=0.8, seed=1))
-    used = _adaptive(engine)
+    used, _ = _adaptive(engine)
     res = _run(engine, pools, 2)  # asserts nothing stays held
     assert [len(r.tokens) for r in res] == [n for _, n in WORK]
     assert 0 in used and 3 in used, used
@@ -178,3 +210,26 @@ def test_tp2_adaptive_runs_rank_0s_gamma(spec_ckpt):
     doc = json.loads(two.stdout)
     assert doc["tp"] == 2 and doc["gamma_policy"] == "adaptive"
     assert doc["requests"][0]["tokens"] == json.loads(base.stdout)["requests"][0]["tokens"]
+
+
+def test_drafter_catch_up_after_steps_without_drafts_is_not_charged_to_a_gamma(glm5, monkeypatch):
+    """Rows left by steps at gamma 0 reach the drafter before the drafting step's clock starts:
+    a catch-up made 0.3 s slower shows in no measured step cost (the first version charged it to
+    the probe, which kept drafting off)."""
+    import time
+
+    engine, pools = _make("glm5", glm5, 3, 1)
+    used, measured = _adaptive(engine, probe_every=6)  # 5 steps off: 6 pending rows, 2 over gamma + 1
+    calls = []
+    real = engine.head.catchup_batch
+
+    def slow(*args):
+        calls.append(len(used))
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(engine.head, "catchup_batch", slow)
+    _run(engine, pools, 1, work=[(list(range(10, 40)), 16)])
+    assert any(n > 0 for n in calls), calls  # a catch-up ran between steps (not only at the prefill)
+    drafted = [sec for g, sec in measured if g]
+    assert drafted and max(drafted) < 0.3, measured

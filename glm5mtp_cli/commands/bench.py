@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          GammaPolicyOpt, ModelOpt, ScheduleOpt, ThreadsOpt, TpOpt)
+                                          GammaPolicyOpt, ModelOpt, PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
@@ -103,6 +103,7 @@ def bench_cmd(
     cuda_graphs: CudaGraphsOpt = True,
     schedule: ScheduleOpt = "continuous",
     gamma_policy: GammaPolicyOpt = "fixed",
+    prefill_tokens: PrefillTokensOpt = 8192,
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -127,7 +128,8 @@ def bench_cmd(
     from glm5mtp_cli.engine.speculate import SCHEDULES
 
     c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
-                    transformers, schedule=schedule, gamma_policy=gamma_policy, num_prompts=num_prompts)
+                    transformers, schedule=schedule, gamma_policy=gamma_policy, num_prompts=num_prompts,
+                    prefill_tokens=prefill_tokens)
     if num_prompts is not None and num_prompts < 1:
         raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
     if schedule not in SCHEDULES:

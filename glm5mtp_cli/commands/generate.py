@@ -17,8 +17,8 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          GammaPolicyOpt, ModelOpt, MtpIndexShareOpt, PromptIdsOpt, PromptOpt,
-                                          ScheduleOpt, ThreadsOpt, TpOpt, apply_mtp_index_share)
+                                          GammaPolicyOpt, ModelOpt, MtpIndexShareOpt, PrefillTokensOpt, PromptIdsOpt,
+                                          PromptOpt, ScheduleOpt, ThreadsOpt, TpOpt, apply_mtp_index_share)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import read_prompts
 
@@ -92,6 +92,7 @@ def generate_cmd(
         metavar="P", help="Stop a draft chain below this top-1 probability (default: never).")] = None,
     batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = 1,
     schedule: ScheduleOpt = "continuous",
+    prefill_tokens: PrefillTokensOpt = 8192,
     max_seq_len: Annotated[Optional[int], typer.Option("--max-seq-len",
         metavar="N", help="Ceiling on prompt + new tokens (default: the model's max_position_embeddings).")] = None,
     alloc: Annotated[str, typer.Option("--alloc", metavar="budget|ceiling",
@@ -195,7 +196,7 @@ def generate_cmd(
             batch_size=batch_size, seq_cap=seq_cap, limit_name=limit_name, alloc=alloc,
             draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos, draft_vocab=draft_vocab,
             draft_vocab_file=draft_vocab_file, graphs=graphs, chat=chat, compare=compare, trace=trace,
-            json_out=json_out, schedule=schedule, gamma_policy=gamma_policy)
+            json_out=json_out, schedule=schedule, gamma_policy=gamma_policy, prefill_tokens=prefill_tokens)
 
 
 generate_cmd.__doc__ += EXAMPLES

@@ -42,6 +42,9 @@ ScheduleOpt = Annotated[str, typer.Option("--schedule", metavar="continuous|stat
                                            help="continuous: a finished request's slot goes to the next waiting one "
                                                 "between decode steps; static: the next requests start only when the "
                                                 "whole batch has finished (for comparison).")]
+PrefillTokensOpt = Annotated[int, typer.Option("--prefill-tokens", metavar="N",
+                                               help="Prompt tokens admitted together, whose prompts share prefill "
+                                                    "forwards (also the most rows one prefill forward holds).")]
 GammaPolicyOpt = Annotated[str, typer.Option("--gamma-policy", metavar="fixed|adaptive",
                                               help="fixed: every step drafts --gamma; adaptive: each step drafts "
                                                    "0..--gamma, whatever the rolling acceptance and the measured "

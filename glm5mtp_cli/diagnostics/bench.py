@@ -30,6 +30,7 @@ class BenchConfig:
     schedule: str = "continuous"  # speculate.SCHEDULES
     gamma_policy: str = "fixed"  # gamma.POLICIES
     num_prompts: int | None = None  # None: one prompt per slot; else this many through the batch's slots
+    prefill_tokens: int = 8192  # prompt tokens admitted together (speculate.SpecEngine)
 
 
 def _sync(device: torch.device) -> None:
@@ -53,7 +54,8 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
                                          sampling=SamplingParams(), batch_size=batch,
                                          max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
                                          draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
-                                         schedule=c.schedule, gamma_policy=c.gamma_policy)
+                                         schedule=c.schedule, gamma_policy=c.gamma_policy,
+                                         prefill_tokens=c.prefill_tokens)
         if i:
             runs.append((acc, lat))
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731

@@ -281,6 +281,12 @@ class SequenceCache:
         return min(r.capacity for r in self.rows.values()) if self.rows else 1 << 62
 
     @property
+    def takes_padding(self) -> bool:
+        """Whether rows appended past the length and then cut off leave no trace: true when every
+        component is paged (a fixed-size state, e.g. a recurrent one, absorbs every row it sees)."""
+        return not self.slots
+
+    @property
     def holds_blocks(self) -> bool:
         return any(r.blocks for r in self.rows.values()) or any(s.slot is not None for s in self.slots.values())
 

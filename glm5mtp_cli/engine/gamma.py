@@ -6,15 +6,27 @@ second: E(g) / C(b, g), where
 - E(g) = 1 + sum over k = 1..g of a_1 * ... * a_k is the expected tokens a step emits with g drafts,
   a_k the rolling rate at which draft k is accepted given that drafts 1..k-1 were (counters that
   decay by 1 / window per recorded step, so the rate follows the text being generated);
-- C(b, g) is the measured wall time of a whole step (draft + verify) at batch bucket b (the next
-  power of two >= the active sequences) with g drafts: an exponential average of the steps run so
-  far, linearly interpolated between measured gammas of that bucket for the others.
+- C(b, g) is the measured wall time of a step (draft + verify) at batch bucket b (the next power of
+  two >= the active sequences) with g drafts: the median of its last `cost_window` measurements,
+  linearly interpolated between measured gammas of that bucket for the others.
 
-Drafting is measured before it is judged: a bucket's first steps run at --gamma and at 0, so both
-ends of the cost line are known. When g = 0 wins (drafting does not pay, e.g. at large batches
-where verifying g + 1 rows costs g + 1 times one row), a step at --gamma is still run every
-`probe_every` steps so a change in acceptance or cost can turn drafting back on. This is
-TensorRT-LLM's rolling-acceptance switch generalised from on/off to 0..gamma with measured costs.
+Drafting is measured before it is judged: a bucket's first steps run at --gamma and at 0 until each
+has `warm` measurements, so both ends of the cost line are known. When g = 0 wins (drafting does
+not pay, e.g. at large batches where verifying g + 1 rows costs g + 1 times one row), a step at
+--gamma is still run after `probe_every` steps at 0 so a change in acceptance or cost can turn
+drafting back on; each probe that does not, doubles that gap (up to `probe_max`), since a probe
+costs a drafter catch-up of every row since the last one. This is TensorRT-LLM's rolling-acceptance switch generalised from on/off to 0..gamma with
+measured costs.
+
+What a cost holds, and why. A step without drafts leaves its row pending for the drafter; the next
+drafting step must first feed the drafter every row it missed. That catch-up is not the price of
+the gamma the step drafts with (it is the deferred price of the steps that did not draft), so the
+engine runs it, in shared forwards, BEFORE the step's clock starts. Charging it to the step (as the
+first version did, and eagerly, one forward per sequence) made a probe after 32 steps off look many
+times as costly as drafting is, so drafting stayed off for good: at batch 1 the run kept a mean
+acceptance length of 1.08 where fixed gamma 3 reached 3.46, and at batch 64 those catch-ups made
+the steps 6x slower than gamma 0's. The median (rather than an average seeded by the first
+measurement) keeps one slow step, such as a first replay, from deciding the same way.
 
 Costs arrive late (CUDA events are read when they have completed, never waited on), so the policy
 works from whatever has been measured so far. Under --tp the decision is rank 0's, broadcast by
@@ -22,6 +34,9 @@ the engine, so every rank runs the same gamma.
 """
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 POLICIES = ("fixed", "adaptive")
 
@@ -33,7 +48,7 @@ def bucket_of(active: int) -> int:
 
 class GammaPolicy:
     def __init__(self, max_gamma: int, policy: str = "fixed", window: int = 64, probe_every: int = 32,
-                 cost_smoothing: float = 0.2):
+                 probe_max: int = 128, cost_window: int = 9, warm: int = 3):
         if policy not in POLICIES:
             from glm5mtp_cli.errors import UserError
 
@@ -42,11 +57,14 @@ class GammaPolicy:
         self.adaptive = policy == "adaptive" and max_gamma > 0
         self.decay = 1.0 - 1.0 / window
         self.probe_every = probe_every
-        self.smoothing = cost_smoothing
+        self.probe_max = probe_max
+        self.cost_window = cost_window
+        self.warm = warm
         self.tried = [0.0] * max_gamma  # [k-1]: decayed count of drafts k that were verified
         self.kept = [0.0] * max_gamma  # [k-1]: of those, accepted
-        self.costs: dict[int, dict[int, float]] = {}  # bucket -> gamma -> seconds per step
+        self.costs: dict[int, dict[int, deque]] = {}  # bucket -> gamma -> recent seconds per step
         self.off_steps: dict[int, int] = {}  # bucket -> steps chosen at 0 since the last probe
+        self.probe_gap: dict[int, int] = {}  # bucket -> steps at 0 before the next probe
 
     def gammas(self) -> list[int]:
         """Every gamma a step may use (the static forwards are built for each)."""
@@ -69,8 +87,7 @@ class GammaPolicy:
         if not self.adaptive:
             return
         costs = self.costs.setdefault(bucket_of(active), {})
-        old = costs.get(gamma)
-        costs[gamma] = seconds if old is None else old + self.smoothing * (seconds - old)
+        costs.setdefault(gamma, deque(maxlen=self.cost_window)).append(seconds)
 
     # ---- predictions ------------------------------------------------------------------------
     def rates(self) -> list[float]:
@@ -94,12 +111,13 @@ class GammaPolicy:
         """Seconds per step at this batch and gamma: measured, else interpolated (None: unknown)."""
         costs = self.costs.get(bucket_of(active), {})
         if g in costs:
-            return costs[g]
+            return statistics.median(costs[g])
         lo = max((x for x in costs if x < g), default=None)
         hi = min((x for x in costs if x > g), default=None)
         if lo is None or hi is None:
             return None
-        return costs[lo] + (costs[hi] - costs[lo]) * (g - lo) / (hi - lo)
+        c_lo, c_hi = statistics.median(costs[lo]), statistics.median(costs[hi])
+        return c_lo + (c_hi - c_lo) * (g - lo) / (hi - lo)
 
     # ---- the decision -----------------------------------------------------------------------
     def choose(self, active: int) -> int:
@@ -107,14 +125,19 @@ class GammaPolicy:
             return self.max_gamma
         b = bucket_of(active)
         costs = self.costs.get(b, {})
-        if self.max_gamma not in costs:
+        if len(costs.get(self.max_gamma, ())) < self.warm:
             return self.max_gamma
-        if 0 not in costs:
+        if len(costs.get(0, ())) < self.warm:
             return 0
         best = max(range(self.max_gamma + 1), key=lambda g: self.expected_tokens(g) / self.cost(active, g))
-        if best == 0:
-            self.off_steps[b] = self.off_steps.get(b, 0) + 1
-            if self.off_steps[b] >= self.probe_every:
-                self.off_steps[b] = 0
-                return self.max_gamma  # re-measure acceptance and the cost of drafting now and then
-        return best
+        if best > 0:
+            self.off_steps[b] = 0
+            self.probe_gap[b] = self.probe_every
+            return best
+        self.off_steps[b] = self.off_steps.get(b, 0) + 1
+        gap = self.probe_gap.get(b, self.probe_every)
+        if self.off_steps[b] >= gap:
+            self.off_steps[b] = 0
+            self.probe_gap[b] = min(2 * gap, self.probe_max)
+            return self.max_gamma  # re-measure acceptance and the cost of drafting now and then
+        return 0

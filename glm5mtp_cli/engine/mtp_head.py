@@ -20,6 +20,7 @@ from torch import nn
 from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
 from glm5mtp_cli.engine.graphs import ForwardRunner
+from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards, takes_padding
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftChain, DrafterKV, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, choose
 from glm5mtp_cli.errors import UserError
@@ -82,6 +83,28 @@ class MtpHead:
         if tokens.shape[0]:
             self.layer(tokens[None], hiddens[None], [state.cache], self.embed, self.head, rows="last")
             self._mark_real(state, tokens)
+
+    def catchup_batch(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], states: list[ProposerState],
+                      chunk: int, budget: int) -> None:
+        """Append each state's real rows tokens[b] (with hiddens[b]) from its current length, in
+        forwards shared by several sequences where their caches take padding (engine/prefill.py)."""
+        for st in states:
+            self._check_aligned(st.cache.length if st.cache is not None else -1, st)
+        caches = [st.cache for st in states]
+        done = [0] * len(states)
+        plan = plan_forwards([t.shape[0] for t in tokens], [c.capacity - c.length for c in caches], chunk, budget,
+                             takes_padding(caches))
+        for t, members in plan:
+            toks = [tokens[i][done[i]:done[i] + k] for i, k in members]
+            ids, hid = padded_feed(toks, [hiddens[i][done[i]:done[i] + k] for i, k in members], t)
+            group = [caches[i] for i, _ in members]
+            starts = [c.length for c in group]
+            self.layer(ids, hid, group, self.embed, self.head, rows="last")
+            for j, (i, k) in enumerate(members):
+                if k < t:
+                    group[j].truncate(starts[j] + k)  # padding rows: overwritten by the next append
+                self._mark_real(states[i], toks[j])
+                done[i] += k
 
     def _check_aligned(self, row_base: int, state: ProposerState) -> None:
         if state.cache is None:

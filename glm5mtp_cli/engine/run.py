@@ -64,7 +64,8 @@ def check_fits(token_lists: list[list[int]], max_new_tokens: int, gamma: int, li
 def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
                  batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
                  on_tokens=None, draft_vocab: int | None = None, graphs: str = "eager",
-                 draft_vocab_file: Path | None = None, schedule: str = "continuous", gamma_policy: str = "fixed"):
+                 draft_vocab_file: Path | None = None, schedule: str = "continuous", gamma_policy: str = "fixed",
+                 prefill_tokens: int = 8192):
     """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes).
 
     draft_vocab_file: the token counts for --draft-vocab (default: token_counts.json beside the checkpoint)."""
@@ -78,7 +79,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
                         device=rt.device, draft_ids=draft_ids, graphs=graphs, schedule=schedule,
-                        gamma_policy=gamma_policy)
+                        gamma_policy=gamma_policy, prefill_tokens=prefill_tokens)
     engine.on_tokens = on_tokens
     try:
         results = engine.generate(requests, batch_size=batch_size)

@@ -8,10 +8,12 @@ then fed the real rows (t[n+1..n+a+1], h[n..n+a]) at the start of the next propo
 Gamma 0 runs this same loop without a drafter: the baseline.
 
 Scheduling (`generate`): one step loop over a fixed number of slots (the batch size). Between decode
-steps, waiting requests are admitted into free slots (each prefilled on its own, in chunks of
-prefill_chunk rows, one prompt per forward); the schedule decides when: "continuous" whenever a
-slot is free, "static" only when every slot is free (the old batch-by-batch behaviour, kept for
-comparison). Each request samples from its own stream (sampling.request_stream), so what it
+steps, waiting requests are admitted into free slots, in batches of at most --prefill-tokens prompt
+tokens whose prompts share prefill forwards (engine/prefill.py); the schedule decides when:
+"continuous" once an eighth of the slots (rounded up; or every waiting request's worth) is free, or
+nothing runs (an eager prefill forward is launch-bound for short prompts, ~10 ms on the H200 for
+glm5-nano whatever its rows: one per finishing request would stall a 64-slot batch's ~1 ms steps),
+"static" only when every slot is free (the old batch-by-batch behaviour, kept for comparison). Each request samples from its own stream (sampling.request_stream), so what it
 samples does not depend on which requests share its steps.
 
 Wall time of a generate call: prefill = the admission phases (the device caught up at both ends;
@@ -31,9 +33,11 @@ import torch
 
 from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
+from glm5mtp_cli.engine.clock import Clock
 from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.metrics import Acceptance
+from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose, request_stream
 from glm5mtp_cli.errors import UserError
@@ -82,30 +86,6 @@ class InjectedFailure(RuntimeError):
     request_id: int | None = None
 
 
-class _Clock:
-    """Wall time that waits for the device only where a number is read (end of a request)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ready(self, mark) -> bool:
-        """Whether reading `mark` would not wait for the device."""
-        return mark.query() if self.cuda else True
-
-    def seconds(self, a, b) -> float:
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return b - a
-
-
 @dataclass
 class LiveSequence:
     req: Request
@@ -119,6 +99,7 @@ class LiveSequence:
     last_dev: torch.Tensor | None = None  # the same token as a [1] device tensor (next verify input)
     pend_tokens: torch.Tensor | None = None
     pend_hidden: torch.Tensor | None = None
+    backlog: list = field(default_factory=list)  # (token [1], hidden [1, H]) per step without drafts since the last drafting one
     done: str | None = None
     steps: int = 0
     res: SeqResult | None = None
@@ -135,7 +116,8 @@ class SpecEngine:
 
     def __init__(self, cfg, target, proposer: DraftProposer | None, pools: CachePools, *, gamma: int,
                  sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
-                 eos_ids: list[int] | None = None, prefill_chunk: int = 1024, device: torch.device | str = "cpu",
+                 eos_ids: list[int] | None = None, prefill_chunk: int = 1024, prefill_tokens: int = 8192,
+                 device: torch.device | str = "cpu",
                  check_invariants: bool = False, inject_leak: str | None = None, graphs: str = "eager",
                  schedule: str = "continuous", gamma_policy: str = "fixed", comm=None):
         if gamma < 0:
@@ -154,7 +136,10 @@ class SpecEngine:
         self.max_seq_len = max_seq_len
         self.alloc = alloc
         self.eos = set(cfg.eos_token_id if eos_ids is None else eos_ids)
+        if prefill_tokens < 1:
+            raise UserError(f"--prefill-tokens must be >= 1, got {prefill_tokens}")
         self.prefill_chunk = prefill_chunk
+        self.prefill_tokens = prefill_tokens  # prompt rows per admission batch and per prefill forward
         self.device = torch.device(device)
         self.check = check_invariants
         self.inject_leak = inject_leak
@@ -163,7 +148,7 @@ class SpecEngine:
         self.comm = comm  # parallel.Comm under --tp: the adaptive gamma is rank 0's
         self._cost_marks: deque = deque()  # (active, gamma, step start, step end) not read yet
         self.runner = ForwardRunner(graphs, self.device)
-        self.clock = _Clock(self.device)
+        self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
         self.wall_decode_s = 0.0
         self.wall_capture_s = 0.0  # building and capturing the engine's graphs (one-time setup, outside both)
@@ -210,16 +195,14 @@ class SpecEngine:
         try:
             while waiting or any(slots):
                 free = [i for i, s in enumerate(slots) if s is None]
-                if waiting and free and (self.schedule == "continuous" or len(free) == batch_size):
+                if waiting and free and self._admit_now(len(free), batch_size, len(waiting), len(free) < batch_size):
                     a0 = self._wall()
-                    admitted = 0
-                    while waiting and free and (self.schedule == "continuous" or admitted < batch_size):
-                        i, req = waiting.pop()
-                        seq = self.start(req, arrive)
-                        results[i] = seq.res
-                        admitted += 1
-                        if seq.done is None:
-                            self._seat(seq, free.pop(0), slots)
+                    while waiting and free:
+                        batch = self._next_batch(waiting, len(free))
+                        for (i, _), seq in zip(batch, self.admit([r for _, r in batch], arrive)):
+                            results[i] = seq.res
+                            if seq.done is None:
+                                self._seat(seq, free.pop(0), slots)
                     prefill += self._wall() - a0
                 active = [s for s in slots if s is not None]
                 if not active:
@@ -243,6 +226,24 @@ class SpecEngine:
         self.wall_capture_s += capture
         self.wall_decode_s += self._wall() - w0 - prefill - capture
         return results
+
+    def _admit_now(self, free: int, slots: int, waiting: int, running: bool) -> bool:
+        """Whether to admit before the next step (module docstring: the schedules)."""
+        if self.schedule == "static":
+            return free == slots
+        return not running or free >= min(-(-slots // 8), waiting)
+
+    def _next_batch(self, waiting: list, free: int) -> list:
+        """The next requests admitted together: in order, at most `free`, and (past the first)
+        within --prefill-tokens prompt tokens."""
+        batch, tokens = [], 0
+        while waiting and len(batch) < free:
+            n = len(waiting[-1][1].prompt)
+            if batch and tokens + n > self.prefill_tokens:
+                break
+            batch.append(waiting.pop())
+            tokens += n
+        return batch
 
     def _seat(self, seq: LiveSequence, slot: int, slots: list) -> None:
         """A prefilled sequence takes a free slot: its rows of the graphs' tables name its blocks."""
@@ -279,56 +280,79 @@ class SpecEngine:
         return time.perf_counter()
 
     def start(self, req: Request, arrive=None) -> LiveSequence:
-        """Admit one request: reserve its state, prefill the target and the drafter, emit the first
-        token. Public for diagnostics and tests that drive single steps (release it after).
-        arrive: the clock mark its queue time counts from (default: now)."""
-        self.check_request(req)
-        t0 = self.clock.now()
-        cache = self.pools.target_cache()
-        seq = LiveSequence(req, cache, None, [], Acceptance(self.gamma), t0, arrive=arrive)
-        if not self.sampling.greedy:
-            seq.gen = request_stream(self.sampling.seed, req.request_id, self.device)
-        try:
-            self._fill(seq)
-        except BaseException:
-            self.release(seq)  # a failed start leaves nothing allocated
-            raise
-        return seq
+        """Admit one request (see `admit`). Public for diagnostics and tests that drive single
+        steps (release it after)."""
+        return self.admit([req], arrive)[0]
 
-    def _fill(self, seq: LiveSequence) -> None:
-        req = seq.req
-        start = self._install_carry(seq) if req.carry is not None else CarryPlan(0, 0)
-        seq.cache.reserve(self.reserve_tokens(req))
-        if self.head is not None and seq.state is None:
-            seq.state = self._alloc_state(req)
-        if seq.state is not None:
-            seq.state.gen = seq.gen
-        state_bytes = self._state_bytes(seq)
-        prompt = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
-        p = len(req.prompt)
-        logits, hiddens = self.prefill(prompt[start.target_start:], seq.cache)
-        first, _ = choose(logits[None], self.sampling, [seq.gen])
-        seq.last = int(first.item())
-        seq.last_dev = first.reshape(1)
+    def admit(self, reqs: list[Request], arrive=None) -> list[LiveSequence]:
+        """Admit requests together: reserve each one's state, prefill the targets in shared
+        forwards, then the drafters in shared forwards (engine/prefill.py), emit the first tokens.
+        arrive: the clock mark their queue time counts from (default: now). A failure leaves
+        nothing allocated."""
+        for req in reqs:
+            self.check_request(req)
+        t0 = self.clock.now()
+        seqs: list[LiveSequence] = []
+        plans: list[CarryPlan] = []
+        try:
+            for req in reqs:
+                seq = LiveSequence(req, self.pools.target_cache(), None, [], Acceptance(self.gamma), t0, arrive=arrive)
+                seqs.append(seq)
+                if not self.sampling.greedy:
+                    seq.gen = request_stream(self.sampling.seed, req.request_id, self.device)
+                plans.append(self._install_carry(seq) if req.carry is not None else CarryPlan(0, 0))
+                seq.cache.reserve(self.reserve_tokens(req))
+                if self.head is not None and seq.state is None:
+                    seq.state = self._alloc_state(req)
+                if seq.state is not None:
+                    seq.state.gen = seq.gen
+            self._fill(seqs, plans)
+        except BaseException:
+            for seq in seqs:
+                self.release(seq)
+            raise
+        return seqs
+
+    def _fill(self, seqs: list[LiveSequence], plans: list[CarryPlan]) -> None:
+        state_bytes = [self._state_bytes(s) for s in seqs]
+        logits, hiddens = prefill_targets(self.target, [s.cache for s in seqs],
+                                          [s.req.prompt[pl.target_start:] for s, pl in zip(seqs, plans)],
+                                          self.prefill_chunk, self.prefill_tokens, self.device)
+        if self.sampling.greedy:
+            first = logits.argmax(-1)
+        else:
+            first = torch.cat([choose(logits[i:i + 1], self.sampling, [s.gen])[0] for i, s in enumerate(seqs)])
+        firsts = first.tolist()
         t1 = self.clock.now()
-        d = 0
-        if seq.state is not None:
-            d = self.head.drafter_rows(seq.state)
-            # rows d..P-2: (t[i+1], h[i]); hiddens[k] is h[target_start + k]
-            self.head.catchup_drafter(prompt[d + 1:], hiddens[d - start.target_start: p - 1 - start.target_start],
-                                      d, seq.state)
-            seq.pend_tokens = first.reshape(1)
-            seq.pend_hidden = hiddens[-1:]
-        seq.out.append(seq.last)
-        seq.all_tokens = list(req.prompt) + [seq.last]
-        seq.res = SeqResult(req.request_id, len(req.prompt), seq.out, "", seq.acc, 0.0, 0.0, 0.0,
-                            state_bytes=state_bytes, prefilled_target_rows=p - start.target_start,
-                            prefilled_drafter_rows=max(p - 1 - d, 0) if seq.state is not None else 0,
-                            carried_target_rows=start.target_start, carried_drafter_rows=d)
-        seq.marks.append(("prefill", seq.t0, t1))
-        self._maybe_finish(seq)
-        if self.on_tokens is not None:
-            self.on_tokens(req.request_id, list(seq.out))
+        drafted = [0] * len(seqs)
+        if self.head is not None:
+            prompts = torch.tensor([t for s in seqs for t in s.req.prompt], dtype=torch.long).to(self.device)
+            feeds, at = [], 0
+            for i, (s, pl) in enumerate(zip(seqs, plans)):
+                p = len(s.req.prompt)
+                d = drafted[i] = self.head.drafter_rows(s.state)
+                # rows d..P-2: (t[i+1], h[i]); hiddens[k] is h[target_start + k]
+                feeds.append((prompts[at + d + 1: at + p], hiddens[i][d - pl.target_start: p - 1 - pl.target_start]))
+                at += p
+            self.head.catchup_batch([f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
+                                    self.prefill_chunk, self.prefill_tokens)
+        for i, (seq, pl) in enumerate(zip(seqs, plans)):
+            req, p, d = seq.req, len(seq.req.prompt), drafted[i]
+            seq.last = firsts[i]
+            seq.last_dev = first[i:i + 1]
+            if seq.state is not None:
+                seq.pend_tokens = seq.last_dev
+                seq.pend_hidden = hiddens[i][-1:]
+            seq.out.append(seq.last)
+            seq.all_tokens = list(req.prompt) + [seq.last]
+            seq.res = SeqResult(req.request_id, p, seq.out, "", seq.acc, 0.0, 0.0, 0.0,
+                                state_bytes=state_bytes[i], prefilled_target_rows=p - pl.target_start,
+                                prefilled_drafter_rows=max(p - 1 - d, 0) if seq.state is not None else 0,
+                                carried_target_rows=pl.target_start, carried_drafter_rows=d)
+            seq.marks.append(("prefill", seq.t0, t1))
+            self._maybe_finish(seq)
+            if self.on_tokens is not None:
+                self.on_tokens(req.request_id, list(seq.out))
 
     def _alloc_state(self, req: Request) -> ProposerState:
         if self.alloc == "budget":
@@ -366,6 +390,7 @@ class SpecEngine:
         mode = s.req.carry_mode
         drafter = None
         if s.state is not None and s.state.cache is not None:
+            self._join_backlog(s)
             self.head.catchup_drafter(s.pend_tokens, s.pend_hidden, s.state.real_rows, s.state)
             drafter = self.head.take_drafter_kv(s.state)
         target = None
@@ -374,16 +399,6 @@ class SpecEngine:
             s.cache.released = True
         tokens = s.all_tokens[: target.length] if target is not None else list(s.all_tokens)
         s.res.carry_out = Carry(target, tokens, drafter)
-
-    def prefill(self, prompt: torch.Tensor, cache: SequenceCache):
-        """Target prefill in chunks; returns (logits of the last row, normed hiddens of every row)."""
-        hiddens = []
-        logits = None
-        for a in range(0, prompt.shape[0], self.prefill_chunk):
-            out = self.target(prompt[None, a:a + self.prefill_chunk], [cache], rows="last")
-            hiddens.append(out.hidden_all[0])
-            logits = out.logits[0, -1]
-        return logits, torch.cat(hiddens)
 
     def draft(self, active: list[LiveSequence], g: int):
         """The proposer's drafts for the active sequences' next verify (g of them each)."""
@@ -403,21 +418,35 @@ class SpecEngine:
         return g
 
     def _catch_up_backlog(self, active: list[LiveSequence]) -> None:
-        """Rows left pending by steps without drafts, beyond what one draft forward takes (gamma + 1),
-        go into the drafter eagerly first."""
+        """Before a drafting step's clock starts: the rows left pending by steps without drafts,
+        beyond what one draft forward takes (gamma + 1), go into the drafters in shared forwards.
+        Outside the step's measured cost on purpose (engine/gamma.py: what a cost holds)."""
+        late = []
         for s in active:
-            extra = s.pend_tokens.shape[0] - (self.gamma + 1)
-            if extra > 0:
-                self.head.catchup_drafter(s.pend_tokens[:extra], s.pend_hidden[:extra], s.state.real_rows, s.state)
-                s.pend_tokens, s.pend_hidden = s.pend_tokens[extra:], s.pend_hidden[extra:]
+            self._join_backlog(s)
+            if s.pend_tokens.shape[0] > self.gamma + 1:
+                late.append((s, s.pend_tokens.shape[0] - (self.gamma + 1)))
+        if late:
+            self.head.catchup_batch([s.pend_tokens[:e] for s, e in late], [s.pend_hidden[:e] for s, e in late],
+                                    [s.state for s, _ in late], self.prefill_chunk, self.prefill_tokens)
+            for s, e in late:
+                s.pend_tokens, s.pend_hidden = s.pend_tokens[e:], s.pend_hidden[e:]
+
+    @staticmethod
+    def _join_backlog(s: LiveSequence) -> None:  # rows of steps without drafts: views, no copy per step
+        if s.backlog:
+            s.pend_tokens = torch.cat([s.pend_tokens, *(t for t, _ in s.backlog)])
+            s.pend_hidden = torch.cat([s.pend_hidden, *(h for _, h in s.backlog)])
+            s.backlog = []
 
     def _step(self, active: list[LiveSequence]) -> None:
         g = self._choose_gamma(len(active))
+        if g > 0:
+            self._catch_up_backlog(active)
         p0 = self.clock.now()
         chains = None
         self.runner.step([s.slot for s in active])
         if g > 0:
-            self._catch_up_backlog(active)
             chains = self.draft(active, g)
             if self.check:
                 for s in active:
@@ -454,8 +483,7 @@ class SpecEngine:
                 s.pend_tokens = torch.cat([drafts[i, :a], s.last_dev]) if a else s.last_dev
                 s.pend_hidden = out.hidden_all[i, : a + 1]
             elif s.state is not None:  # a step without drafts: its row waits for the next drafting step
-                s.pend_tokens = torch.cat([s.pend_tokens, s.last_dev])
-                s.pend_hidden = torch.cat([s.pend_hidden, out.hidden_all[i, :1]])
+                s.backlog.append((s.last_dev, out.hidden_all[i, :1]))
             s.acc.record(counts[i], a)
             s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], new,
                             draft_ids[i][: counts[i]] if draft_ids is not None else []))

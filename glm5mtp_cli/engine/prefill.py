@@ -1,0 +1,89 @@
+"""Admission prefill: the prompts admitted together share forwards, for the target and the drafter.
+
+A forward appends T rows to each of its m sequences ([m, T] ids). A sequence with fewer than T rows
+left is padded; its padding rows land past its length, inside its own reservation, and the cache is
+cut back to its real rows after the forward, so the next append overwrites them. That is exact
+only where every row the forward appends is dead once cut: paged rows are (attention is causal, so
+no real row reads a padding row, and each row's logits/hidden are taken at its own last real row),
+a fixed-size state is not (GLM-5-Next's KDA recurrent state would absorb the padding rows). So a
+cache whose components are all paged (`SequenceCache.takes_padding`) shares forwards; any other
+prefills one sequence per forward, as before.
+
+Planning (`plan_forwards`): while rows remain, T = min(chunk, the most rows any sequence has left);
+sequences join the forward longest first while their headroom (reserved rows past their length)
+holds T rows and the forward stays within `budget` rows (m * T, at least one sequence). The longest
+sequence always fits (its reservation holds its whole prompt), so every forward makes progress;
+sorting longest first groups prompts of similar lengths, which keeps the padding small, and a long
+prompt is chunked as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def plan_forwards(remaining: list[int], headroom: list[int], chunk: int, budget: int,
+                  padded: bool) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The forwards that append remaining[i] rows to sequence i: a list of (T, [(i, real rows)])."""
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    rem, room = list(remaining), list(headroom)
+    for i, (r, h) in enumerate(zip(rem, room)):
+        if h < r:
+            raise RuntimeError(f"sequence {i}: {r} rows to prefill, {h} reserved")
+    out = []
+    while True:
+        order = sorted((i for i, r in enumerate(rem) if r > 0), key=lambda i: -rem[i])
+        if not order:
+            return out
+        t = min(chunk, rem[order[0]])
+        members = []
+        for i in order:
+            if members and (not padded or (len(members) + 1) * t > budget):
+                break
+            if room[i] >= t:
+                k = min(rem[i], t)
+                members.append((i, k))
+                rem[i] -= k
+                room[i] -= k
+        out.append((t, members))
+
+
+def takes_padding(caches: list) -> bool:
+    return all(c is not None and c.takes_padding for c in caches)
+
+
+def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, budget: int, device):
+    """Append prompts[i] (host ids) to caches[i] in shared forwards. Returns (the logits at each
+    prompt's last row [N, V], each prompt's normed hiddens [len(prompts[i]), H])."""
+    n = len(caches)
+    done = [0] * n
+    hiddens: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    logits: list[torch.Tensor | None] = [None] * n
+    plan = plan_forwards([len(p) for p in prompts], [c.capacity - c.length for c in caches], chunk, budget,
+                         takes_padding(caches))
+    for t, members in plan:
+        ids = torch.zeros(len(members), t, dtype=torch.long)
+        for j, (i, k) in enumerate(members):
+            ids[j, :k] = torch.tensor(prompts[i][done[i]:done[i] + k], dtype=torch.long)
+        group = [caches[i] for i, _ in members]
+        starts = [c.length for c in group]
+        last = torch.tensor([k - 1 for _, k in members], dtype=torch.long).to(device)
+        out = target(ids.to(device), group, rows=last)
+        for j, (i, k) in enumerate(members):
+            if k < t:
+                group[j].truncate(starts[j] + k)  # the padding rows are dead: the next append overwrites them
+            hiddens[i].append(out.hidden_all[j, :k])
+            logits[i] = out.logits[j, 0]
+            done[i] += k
+    return torch.stack(logits), [torch.cat(h) for h in hiddens]
+
+
+def padded_feed(tokens: list[torch.Tensor], hiddens: list[torch.Tensor], t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [m, t] and [m, t, H] of a shared drafter forward: each sequence's rows, zeros after."""
+    ids = tokens[0].new_zeros(len(tokens), t)
+    hid = hiddens[0].new_zeros(len(hiddens), t, hiddens[0].shape[-1])
+    for j, (tok, h) in enumerate(zip(tokens, hiddens)):
+        ids[j, : tok.shape[0]] = tok
+        hid[j, : h.shape[0]] = h
+    return ids, hid
