@@ -112,3 +112,34 @@ def test_cuda_graphs_equal_eager_on_gpu(gamma):
     for slots in (1, 3):
         want = [r.tokens for r in _run(grt, gamma, "eager", slots, device="cuda")]
         assert [r.tokens for r in _run(grt, gamma, "cuda", slots, device="cuda")] == want
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
+    """profile's cuda_graphs component for GLM-5-Next: the static inputs, the tables and slot
+    indices, and the outputs a capture owns (with the KDA commit records), as EngineGraphs builds them."""
+    from glm5mtp_cli.diagnostics.sizing import graph_bytes
+
+    pools = rt.make_pools(128, 1, block_size=4)
+    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[], graphs="static")
+    seq = engine.start(Request(_work(rt)[0][0], 20))
+    try:
+        engine._open_graphs([seq], 1)
+        g = engine.runner.graphs
+        (bucket,) = g.buckets.values()
+        held = bucket.idx.nbytes
+        for f in bucket.forwards():
+            held += sum(t.nbytes for t in (f.ids, f.hidden, f.starts, f.rows) if t is not None)
+        held += sum(t.table.nbytes for owner in g.tables.values() for t in owner.values())
+        held += sum(s.index.nbytes for owner in g.slot_index.values() for s in owner.values())
+        out = bucket.verify[gamma].run()
+        held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
+        x = out.pending.inputs
+        held += out.pending.extended.nbytes + sum(t.nbytes for t in (x.q, x.k, x.v, x.g, x.beta))
+        if gamma:
+            held += bucket.draft[gamma].run().nbytes
+        assert held == graph_bytes(rt.cfg, torch.float32, 128, 4, gamma)
+    finally:
+        engine.close()
+        engine.release(seq)
+    assert not any(pools.blocks_held().values())
