@@ -143,3 +143,27 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         engine.close()
         engine.release(seq)
     assert not any(pools.blocks_held().values())
+
+
+def test_sequence_forward_reads_the_sequences_state_slots(rt):
+    """step_bench's one-sequence static forward (graphs.sequence_forward, what bench captures for
+    the target step) passes the cache's own KDA slots: its logits equal the eager forward's."""
+    from glm5mtp_cli.engine.cache import CachePools
+    from glm5mtp_cli.engine.graphs import sequence_forward
+
+    pools = CachePools.create(rt.cfg, 8, 4, torch.float32, "cpu", with_drafter=False)
+    cache = pools.target_cache()
+    prompt = torch.tensor([_work(rt)[0][0]])
+    rt.target(prompt, [cache])
+    cache.prepare(1)  # commits the prefill's state; room for the step's row
+    n = cache.length
+    f = sequence_forward(rt.target.context, lambda f: rt.target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
+                         cache, 1, torch.device("cpu"))
+    f.ids.fill_(42)
+    f.set_starts([n])
+    static = f.run().logits[0, -1].clone()
+    eager = rt.target(torch.tensor([[42]]), [cache], rows="last").logits[0, -1]
+    torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+    other = rt.target(torch.tensor([[42]]), [pools.target_cache()], rows="last").logits[0, -1]
+    assert not torch.allclose(static, other, atol=1e-3)  # the state read mattered
+    cache.release()
