@@ -37,13 +37,12 @@ reservation, in the scratch block.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from collections import defaultdict
-
-import inspect
 
 from glm5mtp_cli.engine.cache import (BlockPool, CachedRows, CachedSlots, CachePools, SlotPool, cached_rows,
                                       table_slots, to_device)
@@ -97,8 +96,9 @@ class _SlotIndex:
 
 
 def takes_slots(model) -> bool:
-    """Whether a model's static forwards can read fixed-size state: it has forward_batch and a
-    context that takes the slot indices (GLM-5-Next), not only the block tables (GLM-5)."""
+    """Whether a model's static forwards can read fixed-size state: it has forward_batch,
+    leave_pending (the commit after a run) and a context that takes the slot indices (GLM-5-Next),
+    not only the block tables (GLM-5)."""
     context = getattr(model, "context", None)
     if context is None or not hasattr(model, "forward_batch") or not hasattr(model, "leave_pending"):
         return False
