@@ -389,6 +389,6 @@ _TP_NOTES = {
         "fp8 (predicted from the official FP8 checkpoint, models/glm5_next/layout.fp8_quantized): MLA "
         "q_a/q_b/kv_a/o and dense/shared/routed expert matrices at 1 byte + fp32 scale per 128x128 block; KDA, "
         "kv_b, indexer, mHC, routers, embeddings and lm_head bf16.",
-        "max seqs = (gpu-mem - weights/GPU) // bytes per sequence (state per GPU + the tp 1 verify scratch; "
-        "GLM-5-Next runs eagerly: no CUDA-graph buffers)."],
+        "max seqs = (gpu-mem - weights/GPU) // bytes per sequence (state per GPU + the tp 1 verify scratch "
+        "and CUDA-graph buffers, the KDA commit records included)."],
 }
