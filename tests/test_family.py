@@ -263,12 +263,19 @@ def test_a_fixed_size_state_refuses_to_roll_back_past_its_last_forward():
     cache.release()
 
 
-def test_graph_modes_refuse_slot_components():
+def test_graph_modes_refuse_slot_components_the_forwards_cannot_read():
+    """The fake target has slot state but no context taking slot indices: static forwards refuse
+    it (nothing left held) and graph_mode keeps it eager even on CUDA."""
+    from types import SimpleNamespace
+
+    from glm5mtp_cli.engine.runtime import graph_mode
+    from glm5mtp_cli.errors import UserError
+
     target = FakeTarget(CFG)
     pools = CachePools.create(CFG, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
     engine = SpecEngine(CFG, target, None, pools, gamma=0, max_seq_len=32, eos_ids=[], graphs="static")
-    from glm5mtp_cli.errors import UserError
-
     with pytest.raises(UserError, match="fixed-size state"):
         engine.generate([Request([1, 2], 4)])
     assert not any(pools.blocks_held().values())
+    on_cuda = SimpleNamespace(cfg=CFG, dtype=torch.float32, target=target, comm=None, device=torch.device("cuda"))
+    assert graph_mode(on_cuda, True) == "eager"

@@ -152,7 +152,7 @@ def bench_cmd(
 
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers
-    from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step, eager_only,
+    from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step,
                                                     fp8_config, random_drafter, target_step)
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, pick_device, pick_dtype, set_threads
@@ -178,7 +178,7 @@ def bench_cmd(
         mtp, embed, head = random_drafter(cfg, dev, dt)
         folder = None
         # how the steps are timed: graph replays where the family's forwards can be captured
-        c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" and not eager_only(cfg, dt) else "eager"
+        c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" else "eager"
     else:
         rt = load_runtime(model, device, dtype, layers, progress=not json_out, comm=comm)
         c.graphs = graph_mode(rt, cuda_graphs)
@@ -194,15 +194,14 @@ def bench_cmd(
             rows.append(run_glm5mtp(rt, ids, g, batch, c))
     add_ratios(rows)
     bw = copy_bandwidth(dev)
-    step_graphs = cuda_graphs and not eager_only(cfg, dt)
-    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, step_graphs, draft_vocab_file,
+    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs, draft_vocab_file,
                          kernels) for k in sizes]
     t_step = None
     if random_weights and target_layers:
         del mtp, embed, head
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, step_graphs, kernels)
+        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, cuda_graphs, kernels)
     doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1, "graphs": c.graphs,
            "target_step": t_step,
            "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,

@@ -19,7 +19,7 @@ import torch
 
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.family import ROWS, SLOT
+from glm5mtp_cli.models.family import ROWS
 from glm5mtp_cli.models.glm5 import layout
 
 GIB = 2**30
@@ -269,17 +269,27 @@ def _glm5_scratch(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
 def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int) -> int:
     """What a one-slot engine's CUDA graphs keep allocated between replays (graphs.EngineGraphs, one
     bucket, one gamma): the static inputs (ids, lengths, row slots, drafter hiddens), the block
-    tables of each cache component (`tokens` wide: the engine's --max-seq-len; the slot's row and
-    the all-scratch row) and the outputs the graphs own (the verify's logits and hiddens; the greedy
-    chain's drafts). Their intermediates live in the graphs' private pool, the same peak as `scratch`."""
-    if any(c.kind == SLOT for c in family_of(cfg).state_components(cfg, dtype)):
-        return 0  # graph modes refuse fixed-size state (engine/graphs.py): such a family runs eagerly
+    tables of each row component (`tokens` wide: the engine's --max-seq-len; the slot's row and
+    the all-scratch row), the slot indices of each slot component (the same two entries) and the
+    outputs the graphs own (the verify's logits and hiddens, GLM-5-Next's KDA commit records; the
+    greedy chain's drafts). Their intermediates live in the graphs' private pool, the same peak as
+    `scratch`."""
     d, t = dtype_bytes(dtype), gamma + 1
     tables = 2 * 8 * math.ceil(tokens / block_size)
-    verify = 8 + t * 8 + 8 + 2 * tables + t * cfg.vocab_size * d + t * cfg.hidden_size * d
+    comps = family_of(cfg).state_components(cfg, dtype)
+
+    def indices(owner: str) -> int:
+        return sum(tables if c.kind == ROWS else 2 * 8 for c in comps if c.owner == owner)
+
+    verify = 8 + t * 8 + 8 + indices("target") + t * cfg.vocab_size * d + t * cfg.hidden_size * d
+    if family_of(cfg).name == "glm5_next":
+        # per KDA layer: the extended conv window (model dtype) and the fp32 kernel inputs q, k, v, g, beta
+        h = cfg.linear_num_heads
+        verify += len(cfg.kda_layers) * ((cfg.linear_conv_kernel_dim - 1 + t) * 3 * cfg.linear_dim * d
+                                         + t * h * (4 * cfg.linear_head_dim + 1) * 4)
     if gamma == 0:
         return verify
-    draft = t * 8 + 8 + 8 + 2 * tables + t * cfg.hidden_size * d + gamma * 8
+    draft = t * 8 + 8 + 8 + indices("drafter") + t * cfg.hidden_size * d + gamma * 8
     return verify + draft
 
 
@@ -379,6 +389,6 @@ _TP_NOTES = {
         "fp8 (predicted from the official FP8 checkpoint, models/glm5_next/layout.fp8_quantized): MLA "
         "q_a/q_b/kv_a/o and dense/shared/routed expert matrices at 1 byte + fp32 scale per 128x128 block; KDA, "
         "kv_b, indexer, mHC, routers, embeddings and lm_head bf16.",
-        "max seqs = (gpu-mem - weights/GPU) // bytes per sequence (state per GPU + the tp 1 verify scratch; "
-        "GLM-5-Next runs eagerly: no CUDA-graph buffers)."],
+        "max seqs = (gpu-mem - weights/GPU) // bytes per sequence (state per GPU + the tp 1 verify scratch "
+        "and CUDA-graph buffers, the KDA commit records included)."],
 }

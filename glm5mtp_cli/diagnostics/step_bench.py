@@ -6,10 +6,10 @@ A step at a context of L rows runs over the engine's pools (engine/cache.py) fil
 values (MLA latents, indexer rows, recurrent states), so it costs what it costs in the engine
 without prefilling L tokens. The floor is the bytes the step must read (sizing.draft_step_bytes,
 sizing.target_step_bytes: active weights, cache reads, recurrent state traffic) over a copy
-bandwidth measured in the same run. Timing: GLM-5 on CUDA replays the forward as a CUDA graph
-(what the engine replays), timed with device events; families whose forwards run eagerly
-(fixed-size state slots, GLM-5-Next) and every CPU run are host-timed around a synchronised
-eager forward. Both report the median of `repeats` runs after 3 warm-ups.
+bandwidth measured in the same run. Timing: on CUDA the forward is replayed as a CUDA graph (what
+the engine replays), timed with device events (GLM-5-Next's target step: the forward only, its
+KDA commit runs eagerly after the graph in the engine); every CPU run is host-timed around a
+synchronised eager forward. Both report the median of `repeats` runs after 3 warm-ups.
 
 With `kernels` (bench --kernels), torch.profiler then records a few more steps (graph replays or
 eager forwards) and the step's dict gets "kernels": the top device kernels by time per step with
@@ -31,7 +31,6 @@ from glm5mtp_cli.diagnostics.sizing import draft_step_bytes, target_step_bytes
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.family import SLOT
 
 WARMUPS = 3
 PROFILED_STEPS = 5
@@ -41,12 +40,6 @@ TOP_KERNELS = 12
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def eager_only(cfg, dtype: torch.dtype) -> bool:
-    """Whether the family's forwards run eagerly only (engine.runtime.graph_mode's rule: fixed-size
-    state slots are read on the host)."""
-    return any(c.kind == SLOT for c in family_of(cfg).state_components(cfg, dtype))
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:

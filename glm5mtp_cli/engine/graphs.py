@@ -24,6 +24,12 @@ sequence's blocks: those are data in the tables. So the invariant is kept on the
 table rows are written when a sequence takes the slot (`occupy`), and pointed at the scratch
 blocks when it leaves, BEFORE its blocks go back to the pools (`retire`); `close` drops every graph
 and gives the scratch blocks back. No replay can then read or write a block another sequence owns.
+Fixed-size state (GLM-5-Next's KDA state and conv window, models/glm5_next/pooled.py). Per slot
+component an index [slots + 1] names each engine slot's SlotPool slot (the last entry a scratch slot
+taken once per engine): set by `occupy`, pointed at the scratch slot by `retire`, gathered by `idx`
+like the tables. A forward only reads those states; the target's commit records are the graph's
+outputs, left on the caches after the run (`leave_pending`) and committed by the engine's truncate
+after the verify, before that graph's next replay (or whole by the next run's `prepare`).
 Catch-up feeds vary from 1 to g + 1 rows; they are padded and the logits are taken at each row's
 last real row; padding rows land past the row's length (overwritten later) or, past its
 reservation, in the scratch block.
@@ -31,13 +37,15 @@ reservation, in the scratch block.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from collections import defaultdict
 
-from glm5mtp_cli.engine.cache import BlockPool, CachedRows, CachePools, cached_rows, table_slots, to_device
+from glm5mtp_cli.engine.cache import (BlockPool, CachedRows, CachedSlots, CachePools, SlotPool, cached_rows,
+                                      table_slots, to_device)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.glm5.layers import sync_free
 
@@ -75,17 +83,40 @@ class _Table:
         return CachedRows(self.pool.data, new, all_)
 
 
+@dataclass
+class _SlotIndex:
+    """One fixed-size component's slot index: [slots + 1] SlotPool slots; the last is scratch."""
+
+    pool: SlotPool
+    index: torch.Tensor
+    scratch: int
+
+    def slots(self, idx: torch.Tensor) -> CachedSlots:
+        return CachedSlots(self.pool.data, self.index.index_select(0, idx))
+
+
+def takes_slots(model) -> bool:
+    """Whether a model's static forwards can read fixed-size state: it has forward_batch,
+    leave_pending (the commit after a run) and a context that takes the slot indices (GLM-5-Next),
+    not only the block tables (GLM-5)."""
+    context = getattr(model, "context", None)
+    if context is None or not hasattr(model, "forward_batch") or not hasattr(model, "leave_pending"):
+        return False
+    return "slots" in inspect.signature(context).parameters
+
+
 class StaticForward:
     """One forward shape (B rows x T new rows) over static buffers: a CUDA graph on CUDA (`capture`),
     the same function run eagerly otherwise. Row b reads table row idx[b]."""
 
     def __init__(self, context_fn, fn, b: int, t: int, tables: dict[str, _Table], device: torch.device,
                  hidden: tuple[int, torch.dtype] | None = None, pick_row: bool = False,
-                 idx: torch.Tensor | None = None):
-        self.context_fn = context_fn  # the model's context(starts, t, rows)
+                 idx: torch.Tensor | None = None, slots: dict[str, _SlotIndex] | None = None):
+        self.context_fn = context_fn  # the model's context(starts, t, rows[, slots])
         self.fn = fn  # fn(this StaticForward) -> its outputs, from the buffers alone
         self.b, self.t = b, t
         self.tables = tables
+        self.slots = slots or {}
         self.device = device
         self.idx = idx if idx is not None else torch.arange(b, device=device)
         self.ids = torch.zeros(b, t, dtype=torch.long, device=device)
@@ -96,8 +127,12 @@ class StaticForward:
         self.out = None
 
     def context(self, starts: torch.Tensor, t: int):
-        """The model's context of a forward appending t rows at `starts` (device) to every row."""
-        return self.context_fn(starts, t, {name: table.rows(self.idx, starts, t) for name, table in self.tables.items()})
+        """The model's context of a forward appending t rows at `starts` (device) to every row; the
+        slot indices only for an owner with slot components (GLM-5's context takes none)."""
+        rows = {name: table.rows(self.idx, starts, t) for name, table in self.tables.items()}
+        if not self.slots:
+            return self.context_fn(starts, t, rows)
+        return self.context_fn(starts, t, rows, {name: s.slots(self.idx) for name, s in self.slots.items()})
 
     def _forward(self):
         with sync_free():
@@ -159,42 +194,51 @@ class EngineGraphs:
         self.capture = capture
         self.pools = pools
         self.scratch: dict[str, list[int]] = {}
+        self.scratch_slots: dict[str, int] = {}
         self.tables: dict[str, dict[str, _Table]] = {}
+        self.slot_index: dict[str, dict[str, _SlotIndex]] = {}
         self.buckets: dict[int, _Bucket] = {}
         self.mempool = None
         try:
-            self.tables["target"] = self._tables("target", max_blocks)
+            self._tables("target", target, max_blocks)
             if proposer is not None:
-                self.tables["drafter"] = self._tables("drafter", max_blocks)
+                self._tables("drafter", proposer, max_blocks)
             for b in buckets_for(slots):
                 self.buckets[b] = self._bucket(b, target, proposer, gammas, hidden, greedy)
         except BaseException:
             self.close()
             raise
 
-    def _tables(self, owner: str, max_blocks: int) -> dict[str, _Table]:
-        out = {}
+    def _tables(self, owner: str, model, max_blocks: int) -> None:
+        """The owner's block tables, and its slot indices when `model`'s forwards take them."""
+        self.tables[owner], self.slot_index[owner] = {}, {}
         for component in self.pools.owners[owner]:
             pool = self.pools.pools[component]
-            if not isinstance(pool, BlockPool):
-                raise UserError("static and CUDA-graph forwards cover paged row components only; this model "
-                                "keeps fixed-size state slots: run it with --no-cuda-graphs")
+            short = component[len(owner) + 1:]
+            if isinstance(pool, SlotPool):
+                if not takes_slots(model):
+                    raise UserError("this model keeps fixed-size state slots its static forwards cannot read: "
+                                    "run it with --no-cuda-graphs")
+                self.scratch_slots[component] = pool.take()
+                scratch = self.scratch_slots[component]
+                index = torch.full((self.slots + 1,), scratch, dtype=torch.long, device=self.device)
+                self.slot_index[owner][short] = _SlotIndex(pool, index, scratch)
+                continue
             self.scratch[component] = pool.take(1)
             scratch = self.scratch[component][0]
             table = torch.full((self.slots + 1, max_blocks), scratch, dtype=torch.long, device=self.device)
-            out[component[len(owner) + 1:]] = _Table(pool, table, scratch)
-        return out
+            self.tables[owner][short] = _Table(pool, table, scratch)
 
     def _bucket(self, b: int, target, proposer, gammas, hidden, greedy) -> _Bucket:
         dev = self.device
         idx = torch.full((b,), self.slots, dtype=torch.long, device=dev)  # every row on the scratch row
-        tt = self.tables["target"]
+        tt, ts = self.tables["target"], self.slot_index["target"]
         verify = {g: StaticForward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t), "all"),
-                                   b, g + 1, tt, dev, idx=idx) for g in gammas}
+                                   b, g + 1, tt, dev, idx=idx, slots=ts) for g in gammas}
         bucket = _Bucket(b, idx, verify, {})
         if proposer is None or max(gammas) == 0:
             return bucket
-        td = self.tables["drafter"]
+        td, ds = self.tables["drafter"], self.slot_index["drafter"]
 
         def drafter(f):
             return proposer.drafter_forward(f.ids, f.hidden, f.context(f.starts, f.t),
@@ -208,11 +252,12 @@ class EngineGraphs:
             # the whole chain in one graph per gamma: catch-up (as wide as the largest gamma's, since a
             # step after a smaller one may bring that many rows), then g - 1 chained steps, argmax inside
             bucket.draft = {g: StaticForward(proposer.context, chain_of(g), b, top + 1, td, dev, hidden,
-                                             pick_row=True, idx=idx) for g in gammas if g}
+                                             pick_row=True, idx=idx, slots=ds) for g in gammas if g}
         else:
-            bucket.catchup = StaticForward(proposer.context, drafter, b, top + 1, td, dev, hidden, pick_row=True, idx=idx)
+            bucket.catchup = StaticForward(proposer.context, drafter, b, top + 1, td, dev, hidden, pick_row=True,
+                                           idx=idx, slots=ds)
             if top > 1:
-                bucket.chain = StaticForward(proposer.context, drafter, b, 1, td, dev, hidden, idx=idx)
+                bucket.chain = StaticForward(proposer.context, drafter, b, 1, td, dev, hidden, idx=idx, slots=ds)
         return bucket
 
     def capture_all(self) -> None:
@@ -226,7 +271,8 @@ class EngineGraphs:
                 f.capture(self.mempool)
 
     def occupy(self, slot: int, caches: dict[str, object]) -> None:
-        """A sequence takes `slot`: its table rows name its blocks (scratch past them)."""
+        """A sequence takes `slot`: its table rows name its blocks (scratch past them), its slot
+        indices its state slots."""
         for owner, cache in caches.items():
             for name, t in self.tables.get(owner, {}).items():
                 blocks = cache.rows[name].blocks
@@ -235,15 +281,21 @@ class EngineGraphs:
                 row = torch.full((t.table.shape[1],), t.scratch, dtype=torch.long)
                 row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
                 t.table[slot].copy_(to_device(row.tolist(), self.device), non_blocking=True)
+            for name, s in self.slot_index.get(owner, {}).items():
+                s.index[slot] = cache.slots[name].slot
 
     def retire(self, slot: int) -> None:
-        """A slot whose sequence ends: its tables point at the scratch blocks before its blocks are freed."""
+        """A slot whose sequence ends: its tables and slot indices point at the scratch blocks and
+        slots before its blocks and slots are freed."""
         for tables in self.tables.values():
             for t in tables.values():
                 t.table[slot].fill_(t.scratch)
+        for indices in self.slot_index.values():
+            for s in indices.values():
+                s.index[slot] = s.scratch
 
     def close(self) -> None:
-        """Destroy the graphs, then give the scratch blocks back."""
+        """Destroy the graphs, then give the scratch blocks and slots back."""
         for bucket in self.buckets.values():
             for f in bucket.forwards():
                 f.close()
@@ -251,7 +303,11 @@ class EngineGraphs:
         self.mempool = None
         for name, blocks in self.scratch.items():
             self.pools.pools[name].give(blocks)
+        for name, slot in self.scratch_slots.items():
+            self.pools.pools[name].give(slot)
         self.scratch = {}
+        self.scratch_slots = {}
+        self.slot_index = {}
 
 
 class ForwardRunner:
@@ -327,7 +383,13 @@ class ForwardRunner:
         a = len(caches)
         f.ids[:a].copy_(ids)
         f.set_starts(self._starts(f, caches, [f.t] * a, "verify"))
+        for c in caches:
+            c.prepare(f.t)  # commits a pending prefill state whole; within capacity (_starts): reserves nothing
         out = f.run()
+        if getattr(out, "pending", None) is not None:
+            # the commit records are the graph's outputs: the engine's truncate after this verify
+            # commits them, before the graph's next replay
+            target.leave_pending(caches, out.pending)
         for c in caches:
             c.length += f.t
         # logits are read before the next replay; the hiddens are kept a step: copied out
@@ -423,7 +485,9 @@ def load_rows(buf: torch.Tensor, values) -> None:
 
 def sequence_forward(context_fn, fn, cache, t: int, device: torch.device,
                      hidden: tuple[int, torch.dtype] | None = None) -> StaticForward:
-    """A static forward over ONE sequence's cache (benchmarks): its own tables; rows past its
+    """A static forward over ONE sequence's cache (benchmarks): its own tables and state slots
+    (a forward reads the states; nothing commits them); rows past its
     reservation would go to its last block, so callers keep starts + t within the reservation."""
     tables = {name: _Table(rows.pool, rows.table[None].clone(), rows.blocks[-1]) for name, rows in cache.rows.items()}
-    return StaticForward(context_fn, fn, 1, t, tables, device, hidden)
+    slots = {name: _SlotIndex(ref.pool, to_device([ref.slot], device), ref.slot) for name, ref in cache.slots.items()}
+    return StaticForward(context_fn, fn, 1, t, tables, device, hidden, slots=slots)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools
+from glm5mtp_cli.engine.graphs import takes_slots
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import ResolvedModel, resolve_model
 from glm5mtp_cli.models.glm5.config import ModelConfig
@@ -196,11 +197,10 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
 
 def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:
     """The engine's forward mode: CUDA graphs on one CUDA device unless switched off; eager on the
-    CPU, under --tp (whose collectives run outside graphs) and for families with fixed-size state
-    slots (GLM-5-Next: its forwards are capturable, models/glm5_next/pooled.py, but graphs.py does not
-    yet hand them the slot indices nor leave their KDA commits)."""
+    CPU, under --tp (whose collectives run outside graphs) and for a model with fixed-size state
+    slots whose forwards cannot read them through slot indices (graphs.takes_slots; GLM-5-Next's can)."""
     slots = any(c.kind == SLOT for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype))
-    if cuda_graphs and rt.device.type == "cuda" and rt.comm is None and not slots:
+    if cuda_graphs and rt.device.type == "cuda" and rt.comm is None and (not slots or takes_slots(rt.target)):
         return "cuda"
     return "eager"
 

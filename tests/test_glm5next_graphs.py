@@ -1,0 +1,169 @@
+"""GLM-5-Next through the engine's static forwards (engine/graphs.py: the CUDA graphs' code path run
+eagerly, fp32 CPU): the target's verify reads its KDA states through the runner's slot indices and
+leaves their commits on the caches; greedy and sampled tokens equal eager ones through continuous
+batching (more requests than slots, slots re-occupied); retire points a slot's index at the scratch
+slot; the scratch slot goes back at close and leak-check is clean. CUDA: the same with graphs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from glm5mtp_cli.engine.graphs import EngineGraphs
+from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, make_engine
+from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.speculate import Request
+
+# prompt, max new tokens: different lengths, budgets ending apart
+TEXTS = [("def binary_search(items, target):\n", 14), ("import os\n", 6),
+         ("class Stack:\n    def __init__(self):\n        self.items = []\n", 17), ("x", 9),
+         ("# the sum of a list\ndef total(xs):\n", 12)]
+
+
+@pytest.fixture(scope="module")
+def rt():
+    """The trained glm5next-nano: its drafter is accepted often, so partial KDA commits happen."""
+    return load_runtime("glm5next-nano", "cpu", "fp32", progress=False)
+
+
+def _work(rt):
+    return [(rt.tokenizer.encode(text), n) for text, n in TEXTS]
+
+
+def _run(rt, gamma, mode, slots, sampling=SamplingParams(), device="cpu"):
+    pools = rt.make_pools(64, slots + 2, block_size=4)
+    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=[],
+                         check_invariants=True, graphs=mode, device=device)
+    res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(_work(rt))], batch_size=slots)
+    if mode != "eager":
+        assert engine.runner.graphs is not None, "the static forwards were not built"
+        owners = ["target", "drafter"] if gamma else ["target"]
+        held = sum(p.blocks_held for p in pools.pools.values())
+        assert held == sum(len(pools.owners[o]) for o in owners), "one scratch block or slot per component"
+    engine.close()
+    assert not any(pools.blocks_held().values()), "a block, slot or scratch stayed held"
+    return res
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+@pytest.mark.parametrize("slots", [1, 3])
+def test_static_forwards_equal_eager(rt, gamma, slots):
+    eager = _run(rt, gamma, "eager", slots)
+    static = _run(rt, gamma, "static", slots)
+    assert [r.tokens for r in static] == [r.tokens for r in eager]
+    assert [(r.acceptance.proposed, r.acceptance.accepted) for r in static] == \
+           [(r.acceptance.proposed, r.acceptance.accepted) for r in eager]
+    if gamma:
+        acc = sum(r.acceptance.accepted for r in static)
+        assert 0 < acc < sum(r.acceptance.proposed for r in static)  # partial commits of KDA state ran
+
+
+def test_static_sampling_equals_eager(rt):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    eager = _run(rt, 2, "eager", 3, params)
+    assert [r.tokens for r in _run(rt, 2, "static", 3, params)] == [r.tokens for r in eager]
+
+
+def test_retire_points_the_slot_index_at_scratch_before_the_state_goes_back(rt):
+    pools = rt.make_pools(64, 4, block_size=4)
+    engine = make_engine(rt, pools, gamma=2, max_seq_len=64, eos_ids=[], graphs="static")
+    seen = []
+    real_retire = EngineGraphs.retire
+
+    def spy(self, slot):
+        before = [int(s.index[slot]) for s in self.slot_index["target"].values()]
+        held = {n: set(p._held) for n, p in pools.pools.items()}
+        real_retire(self, slot)
+        for (name, s), was in zip(self.slot_index["target"].items(), before):
+            assert int(s.index[slot]) == s.scratch != was
+            assert was in held[f"target_{name}"]  # the sequence still held the slot it named
+        seen.append(slot)
+
+    EngineGraphs.retire = spy
+    try:
+        engine.generate([Request(p, n, i) for i, (p, n) in enumerate(_work(rt))], batch_size=2)
+    finally:
+        EngineGraphs.retire = real_retire
+    engine.close()
+    assert len(seen) == len(TEXTS) and not any(pools.blocks_held().values())
+
+
+def test_leakcheck_in_static_mode_is_clean(rt):
+    from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, run_leakcheck
+
+    doc = run_leakcheck(rt, LeakCheckConfig(sequences=6, gamma=2, max_new_tokens=6, max_seq_len=64,
+                                            graphs="static", batch_size=2))
+    assert doc["verdict"] == "clean"
+
+
+def test_graph_mode_captures_glm5next_on_cuda(rt):
+    on_cuda = SimpleNamespace(cfg=rt.cfg, dtype=rt.dtype, target=rt.target, comm=None, device=torch.device("cuda"))
+    assert graph_mode(on_cuda, True) == "cuda"
+    assert graph_mode(on_cuda, False) == "eager"
+    assert graph_mode(rt, True) == "eager"  # the CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_cuda_graphs_equal_eager_on_gpu(gamma):
+    grt = load_runtime("glm5next-nano", "cuda", "fp32", progress=False)
+    for slots in (1, 3):
+        want = [r.tokens for r in _run(grt, gamma, "eager", slots, device="cuda")]
+        assert [r.tokens for r in _run(grt, gamma, "cuda", slots, device="cuda")] == want
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
+    """profile's cuda_graphs component for GLM-5-Next: the static inputs, the tables and slot
+    indices, and the outputs a capture owns (with the KDA commit records), as EngineGraphs builds them."""
+    from glm5mtp_cli.diagnostics.sizing import graph_bytes
+
+    pools = rt.make_pools(128, 1, block_size=4)
+    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[], graphs="static")
+    seq = engine.start(Request(_work(rt)[0][0], 20))
+    try:
+        engine._open_graphs([seq], 1)
+        g = engine.runner.graphs
+        (bucket,) = g.buckets.values()
+        held = bucket.idx.nbytes
+        for f in bucket.forwards():
+            held += sum(t.nbytes for t in (f.ids, f.hidden, f.starts, f.rows) if t is not None)
+        held += sum(t.table.nbytes for owner in g.tables.values() for t in owner.values())
+        held += sum(s.index.nbytes for owner in g.slot_index.values() for s in owner.values())
+        out = bucket.verify[gamma].run()
+        held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
+        x = out.pending.inputs
+        held += out.pending.extended.nbytes + sum(t.nbytes for t in (x.q, x.k, x.v, x.g, x.beta))
+        if gamma:
+            held += bucket.draft[gamma].run().nbytes
+        assert held == graph_bytes(rt.cfg, torch.float32, 128, 4, gamma)
+    finally:
+        engine.close()
+        engine.release(seq)
+    assert not any(pools.blocks_held().values())
+
+
+def test_sequence_forward_reads_the_sequences_state_slots(rt):
+    """step_bench's one-sequence static forward (graphs.sequence_forward, what bench captures for
+    the target step) passes the cache's own KDA slots: its logits equal the eager forward's."""
+    from glm5mtp_cli.engine.cache import CachePools
+    from glm5mtp_cli.engine.graphs import sequence_forward
+
+    pools = CachePools.create(rt.cfg, 8, 4, torch.float32, "cpu", with_drafter=False)
+    cache = pools.target_cache()
+    prompt = torch.tensor([_work(rt)[0][0]])
+    rt.target(prompt, [cache])
+    cache.prepare(1)  # commits the prefill's state; room for the step's row
+    n = cache.length
+    f = sequence_forward(rt.target.context, lambda f: rt.target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
+                         cache, 1, torch.device("cpu"))
+    f.ids.fill_(42)
+    f.set_starts([n])
+    static = f.run().logits[0, -1].clone()
+    eager = rt.target(torch.tensor([[42]]), [cache], rows="last").logits[0, -1]
+    torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+    other = rt.target(torch.tensor([[42]]), [pools.target_cache()], rows="last").logits[0, -1]
+    assert not torch.allclose(static, other, atol=1e-3)  # the state read mattered
+    cache.release()
