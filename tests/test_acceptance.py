@@ -110,3 +110,27 @@ def test_humaneval_without_package(monkeypatch):
 def test_bad_flags_one_line(args, needle):
     r = runner.invoke(app, ["acceptance", *args])
     assert r.exit_code == 2 and needle in r.output, r.output
+
+
+def test_runs_in_the_engines_graph_mode(tmp_path, monkeypatch):
+    """acceptance runs the engine in the runtime's graph mode (CUDA graphs on a CUDA device): here the
+    CPU's static forwards stand in for it; every run gets the mode and greedy stays lossless."""
+    import glm5mtp_cli.diagnostics.acceptance as diag
+    import glm5mtp_cli.engine.runtime as runtime
+
+    modes = []
+    real = diag.run_generate
+
+    def spy(*args, **kwargs):
+        modes.append(kwargs.get("graphs"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "graph_mode", lambda rt, cuda_graphs: "static" if cuda_graphs else "eager")
+    monkeypatch.setattr(diag, "run_generate", spy)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    r = runner.invoke(app, ["acceptance", "--prompts", str(prompts), "--gammas", "2", "--temperatures", "0",
+                            "--max-new-tokens", "8", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["graphs"] == "static" and doc["lossless"] is True and modes == ["static", "static"]

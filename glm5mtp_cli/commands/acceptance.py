@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from glm5mtp_cli.commands.generate import check_flags
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, MtpIndexShareOpt,
-                                          ThreadsOpt, apply_mtp_index_share)
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt,
+                                          MtpIndexShareOpt, ThreadsOpt, apply_mtp_index_share)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, read_file
 
@@ -40,6 +40,7 @@ def acceptance_cmd(
     json_out: JsonOpt = False,
     threads: ThreadsOpt = None,
     mtp_index_share: MtpIndexShareOpt = None,
+    cuda_graphs: CudaGraphsOpt = True,
 ) -> None:
     """Mean acceptance length, draft acceptance rate and per-position acceptance (vLLM definitions) at every
     gamma and temperature over one prompt set; greedy speculation is checked against gamma 0.
@@ -76,7 +77,7 @@ def acceptance_cmd(
     import torch
 
     from glm5mtp_cli.engine.run import check_fits
-    from glm5mtp_cli.engine.runtime import load_runtime, set_threads
+    from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, set_threads
 
     set_threads(threads)
     err = Console(stderr=True)
@@ -106,7 +107,7 @@ def acceptance_cmd(
 
         result = sweep(rt, pset, gammas=gamma_list, temperatures=temp_list, max_new_tokens=max_new_tokens, seed=seed,
                        batch_size=batch_size, max_seq_len=rt.cfg.max_position_embeddings, ignore_eos=ignore_eos,
-                       log=step)
+                       graphs=graph_mode(rt, cuda_graphs), log=step)
     argv = ["glm5mtp", "acceptance", "--model", model]
     argv += ["--humaneval"] if humaneval else ["--prompts", str(prompts)]
     if limit is not None:
@@ -117,12 +118,15 @@ def acceptance_cmd(
         argv.append("--ignore-eos")
     if mtp_index_share is not None:
         argv.append("--mtp-index-share" if mtp_index_share else "--no-mtp-index-share")
+    if not cuda_graphs:
+        argv.append("--no-cuda-graphs")
     doc = {
         "command": shlex.join(argv),
         "model": model,
         "model_folder": str(rt.resolved.folder),
         "device": str(rt.device),
         "dtype": str(rt.dtype).replace("torch.", ""),
+        "graphs": graph_mode(rt, cuda_graphs),
         "cpu_threads": torch.get_num_threads() if rt.device.type == "cpu" else None,
         "prompts": {"source": pset.source, "count": len(pset.ids),
                     "prompt_tokens_mean": sum(map(len, pset.token_lists)) / len(pset.ids)},
