@@ -286,10 +286,6 @@ class SequenceCache:
         component is paged (a fixed-size state, e.g. a recurrent one, absorbs every row it sees)."""
         return not self.slots
 
-    @property
-    def holds_blocks(self) -> bool:
-        return any(r.blocks for r in self.rows.values()) or any(s.slot is not None for s in self.slots.values())
-
     def reserve(self, tokens: int) -> None:
         for part in (*self.rows.values(), *self.slots.values()):
             part.reserve(tokens)

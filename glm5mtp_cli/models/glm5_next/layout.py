@@ -117,21 +117,6 @@ def checkpoint_shapes(cfg: NextConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def target_module_key(name: str) -> str | None:
-    """Checkpoint name -> Glm5NextForCausalLM state_dict key (None: not a target tensor)."""
-    if name == LM_HEAD:
-        return LM_HEAD
-    if name.startswith(PREFIX):
-        return name[len(PREFIX):]
-    return None
-
-
-def mtp_module_key(cfg: NextConfig, name: str) -> str | None:
-    """Checkpoint name -> Glm5NextMtpLayer state_dict key (None: not an MTP tensor)."""
-    p = layer_prefix(cfg.mtp_layer_index)
-    return name[len(p):] if name.startswith(p) else None
-
-
 # Tensors computed in fp32 whatever the load dtype (REFERENCE section 10): KDA gate parameters and
 # conv weights, mHC mixing weights, the router and its bias.
 _FP32_SUFFIXES = ("self_attn.A_log", "self_attn.dt_bias", "_conv1d.weight", "mlp.gate.weight",
