@@ -74,7 +74,8 @@ def _print_recommendations(out, recs: list[dict]) -> None:
         out.print("no gamma recommendation: it needs gamma 0 and a fixed gamma > 0 at one batch size")
         return
     for r in recs:
-        measured = "not measured" if r["measured_tokens_per_s"] is None else f"measured {r['measured_tokens_per_s']:.1f}"
+        m = r["measured_tokens_per_s"]
+        measured = "not measured" if m is None else f"measured {m:.1f}"
         out.print(f"recommended gamma {r['best_gamma']} at batch {r['batch']}: predicted "
                   f"{r['predicted_tokens_per_s']:.1f} tokens/s ({measured})")
     out.print("[dim]predicted: decode tokens/s (prefill excluded) = slots x (1 + p_1 + ... + p_g) / (verify + g x "
