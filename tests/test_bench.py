@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -33,6 +34,27 @@ def test_bench_json_rows_and_ratios(spec_ckpt):
         assert row["speedup_vs_gamma0"] == pytest.approx(row["e2e_tokens_per_s"] / rate[(b, 0)], rel=1e-9)
         assert row["speedup_vs_transformers"] == pytest.approx(row["e2e_tokens_per_s"] / rate[(b, None)], rel=1e-9)
     assert doc["draft_step"]["step_ms"] > 0 and doc["draft_step"]["floor_ms"] is None  # no floor on the CPU
+    # the gamma recommendation: gammas 0..2 predicted per batch size, beside each measured glm5mtp row
+    assert [rec["batch"] for rec in doc["recommendation"]] == [1, 2]
+    for rec in doc["recommendation"]:
+        assert len(rec["by_gamma"]) == 3 and rec["predicted_tokens_per_s"] == max(rec["by_gamma"])
+        assert rec["by_gamma"][rec["best_gamma"]] == rec["predicted_tokens_per_s"]
+    for row in doc["rows"]:
+        pred = row["predicted_decode_tokens_per_s"]
+        assert (pred is None) == (row["gamma"] is None)
+        if row["gamma"] == 0:  # E(0) = 1 over gamma 0's own step cost: its measurement
+            assert pred == pytest.approx(row["decode_tokens_per_s"], rel=1e-9)
+
+
+def test_bench_table_prints_the_recommendation(spec_ckpt):
+    folder, _ = spec_ckpt
+    r = CliRunner().invoke(app, ["bench", "--model", str(folder), "--gammas", "0,2", "--batch-sizes", "1",
+                                 "--max-new-tokens", "6", "--repeats", "1", "--no-transformers", "--draft-context",
+                                 "16", "--device", "cpu"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert "pred." in r.output and "decode tokens/s (prefill excluded)" in r.output
+    assert re.search(r"recommended gamma [0-2] at batch 1: predicted [0-9.]+ tokens/s \((measured [0-9.]+|not "
+                     r"measured)\)", r.output), r.output
 
 
 def test_ratios_are_to_the_same_batch_baseline():

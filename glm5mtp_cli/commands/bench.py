@@ -68,6 +68,21 @@ def _print_kernels(out, what: str, step: dict) -> None:
     out.print(t)
 
 
+def _print_recommendations(out, recs: list[dict]) -> None:
+    """diagnostics/recommend.py's best gamma per batch size, decode only."""
+    if not recs:
+        out.print("no gamma recommendation: it needs gamma 0 and a fixed gamma > 0 at one batch size")
+        return
+    for r in recs:
+        m = r["measured_tokens_per_s"]
+        measured = "not measured" if m is None else f"measured {m:.1f}"
+        out.print(f"recommended gamma {r['best_gamma']} at batch {r['batch']}: predicted "
+                  f"{r['predicted_tokens_per_s']:.1f} tokens/s ({measured})")
+    out.print("[dim]predicted: decode tokens/s (prefill excluded) = slots x (1 + p_1 + ... + p_g) / (verify + g x "
+              "draft), the cost line fitted to the measured steps; p_k: the largest gamma's per-position "
+              "acceptance[/dim]")
+
+
 def bench_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     prompts: Annotated[Optional[Path], typer.Option("--prompts",
@@ -152,6 +167,7 @@ def bench_cmd(
 
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers
+    from glm5mtp_cli.diagnostics.recommend import recommend
     from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step,
                                                     fp8_config, random_drafter, target_step)
     from glm5mtp_cli.engine import launch
@@ -193,6 +209,7 @@ def bench_cmd(
             out.print(f"[dim]glm5mtp gamma {g}, batch {batch}[/dim]")
             rows.append(run_glm5mtp(rt, ids, g, batch, c))
     add_ratios(rows)
+    recs = recommend(rows)
     bw = copy_bandwidth(dev)
     drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs, draft_vocab_file,
                          kernels) for k in sizes]
@@ -206,7 +223,8 @@ def bench_cmd(
            "target_step": t_step,
            "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
            "fp8_weights": bool(getattr(cfg, "fp8", False)),
-           "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows, "draft_step": drafts[0],
+           "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows, "recommendation": recs,
+           "draft_step": drafts[0],
            "draft_steps": drafts}
     if json_out:
         sys.stdout.write(json.dumps(doc) + "\n")
@@ -214,20 +232,22 @@ def bench_cmd(
     from glm5mtp_cli.diagnostics.report import fit_table
 
     t = fit_table(out, f"bench on {doc['device']} ({doc['dtype']}), {max_new_tokens} new tokens, medians of {repeats}",
-                  caption="acc len: mean acceptance length; vs g0, vs HF: e2e speedup against gamma 0 and "
+                  caption="acc len: mean acceptance length; pred.: decode tok/s predicted from the per-position "
+                          "acceptance and the step cost line; vs g0, vs HF: e2e speedup against gamma 0 and "
                           "transformers' generate")
-    for col in ("batch", "prompts", "system", "e2e tok/s", "dec tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+    for col in ("batch", "prompts", "system", "e2e tok/s", "dec tok/s", "pred.", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
                 "acc len", "vs g0", "vs HF"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["batch"]), str(r["prompts"]), r["system"], _fmt(r["e2e_tokens_per_s"], ".1f"),
-                  _fmt(r["decode_tokens_per_s"], ".1f"),
+                  _fmt(r["decode_tokens_per_s"], ".1f"), _fmt(r.get("predicted_decode_tokens_per_s"), ".1f"),
                   f"{_fmt(r['ttft_ms_p50'], '.1f')}/{_fmt(r['ttft_ms_p99'], '.1f')}",
                   f"{_fmt(r['tpot_ms_p50'], '.2f')}/{_fmt(r['tpot_ms_p99'], '.2f')}",
                   _fmt(r["mean_acceptance_length"], ".2f"),
                   _fmt(r["speedup_vs_gamma0"], ".2f"), _fmt(r["speedup_vs_transformers"], ".2f"))
     if rows:
         out.print(t)
+        _print_recommendations(out, recs)
     for d in drafts:
         out.print(f"one draft step ({d['timing']}), vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} "
                   f"drafter rows: {d['step_ms']:.3f} ms, reads {d['bytes']['total'] / 1e9:.4f} GB; {_floor(d)}")

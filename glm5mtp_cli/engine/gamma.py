@@ -41,6 +41,16 @@ from collections import deque
 POLICIES = ("fixed", "adaptive")
 
 
+def expected_tokens(rates: list[float], g: int) -> float:
+    """E(g): tokens a step with g drafts emits, from a_k = rates[k-1], the acceptance of draft k given
+    drafts 1..k-1 were accepted (also bench's gamma recommendation, diagnostics/recommend.py)."""
+    total, run = 1.0, 1.0
+    for a in rates[:g]:
+        run *= a
+        total += run
+    return total
+
+
 def bucket_of(active: int) -> int:
     """The cost bucket of a step with `active` sequences: the next power of two."""
     return 1 << max(active - 1, 0).bit_length()
@@ -101,11 +111,7 @@ class GammaPolicy:
         return out
 
     def expected_tokens(self, g: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.rates()[:g]:
-            run *= a
-            total += run
-        return total
+        return expected_tokens(self.rates(), g)
 
     def cost(self, active: int, g: int) -> float | None:
         """Seconds per step at this batch and gamma: measured, else interpolated (None: unknown)."""

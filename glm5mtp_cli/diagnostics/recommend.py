@@ -1,0 +1,72 @@
+"""bench's gamma recommendation: decode tokens/s predicted for every gamma from what one bench measured.
+
+A decode step with g drafts over `slots` sequences emits slots * E(g) tokens in C(g) seconds, so it
+decodes at slots * E(g) / C(g) tokens/s, where
+
+- E(g) = 1 + p_1 + ... + p_g (engine/gamma.py's expected_tokens), p_k the measured per-position
+  acceptance (metrics.Acceptance: the share of steps whose first k drafts were all accepted) of the
+  largest gamma measured at that batch size, so gammas up to it are predicted;
+- C(g) = verify + g * draft, the line fitted (least squares; exact through two points) to the
+  measured steps, each measured step's cost being slots * its mean acceptance length / its decode
+  tokens/s: the wall time per step that the measured decode tokens/s implies, host work between the
+  steps included (the engine's per-step event times leave that out, so they would not predict the
+  measured column).
+
+Decode only: end to end adds the prefill, which gamma does not change (but for the drafter's).
+Only fixed-gamma rows are used: an adaptive row's steps mix gammas, so its cost is no point of C.
+"""
+
+from __future__ import annotations
+
+from glm5mtp_cli.engine.gamma import expected_tokens
+
+
+def conditional_rates(per_position: list[float]) -> list[float]:
+    """a_k = p_k / p_{k-1} (p_0 = 1): draft k's acceptance given drafts 1..k-1 were accepted."""
+    out, prev = [], 1.0
+    for p in per_position:
+        out.append(p / prev if prev > 0 else 0.0)
+        prev = p
+    return out
+
+
+def fit_line(points: dict[int, float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (gamma, seconds per step); >= 2 gammas."""
+    n = len(points)
+    mx = sum(points) / n
+    my = sum(points.values()) / n
+    slope = sum((g - mx) * (c - my) for g, c in points.items()) / sum((g - mx) ** 2 for g in points)
+    return my - slope * mx, slope
+
+
+def predict(per_position: list[float], verify: float, draft: float, slots: int) -> list[float]:
+    """Decode tokens/s for gamma 0..len(per_position) (list index = gamma) from the per-position
+    acceptance and the step cost line (seconds)."""
+    rates = conditional_rates(per_position)
+    return [slots * expected_tokens(rates, g) / (verify + g * draft) for g in range(len(per_position) + 1)]
+
+
+def recommend(rows: list[dict]) -> list[dict]:
+    """One recommendation per batch size that has a gamma-0 row and a fixed gamma > 0 row (else none);
+    sets each row's predicted_decode_tokens_per_s (None where nothing is predicted)."""
+    out = []
+    for r in rows:
+        r["predicted_decode_tokens_per_s"] = None
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        measured = {r["gamma"]: r for r in rows
+                    if r["batch"] == batch and r["gamma"] is not None and r["decode_tokens_per_s"]
+                    and (r["gamma"] == 0 or r["gamma_policy"] == "fixed")}
+        if 0 not in measured or len(measured) < 2:
+            continue
+        top = measured[max(measured)]
+        slots = min(batch, top["prompts"])  # sequences decoding together (fewer prompts than slots: fewer)
+        costs = {g: slots * r["mean_acceptance_length"] / r["decode_tokens_per_s"] for g, r in measured.items()}
+        verify, draft = fit_line(costs)
+        by_gamma = predict(top["per_position"], verify, draft, slots)
+        for g, r in measured.items():
+            r["predicted_decode_tokens_per_s"] = by_gamma[g]
+        best = max(range(len(by_gamma)), key=by_gamma.__getitem__)
+        out.append({"batch": batch, "best_gamma": best, "predicted_tokens_per_s": by_gamma[best],
+                    "measured_tokens_per_s": measured[best]["decode_tokens_per_s"] if best in measured else None,
+                    "by_gamma": by_gamma, "verify_ms": verify * 1e3, "draft_ms": draft * 1e3})
+    return out
