@@ -401,6 +401,23 @@ def test_cli_generate_tp2_equals_tp1(spec_ckpt):
     assert d2["memory"]["weights_bytes"]["lm_head"] * 2 == d1["memory"]["weights_bytes"]["lm_head"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cli_generate_tp2_cuda_graphs_equal_tp1_graphs(tmp_path):
+    """On 2 GPUs: --tp 2 captures its NCCL collectives inside the decode, verify and draft-chain
+    graphs; fp32 greedy tokens equal one GPU's graphs (2 slots, the third prompt re-occupies one)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                               ("def binary_search(items, target):\n", "import os\n\n\ndef read_lines(path):\n",
+                                "class Point:\n")))
+    for gamma in ("0", "3"):
+        args = ["generate", "--model", "glm5-nano", "--prompts", str(prompts), "--batch-size", "2", "--gamma", gamma,
+                "--max-new-tokens", "48", "--ignore-eos", "--json", "--device", "cuda", "--dtype", "fp32"]
+        d1, d2 = _generate_tp1_and_tp2(args)
+        assert d1["graphs"] == d2["graphs"] == "cuda" and d2["tp"] == 2
+        assert [r["tokens"] for r in d2["requests"]] == [r["tokens"] for r in d1["requests"]], gamma
+        assert d2["acceptance"] == d1["acceptance"], gamma
+
+
 @pytest.mark.parametrize("tp, needle", [(3, "does not divide the model's num_attention_heads (4)"),
                                         (0, "--tp must be >= 1")])
 def test_bad_tp_is_one_line(spec_ckpt, tp, needle):
