@@ -1,7 +1,8 @@
 """GLM-5-Next under --tp 2 (gloo, 2 CPU processes, fp32): sharded output equals one device's.
 
 One spawned pair of ranks (a module fixture) runs every section: a random-weight glm5next-tiny
-checkpoint at tp 1 and tp 2 (target and MTP logits, greedy tokens at gamma 0 and 2), the trained
+checkpoint at tp 1 and tp 2 (target and MTP logits, greedy tokens at gamma 0 and 2, static forwards at
+tp 2 against tp 1 eager), the trained
 glm5next-nano (same tokens, same acceptance), the state one sequence holds per rank (KDA slots
 halved, rows whole), pools built for the wrong rank count refused, and generate, leak-check and
 profile as commands on the ranks. Each section returns what it measured; a test per section judges
@@ -29,18 +30,20 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _engine(rt, gamma, tokens=96):
+def _engine(rt, gamma, tokens=96, graphs="eager"):
     from glm5mtp_cli.engine.runtime import make_engine
 
     pools = rt.make_pools(tokens, len(PROMPTS), block_size=4)
-    return make_engine(rt, pools, gamma=gamma, max_seq_len=tokens, eos_ids=[], check_invariants=True), pools
+    return make_engine(rt, pools, gamma=gamma, max_seq_len=tokens, eos_ids=[], check_invariants=True,
+                       graphs=graphs), pools
 
 
-def _generate(rt, gamma, prompts=PROMPTS, new=12):
+def _generate(rt, gamma, prompts=PROMPTS, new=12, graphs="eager", batch=1):
     from glm5mtp_cli.engine.speculate import Request
 
-    engine, pools = _engine(rt, gamma)
-    res = engine.generate([Request(p, new, i) for i, p in enumerate(prompts)])
+    engine, pools = _engine(rt, gamma, graphs=graphs)
+    res = engine.generate([Request(p, new, i) for i, p in enumerate(prompts)], batch_size=batch)
+    engine.close()
     assert not any(pools.blocks_held().values())
     return {"tokens": [r.tokens for r in res], "accepted": sum(r.acceptance.accepted for r in res),
             "proposed": sum(r.acceptance.proposed for r in res)}
@@ -75,6 +78,11 @@ def _section_tiny(comm, folder):
     for gamma in (0, 2):
         for tp, rt in ((1, rt1), (2, rt2)):
             out[f"tp{tp}_gamma{gamma}"] = _generate(rt, gamma)
+    # static forwards (the CUDA-graph path, collectives and KDA slot reads inside) over 2 slots, the
+    # third prompt re-occupying one: tp 2 static against tp 1 eager
+    three = PROMPTS + [[9, 8, 7, 6, 5]]
+    out["static"] = {"tp1_eager": _generate(rt1, 2, three, batch=2),
+                     "tp2_static": _generate(rt2, 2, three, graphs="static", batch=2)}
     return out
 
 
@@ -195,6 +203,7 @@ def test_tp2_random_weights_equal_tp1(tp_group):
     for gamma in (0, 2):
         assert d[f"tp2_gamma{gamma}"] == d[f"tp1_gamma{gamma}"], gamma
     assert d["tp1_gamma2"]["tokens"] == d["tp1_gamma0"]["tokens"]
+    assert d["static"]["tp2_static"] == d["static"]["tp1_eager"] and d["static"]["tp1_eager"]["accepted"] > 0
 
 
 def test_tp2_trained_drafter_accepts_as_at_tp1(tp_group):

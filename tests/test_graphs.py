@@ -94,6 +94,19 @@ def test_cuda_graphs_need_cuda(rt):
         make_engine(rt, pools, gamma=1, max_seq_len=64, graphs="cuda")
 
 
+def test_graph_mode_captures_under_tp_on_cuda(rt):
+    """--tp on CUDA captures (the NCCL collectives go inside the graphs); gloo on the CPU stays eager."""
+    from dataclasses import replace
+
+    from glm5mtp_cli.engine.parallel import Comm
+    from glm5mtp_cli.engine.runtime import graph_mode
+
+    on_cuda = replace(rt, comm=Comm(0, 2), device=torch.device("cuda"))
+    assert graph_mode(on_cuda, True) == "cuda"
+    assert graph_mode(on_cuda, False) == "eager"
+    assert graph_mode(replace(rt, comm=Comm(0, 2)), True) == "eager"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
     folder, _ = spec_ckpt

@@ -2,7 +2,8 @@
 
 One spawned pair of ranks (a module fixture) runs every in-process section: on spec_ckpt loading
 (slices only), logits, the argmax exchange, greedy identity for gamma 0 and 3 with equal first-step
-drafts, sampled drafts in lockstep, the missing all-reduce failure mode; random weights at tp 1 and
+drafts, sampled drafts in lockstep, static forwards (the CUDA-graph path) against tp 1 eager, the
+missing all-reduce failure mode; random weights at tp 1 and
 2; the trained model's drafter without its all-reduces. Each section returns what it measured and a
 test per section judges it. The CLI is checked end to end (the launcher: `generate --tp 2`, an
 error raised on a rank).
@@ -159,6 +160,43 @@ def _section_sampling(comm, c):
             "drafts_per_rank": comm.all_gather(drafts[None], dim=0).tolist()}
 
 
+STATIC_REQUESTS = [([3, 17, 99, 4, 250], 14), (list(range(10, 40)), 9), ([7, 7, 7] + list(range(60, 72)), 16)]
+
+
+def _modes_run(rt, gamma, mode, sampling=None):
+    """STATIC_REQUESTS through 2 slots (the third request re-occupies a slot) in a forward mode;
+    -> tokens, (proposed, accepted) per request, and whether the static forwards were built."""
+    from glm5mtp_cli.engine.sampling import SamplingParams
+    from glm5mtp_cli.engine.runtime import make_engine
+    from glm5mtp_cli.engine.speculate import Request
+
+    pools = rt.make_pools(128, 2, block_size=4)
+    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling or SamplingParams(), max_seq_len=128,
+                         eos_ids=[], check_invariants=True, graphs=mode)
+    res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(STATIC_REQUESTS)], batch_size=2)
+    built = engine.runner.graphs is not None
+    engine.close()
+    return {"tokens": [r.tokens for r in res], "counts": [[r.acceptance.proposed, r.acceptance.accepted] for r in res],
+            "built": built}
+
+
+def _section_static(comm, c):
+    """The static forwards (what CUDA graphs replay, run eagerly: gloo cannot be captured) under tp 2,
+    their collectives inside, against tp 1 eager: greedy at gamma 0 and 3; sampled, every rank's own."""
+    from glm5mtp_cli.engine.sampling import SamplingParams
+
+    out = {}
+    for gamma in (0, 3):
+        out[f"gamma{gamma}"] = {"tp1_eager": _modes_run(c["rt1"], gamma, "eager"),
+                                "tp2_static": _modes_run(c["rt2"], gamma, "static")}
+    samp = SamplingParams(temperature=0.8, seed=7)
+    static = _modes_run(c["rt2"], 3, "static", samp)
+    flat = torch.tensor([t for seq in static["tokens"] for t in seq])
+    out["sampled"] = {"eager": _modes_run(c["rt2"], 3, "eager", samp)["tokens"], "static": static["tokens"],
+                      "per_rank": comm.all_gather(flat[None], dim=0).tolist()}
+    return out
+
+
 def _section_stripped(comm, c):
     """The head's sharded layers without their all-reduces draft from partial sums (mutates rt2's MTP
     layer: the last section on spec_ckpt)."""
@@ -209,7 +247,7 @@ def _section_trained(comm, c):
     return {"stripped": stripped, "good_mal": good_mal, "bad_mal": bad_mal, "same_tokens": good_tokens == bad_tokens}
 
 
-SECTIONS = ["loading", "logits", "argmax", "greedy", "sampling", "stripped", "random_weights", "trained"]
+SECTIONS = ["loading", "logits", "argmax", "greedy", "sampling", "static", "stripped", "random_weights", "trained"]
 
 
 def _rank_sections(folder: str, out_dir: str) -> None:
@@ -223,7 +261,7 @@ def _rank_sections(folder: str, out_dir: str) -> None:
     ctx = None
     for name in SECTIONS:
         try:
-            if ctx is None and name in SECTIONS[:6]:
+            if ctx is None and name in SECTIONS[:7]:
                 ctx = _spec_models(folder, comm)
             report[name] = globals()[f"_section_{name}"](comm, ctx)
         except Exception:
@@ -301,6 +339,20 @@ def test_tp2_sampling_in_lockstep(tp_group):
     assert d["drafts_per_rank"][0] == d["drafts_per_rank"][1] and len(d["drafts_per_rank"][0]) == 3
 
 
+def test_tp2_static_forwards_equal_tp1_eager(tp_group):
+    """Static mode under --tp: the graph code path with its collectives inside gives tp 1's tokens
+    and acceptance (fp32, greedy, 2 slots, one re-occupied); sampled, the ranks agree and equal eager."""
+    d = _section(tp_group, "static")
+    for gamma in (0, 3):
+        one, two = d[f"gamma{gamma}"]["tp1_eager"], d[f"gamma{gamma}"]["tp2_static"]
+        assert two["built"] and not one["built"]
+        assert two["tokens"] == one["tokens"] and two["counts"] == one["counts"], gamma
+    acc = sum(a for _, a in d["gamma3"]["tp1_eager"]["counts"])
+    assert 0 < acc < sum(p for p, _ in d["gamma3"]["tp1_eager"]["counts"])  # accepted and rejected paths ran
+    s = d["sampled"]
+    assert s["static"] == s["eager"] and s["per_rank"][0] == s["per_rank"][1]
+
+
 def test_tp2_drafter_without_all_reduce_stays_lossless(tp_group):
     """The failure mode: the head's sharded layers without their all-reduces draft from partial sums.
     Output stays the target's (lossless), but the drafts change and acceptance does not rise."""
@@ -347,6 +399,23 @@ def test_cli_generate_tp2_equals_tp1(spec_ckpt):
     assert d2["requests"][0]["tokens"] == d1["requests"][0]["tokens"]
     assert d2["acceptance"]["accepted"] == d1["acceptance"]["accepted"]
     assert d2["memory"]["weights_bytes"]["lm_head"] * 2 == d1["memory"]["weights_bytes"]["lm_head"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cli_generate_tp2_cuda_graphs_equal_tp1_graphs(tmp_path):
+    """On 2 GPUs: --tp 2 captures its NCCL collectives inside the decode, verify and draft-chain
+    graphs; fp32 greedy tokens equal one GPU's graphs (2 slots, the third prompt re-occupies one)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                               ("def binary_search(items, target):\n", "import os\n\n\ndef read_lines(path):\n",
+                                "class Point:\n")))
+    for gamma in ("0", "3"):
+        args = ["generate", "--model", "glm5-nano", "--prompts", str(prompts), "--batch-size", "2", "--gamma", gamma,
+                "--max-new-tokens", "48", "--ignore-eos", "--json", "--device", "cuda", "--dtype", "fp32"]
+        d1, d2 = _generate_tp1_and_tp2(args)
+        assert d1["graphs"] == d2["graphs"] == "cuda" and d2["tp"] == 2
+        assert [r["tokens"] for r in d2["requests"]] == [r["tokens"] for r in d1["requests"]], gamma
+        assert d2["acceptance"] == d1["acceptance"], gamma
 
 
 @pytest.mark.parametrize("tp, needle", [(3, "does not divide the model's num_attention_heads (4)"),

@@ -28,8 +28,8 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", metavar="N", help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the cores, at most 4: "
                       "torch's own default, every core, collapses when another process is busy).")]
 CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
-                                             help="On one CUDA device, replay decode, verify and draft forwards as "
-                                                  "CUDA graphs (ignored on the CPU and under --tp).")]
+                                             help="On CUDA (one device, or every rank under --tp), replay decode, "
+                                                  "verify and draft forwards as CUDA graphs (ignored on the CPU).")]
 MtpIndexShareOpt = Annotated[Optional[bool], typer.Option(
     "--mtp-index-share/--no-mtp-index-share", metavar="",
     help="GLM-5-Next: chained draft steps reuse the pool top-k of the propose's first draft row (on) or score "

@@ -140,7 +140,10 @@ class StaticForward:
 
     def capture(self, mempool) -> None:
         """Warm up on a side stream (allocator, cuBLAS workspaces, Triton compiles), then capture.
-        The warm-up writes rows where the buffers point: the scratch block at engine start."""
+        The warm-up writes rows where the buffers point: the scratch block at engine start. Under
+        --tp the forward's collectives run for real in the warm-up and are recorded in the capture:
+        every rank captures the same forwards in the same order (EngineGraphs: buckets and gammas
+        from the engine's arguments alone), so the warm-ups' collectives pair up across ranks."""
         side = _warmup_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -8,7 +8,8 @@ Errors: inputs are validated before spawning (flags, --tp against the model's si
 available). A UserError on any rank is sent to the parent, which prints it as the usual one line
 and exits non-zero; when one rank dies the others are terminated (no rank waits forever in a
 collective), and the process group has a timeout (GLM5MTP_TP_TIMEOUT_S, default 600) as a second
-guard. Ctrl-C terminates every rank. NCCL runs with NCCL_NVLS_ENABLE=0 (NVLink multicast off).
+guard. Ctrl-C terminates every rank. NCCL runs with NCCL_NVLS_ENABLE=0 (NVLink multicast off) and
+its communicator created at init (the engine captures collectives into CUDA graphs).
 """
 
 from __future__ import annotations
@@ -107,9 +108,16 @@ def rank_comm(tp: int, device: str) -> Comm | None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=_timeout())
+        dist.init_process_group(backend, timeout=_timeout(), device_id=_eager_device(backend, local))
     _COMM = Comm(rank, world, None, local)
     return _COMM
+
+
+def _eager_device(backend: str, local: int) -> torch.device | None:
+    """NCCL: the rank's GPU, so init_process_group creates the communicator now rather than at the
+    first collective, which may be inside a CUDA-graph capture, where it cannot be created
+    (parallel.Comm)."""
+    return torch.device("cuda", local) if backend == "nccl" else None
 
 
 def _silence() -> None:
@@ -181,7 +189,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, fn, kwargs: dict,
     code = 0
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), device_id=_eager_device(backend, rank))
         _COMM = Comm(rank, world, None, rank)
         fn(**kwargs)
         dist.barrier(device_ids=[rank]) if backend == "nccl" else dist.barrier()

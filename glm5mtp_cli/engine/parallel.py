@@ -25,10 +25,22 @@ from glm5mtp_cli.errors import UserError
 
 Plan = dict[str, tuple[int, int, int]]  # checkpoint name -> (dim, start, stop) of this rank's slice
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; the GPU image's
+# 2.11 has only the old name
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class Comm:
-    """This process's place in the tensor-parallel group and the collectives the model uses."""
+    """This process's place in the tensor-parallel group and the collectives the model uses.
+
+    all_reduce_sum, all_gather and argmax run inside the engine's static forwards, so on NCCL they
+    are captured into CUDA graphs (engine/graphs.py): fixed shapes, no host reads, no group created
+    inside. NCCL (>= 2.9) captures a collective when the launch is captured on every rank of the
+    communicator and each rank replays the graph from that same capture; torch's NCCL group
+    creates its communicator lazily, at the first collective, which cannot happen inside a capture,
+    so launch.py creates it eagerly (init_process_group's device_id). broadcast_int reads the host:
+    it runs between graphs (the adaptive gamma's host step), never inside one."""
 
     rank: int
     world: int
@@ -41,12 +53,15 @@ class Comm:
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's `t` (same shape on all ranks) along `dim`, in rank order."""
+        """Concatenate every rank's `t` (same shape on all ranks) along `dim`, in rank order. One
+        collective into one flat buffer (no list of outputs, which NCCL fills by a staging copy), so
+        it captures into a CUDA graph like all_reduce."""
         if self.world == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        flat = t.contiguous().reshape(-1)
+        out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
+        _gather_single(out, flat, group=self.group)
+        return torch.cat(out.view(self.world, *t.shape).unbind(0), dim=dim)
 
     def argmax(self, local_logits: torch.Tensor, vocab_start: int) -> torch.Tensor:
         """Global argmax over the last dim of vocabulary-sharded logits, exchanging only a (max, index)

@@ -196,11 +196,13 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
 
 
 def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:
-    """The engine's forward mode: CUDA graphs on one CUDA device unless switched off; eager on the
-    CPU, under --tp (whose collectives run outside graphs) and for a model with fixed-size state
-    slots whose forwards cannot read them through slot indices (graphs.takes_slots; GLM-5-Next's can)."""
+    """The engine's forward mode: CUDA graphs on CUDA unless switched off, under --tp too (each rank
+    captures the same forwards in the same order, its NCCL collectives inside: parallel.Comm);
+    eager on the CPU (gloo collectives cannot be captured; static mode runs there only when asked,
+    as the tests do) and for a model with fixed-size state slots whose forwards cannot read them
+    through slot indices (graphs.takes_slots; GLM-5-Next's can)."""
     slots = any(c.kind == SLOT for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype))
-    if cuda_graphs and rt.device.type == "cuda" and rt.comm is None and (not slots or takes_slots(rt.target)):
+    if cuda_graphs and rt.device.type == "cuda" and (not slots or takes_slots(rt.target)):
         return "cuda"
     return "eager"
 
