@@ -15,8 +15,8 @@ has `warm` measurements, so both ends of the cost line are known. When g = 0 win
 not pay, e.g. at large batches where verifying g + 1 rows costs g + 1 times one row), a step at
 --gamma is still run after `probe_every` steps at 0 so a change in acceptance or cost can turn
 drafting back on; each probe that does not, doubles that gap (up to `probe_max`), since a probe
-costs a drafter catch-up of every row since the last one. This is TensorRT-LLM's rolling-acceptance switch generalised from on/off to 0..gamma with
-measured costs.
+costs a drafter catch-up of every row since the last one. This is TensorRT-LLM's rolling-acceptance
+switch generalised from on/off to 0..gamma with measured costs.
 
 What a cost holds, and why. A step without drafts leaves its row pending for the drafter; the next
 drafting step must first feed the drafter every row it missed. That catch-up is not the price of
