@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 
 import pytest
 import torch
 from typer.testing import CliRunner
+
+sys.path.insert(0, os.path.dirname(__file__))
+import rank_sections  # noqa: E402
 
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.engine import launch
@@ -173,27 +177,11 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp_group(ckpt, tmp_path_factory):
     """Every section's report per rank, from one spawned pair of ranks."""
-    out = tmp_path_factory.mktemp("gn_tp_group")
-    failure = None
-    try:
-        launch.spawn(2, "gloo", _rank_sections, {"folder": ckpt, "out_dir": str(out)})
-    except BaseException as e:  # the sections that finished still count; the rest fail with this
-        failure = f"{type(e).__name__}: {e}"
-    reports = []
-    for rank in range(2):
-        p = out / f"rank{rank}.json"
-        reports.append(json.loads(p.read_text()) if p.exists() else {})
-    return reports, failure
+    return rank_sections.spawn(_rank_sections, ckpt, tmp_path_factory.mktemp("gn_tp_group"))
 
 
 def _section(tp_group, name: str, rank: int = 0) -> dict:
-    reports, failure = tp_group
-    for r, rep in enumerate(reports):
-        if name not in rep:
-            pytest.fail(f"section {name} did not finish on rank {r}: {failure or 'no report'}")
-        if rep[name].get("error"):
-            pytest.fail(f"section {name} raised on rank {r}:\n{rep[name]['error']}")
-    return reports[rank][name]
+    return rank_sections.section(tp_group, name, rank)
 
 
 def test_tp2_random_weights_equal_tp1(tp_group):

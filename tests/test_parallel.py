@@ -21,6 +21,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+sys.path.insert(0, os.path.dirname(__file__))
+import rank_sections  # noqa: E402
+
 from glm5mtp_cli.engine import launch
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.errors import UserError
@@ -274,27 +277,11 @@ def _rank_sections(folder: str, out_dir: str) -> None:
 def tp_group(spec_ckpt, tmp_path_factory):
     """Every section's report per rank, from one spawned pair of ranks."""
     folder, _ = spec_ckpt
-    out = tmp_path_factory.mktemp("tp_group")
-    failure = None
-    try:
-        launch.spawn(2, "gloo", _rank_sections, {"folder": str(folder), "out_dir": str(out)})
-    except BaseException as e:  # the sections that finished still count; the rest fail with this
-        failure = f"{type(e).__name__}: {e}"
-    reports = []
-    for rank in range(2):
-        p = out / f"rank{rank}.json"
-        reports.append(json.loads(p.read_text()) if p.exists() else {})
-    return reports, failure
+    return rank_sections.spawn(_rank_sections, str(folder), tmp_path_factory.mktemp("tp_group"))
 
 
 def _section(tp_group, name: str, rank: int = 0) -> dict:
-    reports, failure = tp_group
-    for r, rep in enumerate(reports):
-        if name not in rep:
-            pytest.fail(f"section {name} did not finish on rank {r}: {failure or 'no report'}")
-        if "error" in rep[name]:
-            pytest.fail(f"section {name} raised on rank {r}:\n{rep[name]['error']}")
-    return reports[rank][name]
+    return rank_sections.section(tp_group, name, rank)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

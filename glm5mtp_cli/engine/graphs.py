@@ -281,9 +281,8 @@ class EngineGraphs:
                 blocks = cache.rows[name].blocks
                 if len(blocks) > t.table.shape[1]:
                     raise RuntimeError(f"{owner} {name}: {len(blocks)} blocks, over the tables' {t.table.shape[1]}")
-                row = torch.full((t.table.shape[1],), t.scratch, dtype=torch.long)
-                row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-                t.table[slot].copy_(to_device(row.tolist(), self.device), non_blocking=True)
+                row = list(blocks) + [t.scratch] * (t.table.shape[1] - len(blocks))
+                t.table[slot].copy_(to_device(row, self.device), non_blocking=True)
             for name, s in self.slot_index.get(owner, {}).items():
                 s.index[slot] = cache.slots[name].slot
 

@@ -186,6 +186,19 @@ def shard_linear(lin: nn.Linear, dim: int, start: int, stop: int, name: str, pla
         lin.in_features = stop - start
 
 
+def shard_mla_heads(attn: nn.Module, heads: int, qk: int, kv: int, v: int, prefix: str, comm: Comm,
+                    plan: Plan) -> int:
+    """MLA split by heads (both families): q_b (qk rows a head) and kv_b (kv rows a head) column
+    parallel, o_proj row parallel (v columns a head) followed by the attention's all-reduce; the
+    latent projections stay whole. Returns this rank's head count."""
+    h0, h1 = split_even(heads, comm.rank, comm.world)
+    shard_linear(attn.q_b_proj, 0, h0 * qk, h1 * qk, prefix + "q_b_proj", plan)
+    shard_linear(attn.kv_b_proj, 0, h0 * kv, h1 * kv, prefix + "kv_b_proj", plan)
+    shard_linear(attn.o_proj, 1, h0 * v, h1 * v, prefix + "o_proj", plan)
+    attn.comm = comm
+    return h1 - h0
+
+
 def shard_mlp(mlp: nn.Module, prefix: str, comm: Comm, plan: Plan, reduce: bool) -> None:
     """SwiGLU: gate/up column parallel, down row parallel; `reduce`: the MLP sums over ranks itself
     (a shared expert leaves it to its MoE's one all-reduce)."""

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from glm5mtp_cli.engine.parallel import Comm, Plan, shard_linear, shard_mlp, shard_moe, split_even, vocab_parallel
+from glm5mtp_cli.engine.parallel import Comm, Plan, shard_mla_heads, shard_mlp, shard_moe, vocab_parallel
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.glm5.attention import MLAttention
 from glm5mtp_cli.models.glm5.config import ModelConfig
@@ -45,15 +45,8 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 # ---- sharding a (meta) model ----------------------------------------------------------------------
 
 def _shard_attention(attn: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
-    heads = attn.n_heads
-    h0, h1 = split_even(heads, comm.rank, comm.world)
-    qk = attn.nope + attn.rope
-    kv = attn.nope + attn.v_dim
-    shard_linear(attn.q_b_proj, 0, h0 * qk, h1 * qk, prefix + "q_b_proj", plan)
-    shard_linear(attn.kv_b_proj, 0, h0 * kv, h1 * kv, prefix + "kv_b_proj", plan)
-    shard_linear(attn.o_proj, 1, h0 * attn.v_dim, h1 * attn.v_dim, prefix + "o_proj", plan)
-    attn.n_heads = h1 - h0
-    attn.comm = comm
+    attn.n_heads = shard_mla_heads(attn, attn.n_heads, attn.nope + attn.rope, attn.nope + attn.v_dim, attn.v_dim,
+                                   prefix, comm, plan)
 
 
 def _shard_layer(layer: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:

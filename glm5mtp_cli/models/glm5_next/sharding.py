@@ -29,7 +29,8 @@ import math
 
 from torch import nn
 
-from glm5mtp_cli.engine.parallel import Comm, Plan, shard_linear, shard_mlp, shard_moe, shard_param, split_even, vocab_parallel
+from glm5mtp_cli.engine.parallel import (Comm, Plan, shard_linear, shard_mla_heads, shard_mlp, shard_moe, shard_param,
+                                         split_even, vocab_parallel)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.glm5.layers import MoE
 from glm5mtp_cli.models.glm5_next.config import NextConfig
@@ -66,14 +67,8 @@ def _shard_kda(attn: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
 
 
 def _shard_mla(attn: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
-    h0, h1 = split_even(attn.heads, comm.rank, comm.world)
     qk = attn.q_b_proj.weight.shape[0] // attn.heads
-    kv = attn.dn + attn.dv
-    shard_linear(attn.q_b_proj, 0, h0 * qk, h1 * qk, prefix + "q_b_proj", plan)
-    shard_linear(attn.kv_b_proj, 0, h0 * kv, h1 * kv, prefix + "kv_b_proj", plan)
-    shard_linear(attn.o_proj, 1, h0 * attn.dv, h1 * attn.dv, prefix + "o_proj", plan)
-    attn.heads = h1 - h0
-    attn.comm = comm
+    attn.heads = shard_mla_heads(attn, attn.heads, qk, attn.dn + attn.dv, attn.dv, prefix, comm, plan)
 
 
 def _shard_mlp(mlp: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
