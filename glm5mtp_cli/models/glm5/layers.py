@@ -15,6 +15,7 @@ from torch import nn
 
 from kernels.fp8_block import fp8_block_dequant_ref
 from kernels.moe import moe_experts, moe_experts_fp8
+from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
 from kernels.rmsnorm import rmsnorm
 
 from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, scale_grid
@@ -134,6 +135,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
+        if self._on_kernels(x, n * k):
+            x = x.contiguous()
+            return self._grouped(x, weights, ids) if pays(n * k, self.n_experts) else self._gemv(x, weights, ids)
         if n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
             return self._gathered(x, weights, ids)
         return self._looped(x, weights, ids)
@@ -143,26 +147,35 @@ class Experts(nn.Module):
         local = ids - self.offset
         mine = (local >= 0) & (local < self.n_experts)
         n, k = ids.shape
-        if n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
+        kernels = self._on_kernels(x, n * k)
+        if kernels and pays(n * k, self.n_experts):
+            return self._grouped(x.contiguous(), weights, torch.where(mine, local, self.n_experts))  # E: skipped
+        if kernels or n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
             # Other ranks' pairs point at a clamped local expert with weight 0 (no host sync).
-            return self._gathered(x, weights * mine, local.clamp(0, self.n_experts - 1))
+            weights, ids = weights * mine, local.clamp(0, self.n_experts - 1)
+            return self._gemv(x.contiguous(), weights, ids) if kernels else self._gathered(x, weights, ids)
         return self._looped(x, weights, torch.where(mine, local, self.n_experts))
 
+    def _on_kernels(self, x, pairs: int) -> bool:
+        """CUDA reads the stacks in place (kernels/moe.py, kernels/moe_grouped.py) when they share
+        x's dtype; the GEMV kernels have no SwiGLU clamp, so a clamped layer uses them only grouped."""
+        return x.is_cuda and self._kernel_reads(x) and (self.swiglu_limit is None or pays(pairs, self.n_experts))
+
     def _gathered(self, x, weights, ids):
-        if x.is_cuda and self._kernel_reads(x) and self.swiglu_limit is None:  # the kernel has no clamp
-            # kernels/moe.py reads each chosen expert in place (the gather below copies it first)
-            return self._kernel(x.contiguous(), weights, ids)
         gate, up, down = self._weights(ids, x.dtype)  # [N, k, ...]
         h = swiglu(torch.einsum("nh,nkih->nki", x, gate), torch.einsum("nh,nkih->nki", x, up), self.swiglu_limit)
         out = torch.einsum("nki,nkhi->nkh", h, down)
         return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
 
     def _kernel_reads(self, x) -> bool:
-        """Whether kernels/moe.py can read the stacks for activations x (they must share its dtype)."""
+        """Whether the kernels can read the stacks for activations x (they must share its dtype)."""
         return x.dtype == self.gate.dtype
 
-    def _kernel(self, x, weights, ids):
+    def _gemv(self, x, weights, ids):
         return moe_experts(x, self.gate, self.up, self.down, weights, ids)
+
+    def _grouped(self, x, weights, ids):
+        return moe_experts_grouped(x, self.gate, self.up, self.down, weights, ids, self.swiglu_limit)
 
     def _weights(self, index, dtype: torch.dtype):
         """(gate, up, down) of the experts `index` picks, as stored (dtype is for FP8 stacks, models/fp8.py)."""
@@ -215,9 +228,13 @@ class Fp8Experts(Experts):
     def _kernel_reads(self, x) -> bool:
         return True  # the FP8 kernel takes any activation dtype
 
-    def _kernel(self, x, weights, ids):
+    def _gemv(self, x, weights, ids):
         return moe_experts_fp8(x, self.gate, self.gate_scale_inv, self.up, self.up_scale_inv, self.down,
                                self.down_scale_inv, weights, ids, self.block)
+
+    def _grouped(self, x, weights, ids):
+        return moe_experts_grouped_fp8(x, self.gate, self.gate_scale_inv, self.up, self.up_scale_inv, self.down,
+                                       self.down_scale_inv, weights, ids, self.block, self.swiglu_limit)
 
     def _weights(self, index, dtype: torch.dtype):
         """Only the chosen experts dequantized (fp32 products, then `dtype`): [N, k, ...] or one expert's."""
