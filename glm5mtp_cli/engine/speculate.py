@@ -96,7 +96,10 @@ class LiveSequence:
     t0: object
     all_tokens: list[int] = field(default_factory=list)  # prompt + every accepted token (untruncated)
     last: int = 0  # t[n]: newest accepted token, not yet in the target cache
-    last_dev: torch.Tensor | None = None  # the same token as a [1] device tensor (next verify input)
+    # the same token on the device (next verify input): row last_i of last_src, the whole batch's
+    # [A] tokens of the step that made it, so an unchanged batch feeds its next verify with no copy
+    last_src: torch.Tensor | None = None
+    last_i: int = 0
     pend_tokens: torch.Tensor | None = None
     pend_hidden: torch.Tensor | None = None
     backlog: list = field(default_factory=list)  # (token [1], hidden [1, H]) per step without drafts since the last drafting one
@@ -107,6 +110,10 @@ class LiveSequence:
     slot: int | None = None  # the engine slot it holds (its rows of the graphs' block tables)
     gen: torch.Generator | None = None  # its own random stream (sampling)
     arrive: object = None  # clock mark of the generate call that brought it
+
+    @property
+    def last_dev(self) -> torch.Tensor:
+        return self.last_src[self.last_i:self.last_i + 1]
 
 
 class SpecEngine:
@@ -339,7 +346,7 @@ class SpecEngine:
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             req, p, d = seq.req, len(seq.req.prompt), drafted[i]
             seq.last = firsts[i]
-            seq.last_dev = first[i:i + 1]
+            seq.last_src, seq.last_i = first, i
             if seq.state is not None:
                 seq.pend_tokens = seq.last_dev
                 seq.pend_hidden = hiddens[i][-1:]
@@ -452,7 +459,7 @@ class SpecEngine:
                 for s in active:
                     assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
         v0 = self.clock.now()
-        last = torch.cat([s.last_dev for s in active])  # already on the device: no copy from the host
+        last = self._last_tokens(active)
         if chains:
             drafts = torch.stack([c.tokens for c in chains])
             ids = torch.cat([last[:, None], drafts], dim=1)
@@ -476,7 +483,7 @@ class SpecEngine:
             a = accepted[i]
             new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
             s.cache.truncate(starts[i] + a + 1)
-            s.last_dev = nxt_dev[i:i + 1]
+            s.last_src, s.last_i = nxt_dev, i
             if s.state is not None and chains:
                 self.head.after_verify(a, s.state)
                 # the accepted drafts and the target's token, from device tensors (no host copy)
@@ -492,9 +499,18 @@ class SpecEngine:
             s.all_tokens.extend(new)
             before = len(s.out)
             s.out.extend(new)
-            self._maybe_finish(s)
+            self._maybe_finish(s, before)
             if self.on_tokens is not None and len(s.out) > before:
                 self.on_tokens(s.req.request_id, s.out[before:])
+
+    @staticmethod
+    def _last_tokens(active: list[LiveSequence]) -> torch.Tensor:
+        """The active sequences' newest tokens [A] on the device: the previous step's tensor itself
+        when the batch is unchanged (the common step), else gathered row by row."""
+        src = active[0].last_src
+        if src.shape[0] == len(active) and all(s.last_src is src and s.last_i == i for i, s in enumerate(active)):
+            return src
+        return torch.cat([s.last_dev for s in active])
 
     def _accept(self, drafts, chains, logits, counts, gens):
         """(accepted, next token, draft ids) per sequence on the host, and the next tokens on the
@@ -524,11 +540,12 @@ class SpecEngine:
         nxt_dev = torch.tensor(nxt, dtype=torch.long, device=logits.device)
         return acc, nxt, None if drafts is None else drafts.tolist(), nxt_dev
 
-    def _maybe_finish(self, s: LiveSequence) -> None:
+    def _maybe_finish(self, s: LiveSequence, fresh_from: int = 0) -> None:
+        """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""
         req = s.req
         del s.out[req.max_new_tokens:]  # a verify step may accept past the budget
-        for j, t in enumerate(s.out):
-            if t in self.eos:
+        for j in range(fresh_from, len(s.out)):
+            if s.out[j] in self.eos:
                 del s.out[j + 1:]
                 s.done = "eos"
                 break
