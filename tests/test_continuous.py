@@ -212,19 +212,36 @@ def test_prompts_of_different_lengths_prefilled_together_equal_alone(family, mod
         assert set(admission) == {1}
 
 
-def test_continuous_admits_once_an_eighth_of_the_slots_is_free(glm5):
+def test_continuous_admits_once_idle_slots_cost_what_an_admission_does(glm5):
     engine, _ = _glm5_engine(glm5, 0, 1)
-    assert not engine._admit_now(free=7, slots=64, waiting=100, running=True)
+    engine._admission_s, engine._idle_s = 0.010, 0.0  # the last admission stalled the batch for 10 ms
+    assert not engine._admit_now(free=8, slots=64, waiting=100, running=True)
+    engine._idle_s = 0.010 * 56 - 1e-6  # just under 56 running sequences x 10 ms
+    assert not engine._admit_now(free=8, slots=64, waiting=100, running=True)
+    engine._idle_s = 0.010 * 56
     assert engine._admit_now(free=8, slots=64, waiting=100, running=True)
+    engine._idle_s = 0.0
     assert engine._admit_now(free=3, slots=64, waiting=3, running=True)  # the last requests
     assert engine._admit_now(free=1, slots=64, waiting=100, running=False)  # nothing would run
-    assert engine._admit_now(free=1, slots=8, waiting=100, running=True)
     engine.schedule = "static"
+    engine._idle_s = 1.0
     assert not engine._admit_now(free=63, slots=64, waiting=100, running=True)
     engine.close()
 
 
-def test_more_slots_than_an_eighth_can_wait_still_equal_alone(glm5):
-    engine, pools = _glm5_engine(glm5, 2, 9)  # 9 slots: admits once 2 are free
+def test_idle_slot_seconds_accrue_per_step_and_reset_at_admission(glm5):
+    engine, pools = _glm5_engine(glm5, 0, 4)
+    seen = []  # (idle, last admission) each time the rule is asked while sequences run
+    rule = engine._admit_now
+    engine._admit_now = lambda free, slots, waiting, running: (
+        running and seen.append((engine._idle_s, engine._admission_s))) or rule(free, slots, waiting, running)
+    work = [(p, n) for p, n in zip([[5, 17, 99], [7, 7], [3, 4, 5, 6], [9], [11, 12]] * 2, [2, 9, 4, 6, 3] * 2)]
+    _run(engine, pools, 4, work=work)
+    assert seen and all(a > 0 for _, a in seen)
+    assert any(i > 0 for i, _ in seen)  # free slots accrue idle time between admissions
+
+
+def test_admissions_that_wait_for_idle_slots_still_equal_alone(glm5):
+    engine, pools = _glm5_engine(glm5, 2, 9)
     work = WORK * 2
     assert [r.tokens for r in _run(engine, pools, 9, work=work)] == _alone("glm5", glm5, 2, work=work)

@@ -9,11 +9,15 @@ Gamma 0 runs this same loop without a drafter: the baseline.
 
 Scheduling (`generate`): one step loop over a fixed number of slots (the batch size). Between decode
 steps, waiting requests are admitted into free slots, in batches of at most --prefill-tokens prompt
-tokens whose prompts share prefill forwards (engine/prefill.py); the schedule decides when:
-"continuous" once an eighth of the slots (rounded up; or every waiting request's worth) is free, or
-nothing runs (an eager prefill forward is launch-bound for short prompts, ~10 ms on the H200 for
-glm5-nano whatever its rows: one per finishing request would stall a 64-slot batch's ~1 ms steps),
-"static" only when every slot is free (the old batch-by-batch behaviour, kept for comparison). Each request samples from its own stream (sampling.request_stream), so what it
+tokens whose prompts share prefill forwards (engine/prefill.py); the schedule decides when.
+"continuous" rents before it buys (the ski-rental rule): an admission stalls every running sequence
+for its whole prefill, and an eager prefill forward costs about the same whatever its rows (~10 ms on
+the H200 for glm5-nano, ten batch-8 decode steps), so free slots wait until the slot-seconds they
+have stood idle reach what the last admission cost the running ones (its wall time x the running
+sequences); then every free slot is filled at once. Nothing running, or free slots for every
+waiting request, admits at once. Under --tp the decision is rank 0's (host timings differ between
+ranks), broadcast. "static" admits only when every slot is free (the old batch-by-batch behaviour,
+kept for comparison). Each request samples from its own stream (sampling.request_stream), so what it
 samples does not depend on which requests share its steps.
 
 Wall time of a generate call: prefill = the admission phases (the device caught up at both ends;
@@ -33,7 +37,7 @@ import torch
 
 from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
-from glm5mtp_cli.engine.clock import Clock
+from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.metrics import Acceptance
@@ -106,7 +110,7 @@ class LiveSequence:
     done: str | None = None
     steps: int = 0
     res: SeqResult | None = None
-    marks: list = field(default_factory=list)  # (propose start, verify start, verify end, drafts)
+    marks: list = field(default_factory=list)  # ("prefill", start, end), then ("step", StepTimes, ...) per step
     slot: int | None = None  # the engine slot it holds (its rows of the graphs' block tables)
     gen: torch.Generator | None = None  # its own random stream (sampling)
     arrive: object = None  # clock mark of the generate call that brought it
@@ -154,6 +158,8 @@ class SpecEngine:
         self.policy = GammaPolicy(gamma if proposer is not None else 0, gamma_policy)
         self.comm = comm  # parallel.Comm under --tp: the adaptive gamma is rank 0's
         self._cost_marks: deque = deque()  # (active, gamma, step start, step end) not read yet
+        self._admission_s = 0.0  # wall time of the last admission (the rent-or-buy rule's price)
+        self._idle_s = 0.0  # free-slot seconds since then
         self.runner = ForwardRunner(graphs, self.device)
         self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
@@ -210,7 +216,9 @@ class SpecEngine:
                             results[i] = seq.res
                             if seq.done is None:
                                 self._seat(seq, free.pop(0), slots)
-                    prefill += self._wall() - a0
+                    self._admission_s = self._wall() - a0
+                    self._idle_s = 0.0
+                    prefill += self._admission_s
                 active = [s for s in slots if s is not None]
                 if not active:
                     continue
@@ -218,7 +226,9 @@ class SpecEngine:
                     c0 = self._wall()
                     self._open_graphs(active, batch_size)
                     capture += self._wall() - c0
+                s0 = time.perf_counter()  # the step ends in a host read of its tokens: no sync needed
                 self._step(active)
+                self._idle_s += (batch_size - len(active)) * (time.perf_counter() - s0)
                 for s in active:
                     if s.done is not None:
                         slots[s.slot] = None
@@ -238,7 +248,12 @@ class SpecEngine:
         """Whether to admit before the next step (module docstring: the schedules)."""
         if self.schedule == "static":
             return free == slots
-        return not running or free >= min(-(-slots // 8), waiting)
+        if not running or free >= waiting:
+            return True
+        admit = self._idle_s >= self._admission_s * (slots - free)
+        if self.comm is not None:
+            admit = bool(self.comm.broadcast_int(int(admit)))
+        return admit
 
     def _next_batch(self, waiting: list, free: int) -> list:
         """The next requests admitted together: in order, at most `free`, and (past the first)
@@ -479,6 +494,7 @@ class SpecEngine:
         if self.policy.adaptive:
             self.policy.record_acceptance(counts, accepted)
             self._cost_marks.append((len(active), g, p0, v1))
+        times = StepTimes(p0, v0, v1)
         for i, s in enumerate(active):
             a = accepted[i]
             new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
@@ -492,7 +508,7 @@ class SpecEngine:
             elif s.state is not None:  # a step without drafts: its row waits for the next drafting step
                 s.backlog.append((s.last_dev, out.hidden_all[i, :1]))
             s.acc.record(counts[i], a)
-            s.marks.append(("step", p0, v0, v1, counts[i], a, starts[i], new,
+            s.marks.append(("step", times, counts[i], a, starts[i], new,
                             draft_ids[i][: counts[i]] if draft_ids is not None else []))
             s.steps += 1
             s.last = new[-1]
@@ -568,9 +584,8 @@ class SpecEngine:
         res.ttft_s = res.queue_s + res.prefill_s
         decode = 0.0
         for m in s.marks[1:]:
-            _, p0, v0, v1, nd, a, pos, emitted, drafted = m
-            prop = self.clock.seconds(p0, v0)
-            ver = self.clock.seconds(v0, v1)
+            _, times, nd, a, pos, emitted, drafted = m
+            prop, ver = times.read(self.clock)
             decode += prop + ver
             if nd:
                 res.propose_s.append(prop / nd)
