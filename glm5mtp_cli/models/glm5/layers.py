@@ -149,7 +149,7 @@ class Experts(nn.Module):
         return self._looped(x, weights, torch.where(mine, local, self.n_experts))
 
     def _gathered(self, x, weights, ids):
-        if x.is_cuda and self._kernel_reads(x) and self.swiglu_limit is None:  # the kernel has no clamp
+        if x.is_cuda and self._kernel_reads(x):
             # kernels/moe.py reads each chosen expert in place (the gather below copies it first)
             return self._kernel(x.contiguous(), weights, ids)
         gate, up, down = self._weights(ids, x.dtype)  # [N, k, ...]
@@ -162,7 +162,7 @@ class Experts(nn.Module):
         return x.dtype == self.gate.dtype
 
     def _kernel(self, x, weights, ids):
-        return moe_experts(x, self.gate, self.up, self.down, weights, ids)
+        return moe_experts(x, self.gate, self.up, self.down, weights, ids, self.swiglu_limit)
 
     def _weights(self, index, dtype: torch.dtype):
         """(gate, up, down) of the experts `index` picks, as stored (dtype is for FP8 stacks, models/fp8.py)."""
@@ -217,7 +217,7 @@ class Fp8Experts(Experts):
 
     def _kernel(self, x, weights, ids):
         return moe_experts_fp8(x, self.gate, self.gate_scale_inv, self.up, self.up_scale_inv, self.down,
-                               self.down_scale_inv, weights, ids, self.block)
+                               self.down_scale_inv, weights, ids, self.block, self.swiglu_limit)
 
     def _weights(self, index, dtype: torch.dtype):
         """Only the chosen experts dequantized (fp32 products, then `dtype`): [N, k, ...] or one expert's."""
