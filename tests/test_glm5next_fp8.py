@@ -94,7 +94,7 @@ def test_fp8_checkpoint_loads_as_fp8(tiny):
 
 
 def _logits(rt, ids):
-    pools = CachePools.create(rt.cfg, 16, 4, torch.float32, "cpu")
+    pools = CachePools.create(rt.cfg, 16, 4, torch.float32, rt.device)
     t = rt.target(ids, [pools.target_cache()])
     d = rt.mtp(ids[:, 1:], t.hidden_all[:, :-1], [pools.drafter_cache()], rt.target.model.embed_tokens,
                rt.target.lm_head)
@@ -179,6 +179,24 @@ def test_random_fp8_reader_equals_init_random_fp8(tiny):
         assert a[n].dtype == b[n].dtype and torch.equal(a[n].float(), b[n].float()), n
 
 
+def test_bench_random_fp8_target_step_counts_fp8():
+    """bench --random-weights --fp8: the random target step holds FP8 trunk matrices and its floor
+    counts them at 1 byte + block scales; the draft step (the bf16 nextn block) is unchanged."""
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
+    from glm5mtp_cli.diagnostics.sizing import draft_step_bytes, target_step_bytes
+    from glm5mtp_cli.diagnostics.step_bench import fp8_config
+
+    r = CliRunner().invoke(app, ["bench", "--model", "glm5next-tiny", "--random-weights", "--fp8", "--draft-context",
+                                 "32", "--target-layers", "4", "--device", "cpu", "--dtype", "bf16", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    plain = resolve_config("glm5next-tiny")[0]
+    cfg = fp8_config(plain)
+    assert d["fp8_weights"] and d["target_step"]["bytes"] == target_step_bytes(cfg, 2, 32)
+    assert d["target_step"]["bytes"]["layer_weights"] < 0.85 * target_step_bytes(plain, 2, 32)["layer_weights"]
+    assert d["draft_step"]["bytes"] == draft_step_bytes(cfg, 2, 32) == draft_step_bytes(plain, 2, 32)
+
+
 def test_quantize_refuses_an_fp8_source(tiny, tmp_path):
     with pytest.raises(UserError, match="already FP8"):
         rewrite_checkpoint(tiny[0], tmp_path / "again", fp8=True)
@@ -194,12 +212,13 @@ def _tp_config():
                                intermediate_size=256, moe_intermediate_size=128, n_shared_experts=2)
 
 
-def _generate(rt, gamma, prompts=PROMPTS, graphs="eager", batch=1):
+def _generate(rt, gamma, prompts=PROMPTS, graphs="eager", batch=1, device="cpu"):
     from glm5mtp_cli.engine.runtime import make_engine
     from glm5mtp_cli.engine.speculate import Request
 
     pools = rt.make_pools(96, len(prompts), block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=96, eos_ids=[], check_invariants=True, graphs=graphs)
+    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=96, eos_ids=[], check_invariants=True, graphs=graphs,
+                         device=device)
     res = engine.generate([Request(p, 10, i) for i, p in enumerate(prompts)], batch_size=batch)
     engine.close()
     assert not any(pools.blocks_held().values())
@@ -240,3 +259,19 @@ def test_tp2_fp8_tokens_equal_tp1(tp_group):
     d = rank_sections.section(tp_group, "tokens")
     assert d["q_b"] == ["Fp8Linear", 128, 128, 1, 1] and d["experts"] == "Fp8Experts"  # one head, one block row
     assert d["tp2_gamma2"] == d["tp1_gamma0"] and d["tp2_static"] == d["tp1_gamma0"]
+
+
+# ---- CUDA (H200): the Triton FP8 GEMM and the clamped FP8 MoE kernel, in CUDA graphs ----------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_equals_cpu_and_graphs_equal_eager(nano_fp8):
+    """fp32 activations: the CUDA FP8 kernels' logits equal the CPU path's (which equals the fp32 twin)
+    to 1e-4 of the largest logit; greedy tokens in CUDA graphs equal eager ones, gamma 2 equals gamma 0."""
+    gpu, cpu = load_runtime(nano_fp8, "cuda", "fp32", progress=False), _rt(nano_fp8)
+    ids = torch.tensor([gpu.tokenizer.encode("def binary_search(items, target):\n    lo, hi = 0, len(items)\n")])
+    for want, got in zip(_logits(cpu, ids), _logits(gpu, ids.cuda())):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    prompts = [gpu.tokenizer.encode(t) for t in ("def binary_search(items, target):\n", "import os\n", "x")]
+    base = _generate(gpu, 0, prompts, device="cuda")
+    for gamma in (0, 2):
+        assert _generate(gpu, gamma, prompts, "cuda", 2, device="cuda") == base, gamma
