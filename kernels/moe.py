@@ -6,6 +6,9 @@ MLP with stacked weights ``gate[e], up[e]`` [I, H] and ``down[e]`` [H, I]::
     h[n, k]   = silu(x[n] @ gate[e]^T) * (x[n] @ up[e]^T)        e = ids[n, k]
     out[n]    = sum_k (h[n, k] @ down[e]^T) * weights[n, k]
 
+With ``swiglu_limit`` L (GLM-5-Next: 10) the two products are clamped first, as the model's
+``swiglu`` does: the gate product from above only (min(g, L)), the up product to [-L, L].
+
 The reference is what ``Experts._gathered`` of ``glm5mtp_cli/models/glm5/layers.py`` computes: it
 gathers the chosen experts' weights (a copy of K experts per token) and rounds every intermediate
 (gate and up products, silu, h, the expert output, its product with the weight) to ``x.dtype``.
@@ -15,7 +18,7 @@ gathered copy, in two GEMV kernels over the N*K (token, expert) pairs:
 
 1. grid (pairs, I / BLOCK_I): the gate and up dot products of BLOCK_I rows, streamed over H in
    BLOCK_H-wide tiles (fp32 accumulation), then ``h = silu(g) * u`` with the reference's
-   roundings, stored in ``x.dtype``;
+   roundings (and its clamp: a compile-time LIMIT, 0 for none), stored in ``x.dtype``;
 2. grid (pairs, H / BLOCK_O): ``y[p] = (h[p] @ down[e]^T)`` rounded to ``x.dtype``, times the
    weight cast to ``x.dtype``; torch then sums y over K (deterministic, no atomics).
 
@@ -48,13 +51,19 @@ BLOCK_K = 256  # kernel 2: columns (over I) per step
 NUM_WARPS = 4
 
 
-def moe_experts_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """PyTorch reference: gathers the chosen experts' weights; returns [N, H] in x.dtype."""
-    g, u, d = gate[ids], up[ids], down[ids]  # [N, K, ...]
-    h = torch.nn.functional.silu(torch.einsum("nh,nkih->nki", x, g)) * torch.einsum("nh,nkih->nki", x, u)
-    out = torch.einsum("nki,nkhi->nkh", h, d)
+def _experts_ref(x, g, u, d, weights, swiglu_limit):
+    """The chosen experts' weights g, u [N, K, I, H] and d [N, K, H, I] applied; [N, H] in x.dtype."""
+    gx, ux = torch.einsum("nh,nkih->nki", x, g), torch.einsum("nh,nkih->nki", x, u)
+    if swiglu_limit is not None:
+        gx, ux = gx.clamp(max=swiglu_limit), ux.clamp(-swiglu_limit, swiglu_limit)
+    out = torch.einsum("nki,nkhi->nkh", torch.nn.functional.silu(gx) * ux, d)
     return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+
+
+def moe_experts_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                    weights: torch.Tensor, ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """PyTorch reference: gathers the chosen experts' weights; returns [N, H] in x.dtype."""
+    return _experts_ref(x, gate[ids], up[ids], down[ids], weights, swiglu_limit)
 
 
 @jit
@@ -76,8 +85,9 @@ def _round(v, ref_ptr):
 @jit
 def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, K,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                    SB: tl.constexpr):
-    # SB: the FP8 scale block (0: unscaled weights in x.dtype; gs_ptr/us_ptr are then unused)
+                    SB: tl.constexpr, LIMIT: tl.constexpr):
+    # SB: the FP8 scale block (0: unscaled weights in x.dtype; gs_ptr/us_ptr are then unused);
+    # LIMIT: the swiglu clamp (0: none)
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p).to(tl.int64)
     token = p // K
@@ -107,6 +117,9 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, K,
     # the reference rounds each product to x.dtype, silu's result too, then their product
     g = _round(tl.sum(acc_g, axis=1), h_ptr)
     u = _round(tl.sum(acc_u, axis=1), h_ptr)
+    if LIMIT > 0:  # the reference clamps the rounded products in x.dtype (a limit rounds as it would)
+        g = _round(tl.minimum(g, LIMIT), h_ptr)
+        u = _round(tl.minimum(tl.maximum(u, -LIMIT), LIMIT), h_ptr)
     act = _round(g / (1.0 + tl.exp(-g)), h_ptr)
     tl.store(h_ptr + p.to(tl.int64) * I + offs_i, _round(act * u, h_ptr).to(h_ptr.dtype.element_ty), mask=imask)
 
@@ -137,9 +150,11 @@ def _down_kernel(h_ptr, down_ptr, ids_ptr, w_ptr, y_ptr, ds_ptr,
     tl.store(y_ptr + p.to(tl.int64) * H + offs_o, _round(out * wt, y_ptr).to(y_ptr.dtype.element_ty), mask=omask)
 
 
-def _launch(x, gate, up, down, weights, ids, scales=None, block: int = 0) -> torch.Tensor:
+def _launch(x, gate, up, down, weights, ids, scales=None, block: int = 0,
+            swiglu_limit: float | None = None) -> torch.Tensor:
     """Both kernels over the N*K (token, expert) pairs; `scales` (gate, up, down scale grids) with
-    `block` for FP8 stacks."""
+    `block` for FP8 stacks; `swiglu_limit` clamps the gate/up products (None: no clamp)."""
+    assert swiglu_limit is None or swiglu_limit > 0, f"swiglu_limit {swiglu_limit} must be positive"
     n, hid = x.shape
     e_count, inter, _ = gate.shape
     assert gate.shape == up.shape == (e_count, inter, hid), f"gate/up {tuple(gate.shape)}, {tuple(up.shape)}"
@@ -163,7 +178,7 @@ def _launch(x, gate, up, down, weights, ids, scales=None, block: int = 0) -> tor
             f"scale block {block} must be a multiple of {block_i} and {block_o}"
         _gate_up_kernel[(pairs, triton.cdiv(inter, block_i))](
             x, gate, up, ids_flat, h, gs, us, k, H=hid, I=inter, BLOCK_I=block_i, BLOCK_H=block_h, SB=block,
-            num_warps=NUM_WARPS)
+            LIMIT=float(swiglu_limit or 0.0), num_warps=NUM_WARPS)
         _down_kernel[(pairs, triton.cdiv(hid, block_o))](
             h, down, ids_flat, w_flat, y, ds, H=hid, I=inter, BLOCK_O=block_o, BLOCK_K=block_k, SB=block,
             num_warps=NUM_WARPS)
@@ -173,32 +188,29 @@ def _launch(x, gate, up, down, weights, ids, scales=None, block: int = 0) -> tor
 
 
 def moe_experts_triton(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                       weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                       weights: torch.Tensor, ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     """Triton version of :func:`moe_experts_ref` (same arguments and result), see the module docstring.
 
     H and I are compile-time constants (one compilation per model's dimensions), so the loops over
     them have static bounds.
     """
     assert gate.dtype == up.dtype == down.dtype == x.dtype, "x and the expert weights must share a dtype"
-    return _launch(x, gate, up, down, weights, ids)
+    return _launch(x, gate, up, down, weights, ids, swiglu_limit=swiglu_limit)
 
 
 def moe_experts_fp8_ref(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, up: torch.Tensor,
                         up_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """PyTorch reference: the chosen experts dequantized (fp32, then x.dtype), then moe_experts_ref."""
+                        ids: torch.Tensor, block: int = 128, swiglu_limit: float | None = None) -> torch.Tensor:
+    """PyTorch reference: the chosen experts dequantized (fp32, then x.dtype), then moe_experts_ref's math."""
     def pick(w, s):
         return fp8_block_dequant_ref(w[ids], s[ids], block, torch.float32).to(x.dtype)  # [N, K, rows, cols]
 
-    g, u, d = pick(gate, gate_s), pick(up, up_s), pick(down, down_s)
-    h = torch.nn.functional.silu(torch.einsum("nh,nkih->nki", x, g)) * torch.einsum("nh,nkih->nki", x, u)
-    out = torch.einsum("nki,nkhi->nkh", h, d)
-    return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+    return _experts_ref(x, pick(gate, gate_s), pick(up, up_s), pick(down, down_s), weights, swiglu_limit)
 
 
 def moe_experts_fp8_triton(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, up: torch.Tensor,
                            up_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, weights: torch.Tensor,
-                           ids: torch.Tensor, block: int = 128) -> torch.Tensor:
+                           ids: torch.Tensor, block: int = 128, swiglu_limit: float | None = None) -> torch.Tensor:
     """Triton version of :func:`moe_experts_fp8_ref`: the FP8 stacks and their scale grids read in place."""
     fp8 = torch.float8_e4m3fn
     assert gate.dtype == up.dtype == down.dtype == fp8, "FP8 experts are float8_e4m3fn stacks"
@@ -207,11 +219,12 @@ def moe_experts_fp8_triton(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Te
         want = (w.shape[0], -(-rows // block), -(-cols // block))
         assert tuple(s.shape) == want and s.dtype == torch.float32 and s.is_contiguous(), \
             f"scale grid {tuple(s.shape)} ({s.dtype}) should be {want} fp32, contiguous"
-    return _launch(x, gate, up, down, weights, ids, (gate_s, up_s, down_s), block)
+    return _launch(x, gate, up, down, weights, ids, (gate_s, up_s, down_s), block, swiglu_limit)
 
 
 def moe_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
+                weights: torch.Tensor, ids: torch.Tensor, swiglu_limit: float | None = None,
+                force_triton: bool = False) -> torch.Tensor:
     """Weighted sum of each token's routed SwiGLU experts, read from the stacked weights.
 
     Args:
@@ -220,20 +233,22 @@ def moe_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
         down: [E, H, I] stacked expert weights.
         weights: [N, K] routing weights (fp32).
         ids: [N, K] expert ids in 0..E-1 (int64 or int32).
+        swiglu_limit: clamp of the gate (above) and up (both sides) products, None for none.
         force_triton: run the Triton kernels in the interpreter (tests only).
     Returns:
         [N, H] in x.dtype.
     """
     if use_triton(x, gate, up, down, weights, ids, force=force_triton):
-        return moe_experts_triton(x, gate, up, down, weights, ids)
-    return moe_experts_ref(x, gate, up, down, weights, ids)
+        return moe_experts_triton(x, gate, up, down, weights, ids, swiglu_limit)
+    return moe_experts_ref(x, gate, up, down, weights, ids, swiglu_limit)
 
 
 def moe_experts_fp8(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, up: torch.Tensor,
                     up_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, block: int = 128, force_triton: bool = False) -> torch.Tensor:
+                    ids: torch.Tensor, block: int = 128, swiglu_limit: float | None = None,
+                    force_triton: bool = False) -> torch.Tensor:
     """:func:`moe_experts` over FP8 stacks: gate/up [E, I, H] and down [E, H, I] float8_e4m3fn, each
     with its fp32 scale grid [E, ceil(rows/block), ceil(cols/block)]. Returns [N, H] in x.dtype."""
     if use_triton(x, gate, up, down, weights, ids, force=force_triton):
-        return moe_experts_fp8_triton(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block)
-    return moe_experts_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block)
+        return moe_experts_fp8_triton(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, swiglu_limit)
+    return moe_experts_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, swiglu_limit)

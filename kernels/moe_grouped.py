@@ -28,7 +28,7 @@ import torch
 
 from ._triton import interpreting, jit, next_pow2, tl, triton, use_triton
 from .fp8_block import fp8_block_dequant_ref
-from .moe import _round
+from .moe import _round, moe_experts_ref
 
 BLOCK_N = 64  # output columns per program and reduction columns per step (divides the 128-wide FP8 scale block)
 NUM_WARPS = 4
@@ -190,18 +190,9 @@ def moe_experts_grouped_triton(x: torch.Tensor, gate: torch.Tensor, up: torch.Te
 
 def moe_experts_grouped_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                             weights: torch.Tensor, ids: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """PyTorch reference: kernels/moe.moe_experts_ref's roundings, the clamp, and id E (another
-    rank's pair) contributing zero."""
+    """PyTorch reference: kernels/moe.moe_experts_ref, with id E (another rank's pair) contributing zero."""
     e_count = gate.shape[0]
-    mine = ids < e_count
-    ids = ids.clamp(max=e_count - 1)
-    g = torch.einsum("nh,nkih->nki", x, gate[ids])
-    u = torch.einsum("nh,nkih->nki", x, up[ids])
-    if limit is not None:
-        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-    h = torch.nn.functional.silu(g) * u
-    out = torch.einsum("nki,nkhi->nkh", h, down[ids])
-    return (out * (weights * mine).unsqueeze(-1).to(out.dtype)).sum(1)
+    return moe_experts_ref(x, gate, up, down, weights * (ids < e_count), ids.clamp(max=e_count - 1), limit)
 
 
 def moe_experts_grouped(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,

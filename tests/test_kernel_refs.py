@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_kernels import BF16, _fp8, _moe_inputs, _seq_indexer, _seq_mla  # noqa: E402
+from test_kernels import BF16, _fp8, _moe_fp8_inputs, _moe_inputs, _seq_indexer, _seq_mla  # noqa: E402
 
 from kernels.fp8_block import fp8_block_dequant_ref  # noqa: E402
-from kernels.moe import moe_experts_ref  # noqa: E402
+from kernels.moe import moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.paged import indexer_scores_paged_ref, mla_attention_paged_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved_ref  # noqa: E402
@@ -96,3 +96,26 @@ def test_moe_ref_matches_naive_loop():
     assert out.dtype == torch.float64
     xb, gb, ub, db = (t.to(BF16) for t in (x, gate, up, down))
     assert moe_experts_ref(xb, gb, ub, db, weights, ids).dtype == BF16  # fp32 routing weights keep x's dtype
+
+
+def test_moe_ref_clamp_is_the_models_swiglu():
+    """moe_experts_ref / moe_experts_fp8_ref with swiglu_limit compute what the model's experts
+    (models/glm5/layers.py's gathered path, GLM-5-Next's clamp 10) compute, bit for bit; the clamp bites."""
+    from glm5mtp_cli.models.glm5.layers import Experts, Fp8Experts
+
+    torch.manual_seed(0)
+    x, gate, up, down, weights, ids = _moe_inputs("cpu", torch.float32, 3, 2, 5, 48, 40)
+    x = x * 30
+    ex = Experts(5, 48, 40, swiglu_limit=10.0)
+    with torch.no_grad():
+        ex.gate.copy_(gate), ex.up.copy_(up), ex.down.copy_(down)
+    want = ex(x, weights, ids)
+    assert torch.equal(moe_experts_ref(x, gate, up, down, weights, ids, swiglu_limit=10.0), want)
+    assert not torch.allclose(moe_experts_ref(x, gate, up, down, weights, ids), want)
+    xq, *stacks, weights, ids = _moe_fp8_inputs("cpu", torch.float32, 3, 2, 5, 48, 40, 16)
+    fp8 = Fp8Experts(5, 48, 40, swiglu_limit=10.0, block=16)
+    for t, name in zip(stacks, ("gate", "gate_scale_inv", "up", "up_scale_inv", "down", "down_scale_inv")):
+        getattr(fp8, name).copy_(t)
+    want = fp8(xq * 30, weights, ids)
+    assert torch.equal(moe_experts_fp8_ref(xq * 30, *stacks, weights, ids, 16, swiglu_limit=10.0), want)
+    assert not torch.allclose(moe_experts_fp8_ref(xq * 30, *stacks, weights, ids, 16), want)

@@ -310,6 +310,22 @@ def case_moe_fp8_bf16_partial_blocks(device, big):
     return moe_experts_fp8(*args, force_triton=True), moe_experts_fp8_ref(*args)
 
 
+def case_moe_bf16_clamped(device, big):
+    # GLM-5-Next's swiglu clamp (10): activations large enough that most gate/up products pass it
+    n, k, e, hid, inter = (4, 8, 16, 4096, 2048) if big else (3, 2, 5, 48, 40)
+    x, *rest = _moe_inputs(device, BF16, n, k, e, hid, inter)
+    args = ((x.float() * 30).to(BF16), *rest)
+    return moe_experts(*args, swiglu_limit=10.0, force_triton=True), moe_experts_ref(*args, swiglu_limit=10.0)
+
+
+def case_moe_fp8_fp32_clamped_block32(device, big):
+    n, k, e, hid, inter, block = (1, 8, 12, 4096, 2048, 128) if big else (3, 2, 5, 80, 72, 32)
+    x, *rest = _moe_fp8_inputs(device, torch.float32, n, k, e, hid, inter, block)
+    args = (x * 30, *rest)
+    return (moe_experts_fp8(*args, block=block, swiglu_limit=10.0, force_triton=True),
+            moe_experts_fp8_ref(*args, block=block, swiglu_limit=10.0))
+
+
 def _paged(device, g, nl, width, dtype, pool_rows=None):
     """A pool of rows and each sequence's slot table: shuffled rows (paging), the last row of a
     table padded with sequence 0's first slot, as the engine pads past a sequence's blocks."""

@@ -85,7 +85,7 @@ class RandomReader:
         self.fp8: set[str] = set()
         if getattr(cfg, "fp8", False):
             family = family_of(cfg)
-            self.fp8 = {n for n, s in self.shapes.items() if family.is_fp8_quantized(n, s)}
+            self.fp8 = {n for n, s in self.shapes.items() if family.is_fp8_quantized(cfg, n, s)}
             for n in self.fp8:
                 s = self.shapes[n]
                 self.shapes[n + "_scale_inv"] = (-(-s[0] // self.block[0]), -(-s[1] // self.block[1]))

@@ -59,8 +59,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 # ---- FP8 --------------------------------------------------------------------------------------------
 
-def _maybe_quantize(family, name: str, t: torch.Tensor, block) -> Iterator[tuple[str, torch.Tensor]]:
-    if family.is_fp8_quantized(name, tuple(t.shape)) and t.dtype != torch.float8_e4m3fn:
+def _maybe_quantize(family, cfg, name: str, t: torch.Tensor, block) -> Iterator[tuple[str, torch.Tensor]]:
+    if family.is_fp8_quantized(cfg, name, tuple(t.shape)) and t.dtype != torch.float8_e4m3fn:
         q, s = fp8_block_quantize(t, block)
         yield name, q
         yield name + "_scale_inv", s
@@ -117,7 +117,7 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
         shard, shard_bytes = {}, 0
 
     for name, t in items:
-        for n, q in _maybe_quantize(family, name, t, block) if fp8 else ((name, t),):
+        for n, q in _maybe_quantize(family, config, name, t, block) if fp8 else ((name, t),):
             if n in weight_map or n in shard:
                 raise ValueError(f"tensor '{n}' given twice")
             size = _nbytes(q)

@@ -20,11 +20,14 @@ def quantize_cmd(
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest shard, e.g. 5GB, 500MB.")] = "5GB",
     force: Annotated[bool, typer.Option("--force", metavar="", help="Overwrite a folder that already holds a checkpoint.")] = False,
 ) -> None:
-    """Quantize a checkpoint's matrices to FP8 e4m3 with 128x128 block scales (GLM-5-FP8's layout).
+    """Quantize a checkpoint's matrices to FP8 e4m3 with 128x128 block scales (the tensors its family's
+    official FP8 checkpoint quantizes: GLM-5-FP8's, GLM-5-Next-FP8's).
 
     Examples:
 
       glm5mtp quantize glm5-nano /tmp/nano-fp8
+
+      glm5mtp quantize glm5next-nano /tmp/next-nano-fp8
 
       glm5mtp quantize /tmp/nano-fp8 /tmp/nano-fp8-twin --dequantize    (its fp32 twin)
     """

@@ -6,7 +6,7 @@ Per-sequence state comes from the model family's `state_components(cfg, dtype, t
 component's StateComponent.unit_bytes (a row of all its layers, or a whole recurrent slot, per rank)
 and bytes_for(tokens, block_size). So a family with fixed-size recurrent slots is counted by the
 same code as GLM-5's paged rows. Weight formulas read the family's checkpoint layout and its
-sharding and FP8 rules (GLM-5: models/glm5/sharding.py; GLM-5-Next: the prediction in
+sharding and FP8 rules (GLM-5: models/glm5/sharding.py and layout.py; GLM-5-Next:
 models/glm5_next/layout.py); the decode-step floors have one formula per component and family;
 activation formulas (scratch, graphs) are those of the PyTorch path.
 """
@@ -36,16 +36,17 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 # ---- weights ------------------------------------------------------------------------------------
 
-def tensor_bytes(family, name: str, shape: tuple[int, ...], elem_bytes: int,
-                 fp8_block: tuple[int, int] | None = None, held: bool = False, quantized: bool | None = None) -> int:
-    """Bytes of one weight tensor: fp32 for the tensors the checkpoint stores in fp32 (held=False)
-    or the model keeps in fp32 (held=True: routers, indexer weighting); FP8-quantized matrices at
-    1 byte plus one fp32 scale per block when fp8_block is given (which ones: `quantized`, else
-    the family's is_fp8_quantized); else `elem_bytes` each."""
+def tensor_bytes(cfg, name: str, shape: tuple[int, ...], elem_bytes: int,
+                 fp8_block: tuple[int, int] | None = None, held: bool = False) -> int:
+    """Bytes of one weight tensor of cfg's family: fp32 for the tensors the checkpoint stores in fp32
+    (held=False) or the model keeps in fp32 (held=True: routers, indexer weighting); the matrices the
+    family's FP8 checkpoint quantizes (is_fp8_quantized) at 1 byte plus one fp32 scale per block when
+    fp8_block is given; else `elem_bytes` each."""
+    family = family_of(cfg)
     n = math.prod(shape)
     if (family.keeps_fp32(name) if held else family.stored_fp32(name)):
         return 4 * n
-    if fp8_block is not None and (family.is_fp8_quantized(name, shape) if quantized is None else quantized):
+    if fp8_block is not None and family.is_fp8_quantized(cfg, name, shape):
         b0, b1 = fp8_block
         return n + 4 * (-(-shape[0] // b0)) * (-(-shape[1] // b1))
     return elem_bytes * n
@@ -54,21 +55,18 @@ def tensor_bytes(family, name: str, shape: tuple[int, ...], elem_bytes: int,
 def checkpoint_tensor_bytes(cfg, name: str, shape: tuple[int, ...]) -> int:
     """Bytes a checkpoint with cfg's dtype and quantization stores for one tensor."""
     fp8 = getattr(cfg, "fp8", False)  # only families with FP8 checkpoints have the field
-    return tensor_bytes(family_of(cfg), name, shape, dtype_bytes(cfg.torch_dtype), cfg.fp8_block if fp8 else None)
+    return tensor_bytes(cfg, name, shape, dtype_bytes(cfg.torch_dtype), cfg.fp8_block if fp8 else None)
 
 
-def _tp_rules(cfg):
-    """The family's deployed form, per tensor: (split_over_ranks(name): whether --tp splits it, else
-    every rank holds it whole; fp8(name, shape): whether its FP8 checkpoint quantizes it). GLM-5's
-    FP8 rule is its checkpoint layout; GLM-5-Next's is layout.py's prediction of the official FP8
-    checkpoint (its loader reads bf16 only so far)."""
+def _split_rule(cfg):
+    """The family's split_over_ranks(name): whether --tp splits a tensor, else every rank holds it whole."""
     if family_of(cfg).name == "glm5_next":
-        from glm5mtp_cli.models.glm5_next import layout as next_layout
+        from glm5mtp_cli.models.glm5_next.layout import split_over_ranks
 
-        return next_layout.split_over_ranks, lambda name, shape: next_layout.fp8_quantized(cfg, name)
+        return split_over_ranks
     from glm5mtp_cli.models.glm5.sharding import split_over_ranks
 
-    return split_over_ranks, family_of(cfg).is_fp8_quantized
+    return split_over_ranks
 
 
 def weight_bytes_per_rank(cfg, tp: int, fmt: str, with_mtp: bool = True) -> dict[str, int]:
@@ -76,12 +74,10 @@ def weight_bytes_per_rank(cfg, tp: int, fmt: str, with_mtp: bool = True) -> dict
     FP8 checkpoint's quantized matrices at 1 byte plus one fp32 scale per 128x128 block, the rest
     bf16); fp32 for what the model keeps in fp32 in both. A split tensor is 1/tp of its bytes per
     rank (whole experts, head groups, vocabulary rows). Returns {'sharded', 'replicated', 'total'}."""
-    family = family_of(cfg)
-    split, fp8 = _tp_rules(cfg)
+    split = _split_rule(cfg)
     out = {"sharded": 0, "replicated": 0}
     for name, shape in model_tensors(cfg, with_mtp):
-        b = tensor_bytes(family, name, shape, BF16, (128, 128) if fmt == "fp8" else None, held=True,
-                         quantized=fmt == "fp8" and fp8(name, shape))
+        b = tensor_bytes(cfg, name, shape, BF16, (128, 128) if fmt == "fp8" else None, held=True)
         if split(name):
             out["sharded"] += -(-b // tp)
         else:
@@ -101,20 +97,18 @@ def predicted_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool = True) -> in
     """Bytes of the weights as loaded on one device: the runtime dtype's size each, but fp32 for the
     tensors the model keeps in fp32 (routers, indexer weighting) and, for an FP8 checkpoint, its
     quantized matrices as stored (1 byte each plus one fp32 scale per block: models/fp8.py keeps them)."""
-    family = family_of(cfg)
     block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
-    return sum(tensor_bytes(family, name, shape, dtype_bytes(dtype), block, held=True)
+    return sum(tensor_bytes(cfg, name, shape, dtype_bytes(dtype), block, held=True)
                for name, shape in model_tensors(cfg, with_mtp))
 
 
 def _active_layer_bytes(cfg, layer: int | None, elem_bytes: int) -> int:
     """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts;
     an FP8 checkpoint's quantized matrices at 1 byte plus their block scales (as loaded, models/fp8.py)."""
-    family = family_of(cfg)
     block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
     total = 0
     for name, shape in layout.tensor_shapes(cfg, layer).items():
-        b = tensor_bytes(family, name, shape, elem_bytes, block, held=True)
+        b = tensor_bytes(cfg, name, shape, elem_bytes, block, held=True)
         if ".mlp.experts." in name:
             b = b * cfg.num_experts_per_tok // cfg.n_routed_experts
         total += b
@@ -156,16 +150,18 @@ def target_step_bytes(cfg, elem_bytes: int, context: int) -> dict:
 def _next_active_layer_bytes(cfg, layer: int, elem_bytes: int) -> int:
     """Weights of trunk layer `layer` (or the MTP layer) one batch-1 token reads: every tensor (mHC,
     KDA or MLA with its indexer, router, shared expert, dense MLP), of the routed experts only the
-    top-k chosen; fp32 for what the model keeps in fp32."""
+    top-k chosen; fp32 for what the model keeps in fp32; an FP8 checkpoint's quantized matrices at
+    1 byte plus their block scales (as loaded, models/fp8.py)."""
     from glm5mtp_cli.models.glm5_next import layout as next_layout
 
     shapes = next_layout.mtp_shapes(cfg) if layer == cfg.mtp_layer_index else next_layout.layer_shapes(cfg, layer)
+    block = cfg.fp8_block if cfg.fp8 else None
     total = 0
     for name, shape in shapes.items():
-        n = math.prod(shape)
+        b = tensor_bytes(cfg, next_layout.layer_prefix(layer) + name, shape, elem_bytes, block, held=True)
         if name.startswith("mlp.experts."):
-            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
-        total += n * (4 if next_layout.keeps_fp32(name) else elem_bytes)
+            b = b * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += b
     return total
 
 
@@ -341,8 +337,7 @@ def tp_table(cfg, gpu_mem: int, doc: dict, tp: int, with_mtp: bool, dtype: torch
     graph buffers are the tp 1 values (an upper bound: attention heads split too).
     `doc` is run_profile's document (its rows alternate ceiling, budget)."""
     family = family_of(cfg)
-    fp8 = _tp_rules(cfg)[1]
-    has_fp8 = any(fp8(name, shape) for name, shape in family.tensor_shapes(cfg))
+    has_fp8 = any(family.is_fp8_quantized(cfg, name, shape) for name, shape in family.tensor_shapes(cfg))
     formats = ("bf16", "fp8") if has_fp8 else ("bf16",)  # a family without an FP8 layout has no fp8 rows
     rows = []
     from glm5mtp_cli.engine.parallel import check_tp
@@ -386,9 +381,10 @@ _TP_NOTES = {
         "MLA q_b/kv_b split by heads, o_proj row split; routed experts E/N per rank; shared expert and "
         "dense MLP column/row split; embed_tokens/lm_head split by vocabulary; replicated: MLA q_a/kv_a, the "
         "pooled indexer, KDA f_a/g_a/o_norm, mHC, norms, routers, eh_proj.",
-        "fp8 (predicted from the official FP8 checkpoint, models/glm5_next/layout.fp8_quantized): MLA "
-        "q_a/q_b/kv_a/o and dense/shared/routed expert matrices at 1 byte + fp32 scale per 128x128 block; KDA, "
-        "kv_b, indexer, mHC, routers, embeddings and lm_head bf16.",
+        "fp8 (the official FP8 checkpoint's choice, models/glm5_next/layout.fp8_quantized, as init-random --fp8 "
+        "writes and the loader keeps it): trunk MLA q_a/q_b/kv_a/o and dense/shared/routed expert matrices at "
+        "1 byte + fp32 scale per 128x128 block; KDA, kv_b, indexer, mHC, routers, embeddings, lm_head and the "
+        "MTP block bf16.",
         "max seqs = (gpu-mem - weights/GPU) // bytes per sequence (state per GPU + the tp 1 verify scratch "
         "and CUDA-graph buffers, the KDA commit records included)."],
 }

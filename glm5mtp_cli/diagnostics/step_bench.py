@@ -255,7 +255,7 @@ def fp8_config(cfg):
     from glm5mtp_cli.checkpoint.write import FP8_QUANT_CONFIG
 
     if not hasattr(cfg, "quantization_config") or not any(
-            family_of(cfg).is_fp8_quantized(n, s) for n, s in family_of(cfg).tensor_shapes(cfg)):
+            family_of(cfg).is_fp8_quantized(cfg, n, s) for n, s in family_of(cfg).tensor_shapes(cfg)):
         raise UserError(f"--fp8: model type {cfg.model_type} has no FP8 layout here")
     return dataclasses.replace(cfg, quantization_config=dict(FP8_QUANT_CONFIG))
 

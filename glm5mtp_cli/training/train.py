@@ -222,7 +222,7 @@ def count_params(cfg) -> dict:
     for name, shape in model_tensors(cfg, with_mtp=True):
         n = math.prod(shape)
         total += n
-        nbytes += tensor_bytes(family, name, shape, 2)
+        nbytes += tensor_bytes(cfg, name, shape, 2)
         if name.startswith(mtp_prefix):
             mtp += n
         if ".mlp.experts." in name:

@@ -97,14 +97,11 @@ class ModelConfig:
 
     @property
     def fp8(self) -> bool:
-        q = self.quantization_config or {}
-        return q.get("quant_method") == "fp8"
+        return is_fp8(self.quantization_config)
 
     @property
     def fp8_block(self) -> tuple[int, int]:
-        q = self.quantization_config or {}
-        b = q.get("weight_block_size") or [128, 128]
-        return int(b[0]), int(b[1])
+        return fp8_block(self.quantization_config)
 
     def is_moe_layer(self, layer: int) -> bool:
         if layer >= self.num_hidden_layers:  # the MTP block is a full MoE decoder layer
@@ -235,19 +232,35 @@ class ModelConfig:
             raise err("rope_parameters", f"rope_type {self.rope_type!r} is not supported (only 'default')")
         if self.num_nextn_predict_layers > 1:
             raise err("num_nextn_predict_layers", "above 1 is not supported (GLM-5 ships one MTP layer)")
-        q = self.quantization_config
-        if q is not None:
-            if not isinstance(q, dict) or q.get("quant_method") != "fp8":
-                raise err("quantization_config", "only quant_method 'fp8' is supported")
-            block = q.get("weight_block_size", [128, 128])
-            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-                raise err("quantization_config", "weight_block_size must be two positive integers")
+        check_quantization(self.quantization_config, err)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
         from glm5mtp_cli.models import read_config_file
 
         return cls.from_dict(read_config_file(path, ConfigError), source=str(path))
+
+
+# An FP8 checkpoint's quantization_config (both families: GLM-5-FP8's block-scaled e4m3 layout).
+
+def check_quantization(q: Any, err) -> None:
+    """One err("quantization_config", ...) unless q is None or block-scaled FP8 with a valid block."""
+    if q is None:
+        return
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        raise err("quantization_config", "only quant_method 'fp8' is supported")
+    block = q.get("weight_block_size", [128, 128])
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise err("quantization_config", "weight_block_size must be two positive integers")
+
+
+def is_fp8(q: dict | None) -> bool:
+    return (q or {}).get("quant_method") == "fp8"
+
+
+def fp8_block(q: dict | None) -> tuple[int, int]:
+    b = (q or {}).get("weight_block_size") or [128, 128]
+    return int(b[0]), int(b[1])
 
 
 def _as_id_list(v: Any, source: str) -> list[int]:

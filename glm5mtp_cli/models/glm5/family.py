@@ -53,7 +53,7 @@ class Glm5Family:
     def stored_fp32(self, name: str) -> bool:
         return layout.stored_fp32(name)
 
-    def is_fp8_quantized(self, name: str, shape: tuple[int, ...]) -> bool:
+    def is_fp8_quantized(self, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> bool:
         return layout.is_fp8_quantized(name, shape)
 
     def config_dict(self, cfg: ModelConfig, quantization: dict | None) -> dict[str, Any]:

@@ -135,7 +135,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
-        if self._on_kernels(x, n * k):
+        if self._on_kernels(x):
             x = x.contiguous()
             return self._grouped(x, weights, ids) if pays(n * k, self.n_experts) else self._gemv(x, weights, ids)
         if n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
@@ -147,7 +147,7 @@ class Experts(nn.Module):
         local = ids - self.offset
         mine = (local >= 0) & (local < self.n_experts)
         n, k = ids.shape
-        kernels = self._on_kernels(x, n * k)
+        kernels = self._on_kernels(x)
         if kernels and pays(n * k, self.n_experts):
             return self._grouped(x.contiguous(), weights, torch.where(mine, local, self.n_experts))  # E: skipped
         if kernels or n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
@@ -156,10 +156,10 @@ class Experts(nn.Module):
             return self._gemv(x.contiguous(), weights, ids) if kernels else self._gathered(x, weights, ids)
         return self._looped(x, weights, torch.where(mine, local, self.n_experts))
 
-    def _on_kernels(self, x, pairs: int) -> bool:
-        """CUDA reads the stacks in place (kernels/moe.py, kernels/moe_grouped.py) when they share
-        x's dtype; the GEMV kernels have no SwiGLU clamp, so a clamped layer uses them only grouped."""
-        return x.is_cuda and self._kernel_reads(x) and (self.swiglu_limit is None or pays(pairs, self.n_experts))
+    def _on_kernels(self, x) -> bool:
+        """CUDA reads the stacks in place (kernels/moe.py for few pairs, kernels/moe_grouped.py for
+        many) when they share x's dtype."""
+        return x.is_cuda and self._kernel_reads(x)
 
     def _gathered(self, x, weights, ids):
         gate, up, down = self._weights(ids, x.dtype)  # [N, k, ...]
@@ -172,7 +172,7 @@ class Experts(nn.Module):
         return x.dtype == self.gate.dtype
 
     def _gemv(self, x, weights, ids):
-        return moe_experts(x, self.gate, self.up, self.down, weights, ids)
+        return moe_experts(x, self.gate, self.up, self.down, weights, ids, self.swiglu_limit)
 
     def _grouped(self, x, weights, ids):
         return moe_experts_grouped(x, self.gate, self.up, self.down, weights, ids, self.swiglu_limit)
@@ -230,7 +230,7 @@ class Fp8Experts(Experts):
 
     def _gemv(self, x, weights, ids):
         return moe_experts_fp8(x, self.gate, self.gate_scale_inv, self.up, self.up_scale_inv, self.down,
-                               self.down_scale_inv, weights, ids, self.block)
+                               self.down_scale_inv, weights, ids, self.block, self.swiglu_limit)
 
     def _grouped(self, x, weights, ids):
         return moe_experts_grouped_fp8(x, self.gate, self.gate_scale_inv, self.up, self.up_scale_inv, self.down,

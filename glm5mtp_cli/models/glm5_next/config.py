@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models.glm5.config import check_quantization, fp8_block, is_fp8
 
 MODEL_TYPES = ("glm5_next", "glm5_next_text")
 KDA = "linear_attention"
@@ -86,6 +87,8 @@ class NextConfig:
     # (PooledMtp, MlaLayer.forward). Not read by transformers; GLM-5.3-Flash's config says true
     # (REFERENCE-glm5next sections 1 and 9). Either way only the drafts move, never the output.
     index_share_for_mtp_iteration: bool = True
+    # GLM-5-Next-FP8: block-scaled e4m3 matrices (which ones: layout.fp8_quantized), as GLM-5-FP8's
+    quantization_config: dict | None = None
     torch_dtype: str = "bfloat16"
     source: str = "<dict>"
 
@@ -98,6 +101,14 @@ class NextConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def fp8(self) -> bool:
+        return is_fp8(self.quantization_config)
+
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        return fp8_block(self.quantization_config)
 
     @property
     def linear_dim(self) -> int:
@@ -131,7 +142,7 @@ class NextConfig:
         """config.json in the published nested layout (what init-random writes); from_dict reads it back."""
         text: dict[str, Any] = {"model_type": "glm5_next_text"}
         for f in dataclasses.fields(self):
-            if f.name in ("source", "layer_types", "torch_dtype") or f.name.startswith("linear_"):
+            if f.name in ("source", "layer_types", "torch_dtype", "quantization_config") or f.name.startswith("linear_"):
                 continue
             text[f.name] = getattr(self, f.name)
         text["layer_types"] = ["linear_attention" if t == KDA else "deepseek_sparse_attention" for t in self.layer_types]
@@ -139,8 +150,11 @@ class NextConfig:
                                       "short_conv_kernel_size": self.linear_conv_kernel_dim,
                                       "gate_lower_bound": self.linear_lower_bound}
         text["dtype"] = self.torch_dtype
-        return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
-                "text_config": text, "dtype": self.torch_dtype}
+        out = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+               "text_config": text, "dtype": self.torch_dtype}
+        if self.quantization_config:  # top level, as transformers writes a composite model's
+            out["quantization_config"] = self.quantization_config
+        return out
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -157,7 +171,7 @@ class NextConfig:
             if text.get("model_type", "glm5_next_text") != "glm5_next_text":
                 raise NextConfigError(f"{source}: text_config.model_type is {text.get('model_type')!r}, expected 'glm5_next_text'")
             merged = dict(text)
-            for k in ("eos_token_id", "pad_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+            for k in ("eos_token_id", "pad_token_id", "torch_dtype", "dtype", "tie_word_embeddings", "quantization_config"):
                 if k not in merged and k in raw:
                     merged[k] = raw[k]
             text, where = merged, f"{source} (text_config)"
@@ -218,6 +232,7 @@ class NextConfig:
             raise err("num_experts_per_tok", "exceeds n_routed_experts")
         if self.num_nextn_predict_layers > 1:
             raise err("num_nextn_predict_layers", "above 1 is not supported (one MTP layer)")
+        check_quantization(self.quantization_config, err)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "NextConfig":

@@ -3,6 +3,7 @@ state beside NoPE MLA layers with the pooled DSA indexer (state components in po
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -64,13 +65,11 @@ class Glm5NextFamily:
     def stored_fp32(self, name: str) -> bool:
         return layout.stored_fp32(name)
 
-    def is_fp8_quantized(self, name: str, shape: tuple[int, ...]) -> bool:
-        return False  # bf16 checkpoints only so far (the FP8 variant is the deployed-form issue)
+    def is_fp8_quantized(self, cfg: NextConfig, name: str, shape: tuple[int, ...]) -> bool:
+        return layout.fp8_quantized(cfg, name)
 
     def config_dict(self, cfg: NextConfig, quantization: dict | None) -> dict[str, Any]:
-        if quantization:
-            raise UserError("glm5_next: FP8 checkpoints are not supported yet (write bf16 or fp32)")
-        return cfg.to_hf_dict()
+        return dataclasses.replace(cfg, quantization_config=quantization).to_hf_dict()
 
     def transformers_model(self, folder: str, dtype: torch.dtype) -> torch.nn.Module:
         # transformers has no text-only causal LM for this model (REFERENCE-glm5next section 12): its

@@ -179,11 +179,13 @@ def split_over_ranks(name: str) -> bool:
 
 def fp8_quantized(cfg: NextConfig, name: str) -> bool:
     """Whether the official FP8 checkpoint stores `name` as float8_e4m3fn with a 128x128-block
-    `weight_scale_inv`: MLA q_a/q_b/kv_a/o of the indexed layers and the MTP layer, and the gate/up/
-    down matrices of dense MLPs, routed and shared experts. bf16: every KDA tensor (its o_proj too),
-    kv_b, the indexer, mHC, routers, eh_proj, embed_tokens, lm_head."""
+    `weight_scale_inv` (what init-random --fp8 and quantize write, and sizing predicts): MLA q_a/q_b/
+    kv_a/o of the indexed trunk layers and the gate/up/down matrices of dense MLPs, routed and shared
+    experts of the trunk. bf16: every KDA tensor (its o_proj too), kv_b, the indexer, mHC, routers,
+    embed_tokens, lm_head and the whole MTP (nextn) block (REFERENCE-glm5next sections 2 and 9).
+    A loaded checkpoint's own choice is what its files say (models/fp8.convert), not this rule."""
     m = _LAYER_NO.search(name)
-    if m is None:
+    if m is None or int(m.group(1)) >= cfg.num_hidden_layers:
         return False
     if ".mlp." in name:
         return name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
