@@ -21,10 +21,6 @@ class Clock:
             return e
         return time.perf_counter()
 
-    def ready(self, mark) -> bool:
-        """Whether reading `mark` would not wait for the device."""
-        return mark.query() if self.cuda else True
-
     def seconds(self, a, b) -> float:
         if self.cuda:
             b.synchronize()

@@ -6,9 +6,9 @@ second: E(g) / C(b, g), where
 - E(g) = 1 + sum over k = 1..g of a_1 * ... * a_k is the expected tokens a step emits with g drafts,
   a_k the rolling rate at which draft k is accepted given that drafts 1..k-1 were (counters that
   decay by 1 / window per recorded step, so the rate follows the text being generated);
-- C(b, g) is the measured wall time of a step (draft + verify) at batch bucket b (the next power of
-  two >= the active sequences) with g drafts: the median of its last `cost_window` measurements,
-  linearly interpolated between measured gammas of that bucket for the others.
+- C(b, g) is the measured wall time of a step (draft + verify + bookkeeping) at batch bucket b (the
+  next power of two >= the active sequences) with g drafts: the median of its last `cost_window`
+  measurements, linearly interpolated between measured gammas of that bucket for the others.
 
 Drafting is measured before it is judged: a bucket's first steps run at --gamma and at 0 until each
 has `warm` measurements, so both ends of the cost line are known. When g = 0 wins (drafting does
@@ -28,9 +28,11 @@ acceptance length of 1.08 where fixed gamma 3 reached 3.46, and at batch 64 thos
 the steps 6x slower than gamma 0's. The median (rather than an average seeded by the first
 measurement) keeps one slow step, such as a first replay, from deciding the same way.
 
-Costs arrive late (CUDA events are read when they have completed, never waited on), so the policy
-works from whatever has been measured so far. Under --tp the decision is rank 0's, broadcast by
-the engine, so every rank runs the same gamma.
+A step's cost is its host wall time, from after any catch-up to the end of its bookkeeping: every
+step ends in a host read of its tokens, so that is its device time plus the per-sequence host work,
+which at batch 64 on the H200 outweighed the graph replay (device time alone, CUDA events, made
+drafting look break-even there while it decoded 1.37x faster). Under --tp the decision is rank 0's,
+broadcast by the engine, so every rank runs the same gamma.
 """
 
 from __future__ import annotations
