@@ -473,11 +473,33 @@ class ForwardRunner:
         return [c.length for c in caches] + [0] * (f.b - len(caches))
 
 
+def rows_base(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor B whose rows 0..n-1 the n views are (views[j] == B[j, :k_j]), or None.
+
+    At batch 64 the engine's per-sequence tensors (drafts, drafter feeds) are such views of one
+    step's batched outputs; reading them back as one tensor saves a launch (and its host cost) per
+    sequence per step."""
+    base = views[0]._base
+    if base is None or base.dim() != views[0].dim() + 1 or base.shape[0] < len(views):
+        return None
+    row, at, inner, width, tail = base.stride(0), base.storage_offset(), base.stride()[1:], base.shape[1], base.shape[2:]
+    for j, v in enumerate(views):
+        if (v._base is not base or v.storage_offset() != at + j * row or v.stride() != inner
+                or v.shape[0] > width or v.shape[1:] != tail):
+            return None
+    return base[: len(views)]
+
+
 def load_rows(buf: torch.Tensor, values) -> None:
     """Write the active rows of a static buffer: values[j] (a tensor [A, k, ...] or a list of A
-    tensors of k_j rows) goes to buf[j, :k_j]."""
-    if not isinstance(values, torch.Tensor) and len({v.shape[0] for v in values}) == 1:
-        values = torch.stack(values)
+    tensors of k_j rows) goes to buf[j, :k_j]. Past k_j a row may be written too (with whatever
+    follows in the tensor the views come from): those are the padding rows of a feed."""
+    if not isinstance(values, torch.Tensor):
+        base = rows_base(values)
+        if base is not None:
+            values = base[:, : buf.shape[1]]
+        elif len({v.shape[0] for v in values}) == 1:
+            values = torch.stack(values)
     if isinstance(values, torch.Tensor):
         buf[: values.shape[0], : values.shape[1]].copy_(values)
         return

@@ -38,7 +38,7 @@ from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.gamma import GammaPolicy
-from glm5mtp_cli.engine.graphs import ForwardRunner
+from glm5mtp_cli.engine.graphs import ForwardRunner, rows_base
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
@@ -471,7 +471,9 @@ class SpecEngine:
         v0 = self.clock.now()
         last = self._last_tokens(active)
         if chains:
-            drafts = torch.stack([c.tokens for c in chains])
+            tokens = [c.tokens for c in chains]
+            drafts = rows_base(tokens)  # the fused chain's [A, g] output itself: no stack
+            drafts = torch.stack(tokens) if drafts is None else drafts
             ids = torch.cat([last[:, None], drafts], dim=1)
         else:
             drafts = None
@@ -489,6 +491,7 @@ class SpecEngine:
         if self.policy.adaptive:
             self.policy.record_acceptance(counts, accepted)
         times = StepTimes(p0, v0, v1)
+        feed = self._drafter_feed(drafts, accepted, nxt_dev) if chains and self.head is not None else None
         for i, s in enumerate(active):
             a = accepted[i]
             new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
@@ -496,8 +499,7 @@ class SpecEngine:
             s.last_src, s.last_i = nxt_dev, i
             if s.state is not None and chains:
                 self.head.after_verify(a, s.state)
-                # the accepted drafts and the target's token, from device tensors (no host copy)
-                s.pend_tokens = torch.cat([drafts[i, :a], s.last_dev]) if a else s.last_dev
+                s.pend_tokens = feed[i, : a + 1]
                 s.pend_hidden = out.hidden_all[i, : a + 1]
             elif s.state is not None:  # a step without drafts: its row waits for the next drafting step
                 s.backlog.append((s.last_dev, out.hidden_all[i, :1]))
@@ -525,6 +527,16 @@ class SpecEngine:
         if src.shape[0] == len(active) and all(s.last_src is src and s.last_i == i for i, s in enumerate(active)):
             return src
         return torch.cat([s.last_dev for s in active])
+
+    @staticmethod
+    def _drafter_feed(drafts: torch.Tensor, accepted: list[int], nxt: torch.Tensor) -> torch.Tensor:
+        """[A, g + 1] device rows whose first a_i + 1 are sequence i's next drafter tokens: its a_i
+        accepted drafts, then the target's token (built once for the batch: no host copy of tokens,
+        and the proposer reads the rows back as one tensor, graphs.rows_base)."""
+        g = drafts.shape[1]
+        pos = torch.arange(g + 1, device=drafts.device)
+        acc = torch.tensor(accepted, device=drafts.device)
+        return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
 
     def _accept(self, drafts, chains, logits, counts, gens):
         """(accepted, next token, draft ids) per sequence on the host, and the next tokens on the
