@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels._triton import use_kernels
 from kernels.fp8_block import fp8_block_dequant_ref
 from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.rmsnorm import rmsnorm
@@ -28,7 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not torch.is_grad_enabled():
+        if use_kernels(x) and not torch.is_grad_enabled():
             return rmsnorm(x, self.weight, self.eps)  # one Triton kernel instead of six (inference only)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -149,7 +150,7 @@ class Experts(nn.Module):
         return self._looped(x, weights, torch.where(mine, local, self.n_experts))
 
     def _gathered(self, x, weights, ids):
-        if x.is_cuda and self._kernel_reads(x) and self.swiglu_limit is None:  # the kernel has no clamp
+        if use_kernels(x) and self._kernel_reads(x) and self.swiglu_limit is None:  # the kernel has no clamp
             # kernels/moe.py reads each chosen expert in place (the gather below copies it first)
             return self._kernel(x.contiguous(), weights, ids)
         gate, up, down = self._weights(ids, x.dtype)  # [N, k, ...]
