@@ -56,6 +56,9 @@ def acceptance_cmd(
     if (prompts is None) == (not humaneval):
         raise UserError("give exactly one of --prompts FILE.jsonl, --humaneval")
     from glm5mtp_cli.diagnostics.acceptance import parse_list
+    from glm5mtp_cli.engine.compiled import check_compile
+
+    check_compile(compile or "off", compile_mode)
 
     gamma_list = parse_list(gammas, "--gammas", int)
     temp_list = parse_list(temperatures, "--temperatures", float)
@@ -78,11 +81,8 @@ def acceptance_cmd(
 
     import torch
 
-    from glm5mtp_cli.engine.compiled import check_compile
     from glm5mtp_cli.engine.run import check_fits
     from glm5mtp_cli.engine.runtime import forward_options, load_runtime, set_threads
-
-    check_compile(compile or "off", compile_mode)
 
     set_threads(threads)
     err = Console(stderr=True)
