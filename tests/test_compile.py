@@ -36,8 +36,12 @@ def glm5(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def glm5next():
-    return load_runtime("glm5next-nano", "cpu", "fp32", layers=2, progress=False)  # a KDA and an indexed MLA layer
+def glm5next(tmp_path_factory):
+    from glm5mtp_cli.checkpoint.write import init_random
+
+    out = tmp_path_factory.mktemp("glm5next_tiny")
+    init_random("glm5next-tiny", out, seed=1, dtype=torch.float32)
+    return load_runtime(str(out), "cpu", "fp32", layers=2, progress=False)  # a KDA and an indexed MLA layer
 
 
 def _tokens(rt, gamma, mode, compile="off"):
