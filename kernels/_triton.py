@@ -10,12 +10,28 @@ Kernels are decorated with :data:`jit` (``triton.jit``, or a no-op without Trito
 be in the environment before the first ``import triton`` of the process. Tests therefore run the
 interpreter in a fresh subprocess.
 
+Which code runs where a model has a hand-written kernel is one switch, :data:`PATH` (set with
+:func:`kernel_path` around a forward; the engine's compiled forwards do, engine/compiled.py):
+
+- ``"cuda"`` (the default): the kernels' branch for CUDA tensors, the models' own PyTorch code on the CPU;
+- ``"torch"``: never the kernels: the models' own PyTorch code, and every dispatcher its reference;
+- ``"all"``: the kernels' branch for CPU tensors too, where each dispatcher runs its reference (the
+  tests compile this branch, custom ops included, on the CPU).
+
+Inside ``torch.compile`` a dispatcher calls its kernel as a custom op (``torch.ops.glm5mtp.*``,
+registered beside each kernel): inductor cannot trace into a Triton launch wrapper (its shape
+checks, allocation, host-side grid), and its own analysis of user-defined Triton kernels failed on
+the paged-MLA kernel, so each op is opaque to it and inductor fuses the glue around the calls.
+Outside a compiled forward the dispatchers call the kernels directly, as before (no dispatcher
+hop, no extra copy).
+
 Outputs are allocated with :func:`alloc`; with ``POISON_OUTPUTS`` set (tests and the benchmark
 set it), they start filled with NaN so that an element a kernel forgets to write shows up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -37,12 +53,43 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+PATHS = ("cuda", "torch", "all")
+PATH = "cuda"
+
+
+@contextlib.contextmanager
+def kernel_path(path: str):
+    """Run the enclosed forwards with PATH = `path` (module docstring)."""
+    global PATH
+    if path not in PATHS:
+        raise ValueError(f"kernel path must be one of {', '.join(PATHS)}, got {path!r}")
+    before, PATH = PATH, path
+    try:
+        yield
+    finally:
+        PATH = before
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether a model takes its hand-written-kernel branch for activations `x` (PATH)."""
+    return x.is_cuda if PATH == "cuda" else PATH == "all"
+
+
+def as_op() -> bool:
+    """True while torch.compile traces a dispatcher that should appear as its custom op (every
+    PATH but "torch", whose compiled forwards trace the references)."""
+    return torch.compiler.is_compiling() and PATH != "torch"
+
+
 def use_triton(*tensors: torch.Tensor, force: bool = False) -> bool:
-    """Pick the Triton path: all tensors on CUDA (and Triton importable), or `force` in the interpreter.
+    """Pick the Triton path: all tensors on CUDA (and Triton importable, PATH not "torch"), or
+    `force` in the interpreter.
 
     Raises:
         RuntimeError: `force` was asked for but Triton cannot run these tensors.
     """
+    if PATH == "torch" and not force:
+        return False
     if HAVE_TRITON and all(t.is_cuda for t in tensors):
         return True
     if force:

@@ -15,7 +15,7 @@ which real weights never contain), so no manual uint8 decoding is needed.
 
 import torch
 
-from ._triton import alloc, interpreting, jit, tl, triton, use_triton
+from ._triton import alloc, as_op, interpreting, jit, tl, triton, use_triton
 
 
 def _sides(block: int | tuple[int, int]) -> tuple[int, int]:
@@ -206,6 +206,8 @@ def fp8_block_dequant(w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128
     Returns:
         [M, N] tensor in out_dtype.
     """
+    if as_op():
+        return fp8_block_dequant_op(w, scale_inv, block, out_dtype)
     if use_triton(w, scale_inv, force=force_triton):
         return fp8_block_dequant_triton(w, scale_inv, block, out_dtype)
     return fp8_block_dequant_ref(w, scale_inv, block, out_dtype)
@@ -224,6 +226,8 @@ def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, 
     Returns:
         [..., N] in x.dtype.
     """
+    if as_op():
+        return fp8_block_matmul_op(x, w, scale_inv, block)
     if use_triton(x, w, scale_inv, force=force_triton):
         return fp8_block_matmul_triton(x, w, scale_inv, block)
     return fp8_block_matmul_ref(x, w, scale_inv, block)
@@ -317,6 +321,48 @@ def fp8_heads_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, 
                      absorb: bool, block: int = 128, force_triton: bool = False) -> torch.Tensor:
     """Per-head products with slices of one block-scaled FP8 matrix (see :func:`fp8_heads_matmul_ref`);
     the Triton kernel when the heads' rows align to a 16..64 tile, else the reference."""
+    if as_op():
+        return fp8_heads_matmul_op(x, w, scale_inv, heads, row0, rows, absorb, block)
     if heads_tile(w.shape[0] // heads, row0, block) and use_triton(x, w, scale_inv, force=force_triton):
         return fp8_heads_matmul_triton(x, w, scale_inv, heads, row0, rows, absorb, block)
     return fp8_heads_matmul_ref(x, w, scale_inv, heads, row0, rows, absorb, block)
+
+
+# ---- the dispatchers as custom ops for compiled forwards (kernels/_triton.py's docstring) -------------
+
+@torch.library.custom_op("glm5mtp::fp8_block_dequant", mutates_args=())
+def fp8_block_dequant_op(w: torch.Tensor, scale_inv: torch.Tensor, block: int, out_dtype: torch.dtype) -> torch.Tensor:
+    if use_triton(w, scale_inv):
+        return fp8_block_dequant_triton(w, scale_inv, block, out_dtype)
+    return fp8_block_dequant_ref(w, scale_inv, block, out_dtype)
+
+
+@fp8_block_dequant_op.register_fake
+def _(w, scale_inv, block, out_dtype):
+    return w.new_empty(w.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("glm5mtp::fp8_block_matmul", mutates_args=())
+def fp8_block_matmul_op(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
+    if use_triton(x, w, scale_inv):
+        return fp8_block_matmul_triton(x, w, scale_inv, block)
+    return fp8_block_matmul_ref(x, w, scale_inv, block)
+
+
+@fp8_block_matmul_op.register_fake
+def _(x, w, scale_inv, block):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("glm5mtp::fp8_heads_matmul", mutates_args=())
+def fp8_heads_matmul_op(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, heads: int, row0: int, rows: int,
+                        absorb: bool, block: int) -> torch.Tensor:
+    if heads_tile(w.shape[0] // heads, row0, block) and use_triton(x, w, scale_inv):
+        return fp8_heads_matmul_triton(x, w, scale_inv, heads, row0, rows, absorb, block)
+    # einsum may lay its result out permuted; the op's outputs are contiguous like the kernel's
+    return fp8_heads_matmul_ref(x, w, scale_inv, heads, row0, rows, absorb, block).contiguous()
+
+
+@fp8_heads_matmul_op.register_fake
+def _(x, w, scale_inv, heads, row0, rows, absorb, block):
+    return x.new_empty((*x.shape[:-1], w.shape[1] if absorb else rows))

@@ -35,7 +35,7 @@ products, then rounded to ``x.dtype``: the weights an unquantized twin holds) an
 
 import torch
 
-from ._triton import alloc, jit, next_pow2, tl, triton, use_triton
+from ._triton import alloc, as_op, jit, next_pow2, tl, triton, use_triton
 from .fp8_block import fp8_block_dequant_ref
 
 # GEMV tiles. Both kernels are memory bound (GLM-5: H = 6144, I = 2048, bf16, 25 MB per expert
@@ -238,6 +238,8 @@ def moe_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     Returns:
         [N, H] in x.dtype.
     """
+    if as_op():
+        return moe_experts_op(x, gate, up, down, weights, ids, swiglu_limit)
     if use_triton(x, gate, up, down, weights, ids, force=force_triton):
         return moe_experts_triton(x, gate, up, down, weights, ids, swiglu_limit)
     return moe_experts_ref(x, gate, up, down, weights, ids, swiglu_limit)
@@ -249,6 +251,36 @@ def moe_experts_fp8(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, u
                     force_triton: bool = False) -> torch.Tensor:
     """:func:`moe_experts` over FP8 stacks: gate/up [E, I, H] and down [E, H, I] float8_e4m3fn, each
     with its fp32 scale grid [E, ceil(rows/block), ceil(cols/block)]. Returns [N, H] in x.dtype."""
+    if as_op():
+        return moe_experts_fp8_op(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, swiglu_limit)
     if use_triton(x, gate, up, down, weights, ids, force=force_triton):
         return moe_experts_fp8_triton(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, swiglu_limit)
     return moe_experts_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, swiglu_limit)
+
+
+# The dispatchers as custom ops for compiled forwards (kernels/_triton.py's docstring).
+@torch.library.custom_op("glm5mtp::moe_experts", mutates_args=())
+def moe_experts_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                   weights: torch.Tensor, ids: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
+    if use_triton(x, gate, up, down, weights, ids):
+        return moe_experts_triton(x, gate, up, down, weights, ids, swiglu_limit)
+    return moe_experts_ref(x, gate, up, down, weights, ids, swiglu_limit)
+
+
+@moe_experts_op.register_fake
+def _(x, gate, up, down, weights, ids, swiglu_limit):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("glm5mtp::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8_op(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, up: torch.Tensor,
+                       up_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor, block: int, swiglu_limit: float | None) -> torch.Tensor:
+    if use_triton(x, gate, up, down, weights, ids):
+        return moe_experts_fp8_triton(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, swiglu_limit)
+    return moe_experts_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, swiglu_limit)
+
+
+@moe_experts_fp8_op.register_fake
+def _(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, swiglu_limit):
+    return x.new_empty(x.shape)

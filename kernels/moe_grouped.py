@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import interpreting, jit, next_pow2, tl, triton, use_triton
+from ._triton import as_op, interpreting, jit, next_pow2, tl, triton, use_triton
 from .fp8_block import fp8_block_dequant_ref
 from .moe import _round, moe_experts_ref
 
@@ -200,6 +200,8 @@ def moe_experts_grouped(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
                         force_triton: bool = False) -> torch.Tensor:
     """Weighted sum of each token's routed SwiGLU experts (clamped at `limit` when given) for many
     pairs; ids in 0..E (E: another rank's pair, contributes zero). Returns [N, H] in x.dtype."""
+    if as_op():
+        return moe_experts_grouped_op(x, gate, up, down, weights, ids, limit)
     if use_triton(x, gate, up, down, weights, ids, force=force_triton):
         assert gate.dtype == up.dtype == down.dtype == x.dtype, "x and the expert weights must share a dtype"
         return moe_experts_grouped_triton(x, gate, up, down, weights, ids, limit)
@@ -212,10 +214,42 @@ def moe_experts_grouped_fp8(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.T
                             force_triton: bool = False) -> torch.Tensor:
     """:func:`moe_experts_grouped` over FP8 stacks with their fp32 scale grids (kernels/moe.py's
     layout). The reference dequantizes every expert (fp32 products, then x.dtype)."""
+    if as_op():
+        return moe_experts_grouped_fp8_op(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, limit)
     if use_triton(x, gate, up, down, weights, ids, force=force_triton):
         return moe_experts_grouped_triton(x, gate, up, down, weights, ids, limit, (gate_s, up_s, down_s), block)
+    return _grouped_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, limit)
 
+
+def _grouped_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, limit):
     def deq(w, s):
         return fp8_block_dequant_ref(w, s, block, torch.float32).to(x.dtype)
 
     return moe_experts_grouped_ref(x, deq(gate, gate_s), deq(up, up_s), deq(down, down_s), weights, ids, limit)
+
+# The dispatchers as custom ops for compiled forwards (kernels/_triton.py's docstring).
+@torch.library.custom_op("glm5mtp::moe_experts_grouped", mutates_args=())
+def moe_experts_grouped_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                           weights: torch.Tensor, ids: torch.Tensor, limit: float | None) -> torch.Tensor:
+    if use_triton(x, gate, up, down, weights, ids):
+        return moe_experts_grouped_triton(x, gate, up, down, weights, ids, limit)
+    return moe_experts_grouped_ref(x, gate, up, down, weights, ids, limit)
+
+
+@moe_experts_grouped_op.register_fake
+def _(x, gate, up, down, weights, ids, limit):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("glm5mtp::moe_experts_grouped_fp8", mutates_args=())
+def moe_experts_grouped_fp8_op(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.Tensor, up: torch.Tensor,
+                               up_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, weights: torch.Tensor,
+                               ids: torch.Tensor, block: int, limit: float | None) -> torch.Tensor:
+    if use_triton(x, gate, up, down, weights, ids):
+        return moe_experts_grouped_triton(x, gate, up, down, weights, ids, limit, (gate_s, up_s, down_s), block)
+    return _grouped_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, limit)
+
+
+@moe_experts_grouped_fp8_op.register_fake
+def _(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, limit):
+    return x.new_empty(x.shape)

@@ -18,7 +18,7 @@ Both read the pool rows in place: no gathered copy of the cache, no [G, T, H, NL
 
 import torch
 
-from ._triton import alloc, interpreting, jit, next_pow2, tl, triton, use_triton
+from ._triton import alloc, as_op, interpreting, jit, next_pow2, tl, triton, use_triton
 
 
 def _indexer_scores_one(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, causal_offset: int,
@@ -248,6 +248,8 @@ def indexer_scores_paged(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tenso
     Returns:
         fp32 [G, T, NL], -inf past each query's causal limit.
     """
+    if as_op():
+        return indexer_scores_paged_op(q, pool, slots, starts, w, scale)
     if use_triton(q, pool, w, force=force_triton):
         return indexer_scores_paged_triton(q, pool, slots, starts, w, scale)
     return indexer_scores_paged_ref(q, pool, slots, starts, w, scale)
@@ -270,7 +272,39 @@ def mla_attention_paged(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, poo
     Returns:
         [G, T, H, Lkv] latent outputs in q_nope_absorbed.dtype.
     """
+    if as_op():
+        return mla_attention_paged_op(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
     tensors = (q_nope_absorbed, q_rope, pool) + ((index,) if index is not None else ())
     if use_triton(*tensors, force=force_triton):
         return mla_attention_paged_triton(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
     return mla_attention_paged_ref(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
+
+
+# The dispatchers as custom ops for compiled forwards (kernels/_triton.py's docstring); they only
+# read the pools (the models write the new rows before).
+@torch.library.custom_op("glm5mtp::indexer_scores_paged", mutates_args=())
+def indexer_scores_paged_op(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                            w: torch.Tensor, scale: float) -> torch.Tensor:
+    if use_triton(q, pool, w):
+        return indexer_scores_paged_triton(q, pool, slots, starts, w, scale)
+    return indexer_scores_paged_ref(q, pool, slots, starts, w, scale)
+
+
+@indexer_scores_paged_op.register_fake
+def _(q, pool, slots, starts, w, scale):
+    return q.new_empty((q.shape[0], q.shape[1], slots.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("glm5mtp::mla_attention_paged", mutates_args=())
+def mla_attention_paged_op(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
+                           slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None,
+                           scale: float) -> torch.Tensor:
+    tensors = (q_nope_absorbed, q_rope, pool) + ((index,) if index is not None else ())
+    if use_triton(*tensors):
+        return mla_attention_paged_triton(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
+    return mla_attention_paged_ref(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
+
+
+@mla_attention_paged_op.register_fake
+def _(q_nope_absorbed, q_rope, pool, slots, starts, index, scale):
+    return torch.empty_like(q_nope_absorbed, memory_format=torch.contiguous_format)

@@ -8,7 +8,7 @@ output dtype is ``torch.promote_types(x.dtype, weight.dtype)``. With ``residual`
 
 import torch
 
-from ._triton import alloc, jit, next_pow2, tl, use_triton
+from ._triton import alloc, as_op, jit, next_pow2, tl, use_triton
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -78,7 +78,22 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     Returns:
         y, or (y, x + residual).
     """
+    if residual is None and as_op():
+        return rmsnorm_op(x, weight, eps)
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if use_triton(*tensors, force=force_triton):
         return rmsnorm_triton(x, weight, eps, residual)
     return rmsnorm_ref(x, weight, eps, residual)
+
+
+# The models' form (no residual) as a custom op for compiled forwards (_triton's docstring).
+@torch.library.custom_op("glm5mtp::rmsnorm", mutates_args=())
+def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x, weight):
+        return rmsnorm_triton(x, weight, eps)
+    return rmsnorm_ref(x, weight, eps).contiguous()  # the kernel's layout, whatever x's strides
+
+
+@rmsnorm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))

@@ -9,7 +9,7 @@ rounding to ``x.dtype`` at the end.
 
 import torch
 
-from ._triton import alloc, jit, next_pow2, tl, triton, use_triton
+from ._triton import alloc, as_op, jit, next_pow2, tl, triton, use_triton
 
 
 def rope_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,6 +73,21 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forc
     Returns:
         Tensor of x's shape and dtype.
     """
+    if as_op():
+        return rope_interleaved_op(x, cos, sin)
     if use_triton(x, cos, sin, force=force_triton):
         return rope_interleaved_triton(x, cos, sin)
     return rope_interleaved_ref(x, cos, sin)
+
+
+@torch.library.custom_op("glm5mtp::rope_interleaved", mutates_args=())
+def rope_interleaved_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The dispatcher as a custom op for compiled forwards (kernels/_triton.py's docstring)."""
+    if use_triton(x, cos, sin):
+        return rope_interleaved_triton(x, cos, sin)
+    return rope_interleaved_ref(x, cos, sin)
+
+
+@rope_interleaved_op.register_fake
+def _(x, cos, sin):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

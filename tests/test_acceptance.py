@@ -125,7 +125,7 @@ def test_runs_in_the_engines_graph_mode(tmp_path, monkeypatch):
         modes.append(kwargs.get("graphs"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runtime, "graph_mode", lambda rt, cuda_graphs: "static" if cuda_graphs else "eager")
+    monkeypatch.setattr(runtime, "graph_mode", lambda rt, cuda_graphs, compile="off": "static" if cuda_graphs else "eager")
     monkeypatch.setattr(diag, "run_generate", spy)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")

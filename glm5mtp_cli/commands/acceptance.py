@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from glm5mtp_cli.commands.generate import check_flags
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt,
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt,
                                           MtpIndexShareOpt, ThreadsOpt, apply_mtp_index_share)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, read_file
@@ -41,6 +41,8 @@ def acceptance_cmd(
     threads: ThreadsOpt = None,
     mtp_index_share: MtpIndexShareOpt = None,
     cuda_graphs: CudaGraphsOpt = True,
+    compile: CompileOpt = None,
+    compile_mode: CompileModeOpt = "default",
 ) -> None:
     """Mean acceptance length, draft acceptance rate and per-position acceptance (vLLM definitions) at every
     gamma and temperature over one prompt set; greedy speculation is checked against gamma 0.
@@ -54,6 +56,9 @@ def acceptance_cmd(
     if (prompts is None) == (not humaneval):
         raise UserError("give exactly one of --prompts FILE.jsonl, --humaneval")
     from glm5mtp_cli.diagnostics.acceptance import parse_list
+    from glm5mtp_cli.engine.compiled import check_compile
+
+    check_compile(compile or "off", compile_mode)
 
     gamma_list = parse_list(gammas, "--gammas", int)
     temp_list = parse_list(temperatures, "--temperatures", float)
@@ -77,13 +82,14 @@ def acceptance_cmd(
     import torch
 
     from glm5mtp_cli.engine.run import check_fits
-    from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, set_threads
+    from glm5mtp_cli.engine.runtime import forward_options, load_runtime, set_threads
 
     set_threads(threads)
     err = Console(stderr=True)
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, None, None, with_mtp=True, progress=not json_out)
     index_share = apply_mtp_index_share(rt, mtp_index_share)
+    fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
     pset = PromptSet(source, [p.name for p in items], encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder))
     check_fits(pset.token_lists, max_new_tokens, max(gamma_list), rt.cfg.max_position_embeddings,
                "the model's limit (max_position_embeddings)")
@@ -107,7 +113,7 @@ def acceptance_cmd(
 
         result = sweep(rt, pset, gammas=gamma_list, temperatures=temp_list, max_new_tokens=max_new_tokens, seed=seed,
                        batch_size=batch_size, max_seq_len=rt.cfg.max_position_embeddings, ignore_eos=ignore_eos,
-                       graphs=graph_mode(rt, cuda_graphs), log=step)
+                       **fwd, log=step)
     argv = ["glm5mtp", "acceptance", "--model", model]
     argv += ["--humaneval"] if humaneval else ["--prompts", str(prompts)]
     if limit is not None:
@@ -120,13 +126,15 @@ def acceptance_cmd(
         argv.append("--mtp-index-share" if mtp_index_share else "--no-mtp-index-share")
     if not cuda_graphs:
         argv.append("--no-cuda-graphs")
+    if compile is not None:
+        argv += ["--compile", compile, "--compile-mode", compile_mode]
     doc = {
         "command": shlex.join(argv),
         "model": model,
         "model_folder": str(rt.resolved.folder),
         "device": str(rt.device),
         "dtype": str(rt.dtype).replace("torch.", ""),
-        "graphs": graph_mode(rt, cuda_graphs),
+        **fwd,
         "cpu_threads": torch.get_num_threads() if rt.device.type == "cpu" else None,
         "prompts": {"source": pset.source, "count": len(pset.ids),
                     "prompt_tokens_mean": sum(map(len, pset.token_lists)) / len(pset.ids)},

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
                                           GammaPolicyOpt, ModelOpt, PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
@@ -116,6 +116,8 @@ def bench_cmd(
     kernels: Annotated[bool, typer.Option("--kernels", metavar="", help="Also profile the draft (and target) step: "
                                           "the top kernels by time per step and their share (torch.profiler).")] = False,
     cuda_graphs: CudaGraphsOpt = True,
+    compile: CompileOpt = None,
+    compile_mode: CompileModeOpt = "default",
     schedule: ScheduleOpt = "continuous",
     gamma_policy: GammaPolicyOpt = "fixed",
     prefill_tokens: PrefillTokensOpt = 8192,
@@ -135,6 +137,8 @@ def bench_cmd(
       glm5mtp bench --model glm5 --random-weights --fp8 --device cuda --kernels    (GLM-5-FP8's draft step, per kernel)
 
       glm5mtp bench --model glm5next --random-weights --device cuda --draft-context 2048 --target-layers 4
+
+      glm5mtp bench --model glm5-nano --random-weights --device cuda --draft-context 512 --compile kernels
     """
     kwargs = dict(locals())
     from glm5mtp_cli.diagnostics.bench import BenchConfig
@@ -144,7 +148,7 @@ def bench_cmd(
 
     c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
                     transformers, schedule=schedule, gamma_policy=gamma_policy, num_prompts=num_prompts,
-                    prefill_tokens=prefill_tokens)
+                    prefill_tokens=prefill_tokens, compile_mode=compile_mode)
     if num_prompts is not None and num_prompts < 1:
         raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
     if schedule not in SCHEDULES:
@@ -165,13 +169,17 @@ def bench_cmd(
     items = read_file(prompts) if prompts is not None else None
     import torch
 
+    from glm5mtp_cli.engine.compiled import check_compile, default_compile
+
+    check_compile(compile or "off", compile_mode)
+
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers
     from glm5mtp_cli.diagnostics.recommend import recommend
     from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step,
                                                     fp8_config, random_drafter, target_step)
     from glm5mtp_cli.engine import launch
-    from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, pick_device, pick_dtype, set_threads
+    from glm5mtp_cli.engine.runtime import forward_options, load_runtime, pick_device, pick_dtype, set_threads
 
     set_threads(threads)
     if launch.maybe_spawn(tp, device, model, bench_cmd, kwargs):
@@ -195,9 +203,11 @@ def bench_cmd(
         folder = None
         # how the steps are timed: graph replays where the family's forwards can be captured
         c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" else "eager"
+        c.compile = compile or default_compile(cfg)
     else:
         rt = load_runtime(model, device, dtype, layers, progress=not json_out, comm=comm)
-        c.graphs = graph_mode(rt, cuda_graphs)
+        fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
+        c.graphs, c.compile = fwd["graphs"], fwd["compile"]
         cfg, dev, dt, folder = rt.cfg, rt.device, rt.dtype, rt.resolved.folder
         mtp, embed, head = rt.mtp, rt.target.model.embed_tokens, rt.target.lm_head
         ids = _prompts(rt, items, max(c.batch_sizes + [num_prompts or 0]))
@@ -211,15 +221,17 @@ def bench_cmd(
     add_ratios(rows)
     recs = recommend(rows)
     bw = copy_bandwidth(dev)
+    steps = (c.compile, compile_mode)
     drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs, draft_vocab_file,
-                         kernels) for k in sizes]
+                         kernels, steps) for k in sizes]
     t_step = None
     if random_weights and target_layers:
         del mtp, embed, head
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, cuda_graphs, kernels)
+        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, cuda_graphs, kernels, steps)
     doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1, "graphs": c.graphs,
+           "compile": c.compile, "compile_mode": compile_mode,
            "target_step": t_step,
            "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
            "fp8_weights": bool(getattr(cfg, "fp8", False)),

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
                                           GammaPolicyOpt, ModelOpt, MtpIndexShareOpt, PrefillTokensOpt, PromptIdsOpt,
                                           PromptOpt, ScheduleOpt, ThreadsOpt, TpOpt, apply_mtp_index_share)
 from glm5mtp_cli.errors import UserError
@@ -124,6 +124,8 @@ def generate_cmd(
     draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file",
         metavar="FILE", help="Token counts written by `glm5mtp draft-vocab --out FILE`, for --draft-vocab.")] = None,
     cuda_graphs: CudaGraphsOpt = True,
+    compile: CompileOpt = None,
+    compile_mode: CompileModeOpt = "default",
     random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Random weights of the model's config, "
                                                  "built on the device (real dimensions without a checkpoint, e.g. "
                                                  "--model glm5 --layers 4).")] = False,
@@ -149,6 +151,9 @@ def generate_cmd(
     if draft_vocab_file is not None and not draft_vocab_file.is_file():
         raise UserError(f"--draft-vocab-file {draft_vocab_file}: no such file")
     check_output(trace, "--trace")
+    from glm5mtp_cli.engine.compiled import check_compile
+
+    check_compile(compile or "off", compile_mode)
     if conversation is not None:
         if any(x is not None for x in (prompt, prompt_ids, prompts)):
             raise UserError("--conversation replaces --prompt, --prompt-ids and --prompts: give one of them")
@@ -171,7 +176,7 @@ def generate_cmd(
     set_threads(threads)
     if launch.maybe_spawn(tp, device, model, generate_cmd, kwargs):
         return
-    from glm5mtp_cli.engine.runtime import graph_mode, load_runtime
+    from glm5mtp_cli.engine.runtime import forward_options, load_runtime
     from glm5mtp_cli.engine.sampling import SamplingParams
 
     out = Console(stderr=json_out)
@@ -184,18 +189,18 @@ def generate_cmd(
     seq_cap = max_seq_len or limit
     limit_name = "--max-seq-len" if max_seq_len is not None else "the model's limit (max_position_embeddings)"
     sampling = SamplingParams(temperature, top_p, seed)
-    graphs = graph_mode(rt, cuda_graphs)
+    fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
     if conversation is not None:
         _conversation(rt, out, convs, json_out, trace, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
                       max_seq_len=seq_cap, alloc=alloc, carry=carry, carry_budget=carry_budget,
                       use_template=chat or _has_template(rt), ignore_eos=ignore_eos, draft_conf_tau=draft_conf_tau,
-                      draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, graphs=graphs,
+                      draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, **fwd,
                       gamma_policy=gamma_policy)
         return
     _single(rt, out, items, model=model, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
             batch_size=batch_size, seq_cap=seq_cap, limit_name=limit_name, alloc=alloc,
             draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos, draft_vocab=draft_vocab,
-            draft_vocab_file=draft_vocab_file, graphs=graphs, chat=chat, compare=compare, trace=trace,
+            draft_vocab_file=draft_vocab_file, **fwd, chat=chat, compare=compare, trace=trace,
             json_out=json_out, schedule=schedule, gamma_policy=gamma_policy, prefill_tokens=prefill_tokens)
 
 
@@ -218,12 +223,15 @@ def _single(rt, out: Console, items, *, model: str, gamma: int, seq_cap: int, li
     results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, gamma=gamma, on_tokens=stream, **run)
     if kw["graphs"] == "eager":
         lat.pop("graph_capture_ms", None)  # nothing is captured in eager mode
+    if kw["compile"] == "off":
+        lat.pop("compile_s", None)
     if stream is not None:
         stream.end(results[0].finish_reason, len(results[0].tokens))
     peak, peak_src = peak_memory(rt.device)
     doc = {
         "model": model, "device": str(rt.device), "tp": rt.comm.world if rt.comm else 1,
         "dtype": str(rt.dtype).replace("torch.", ""), "gamma": gamma, "graphs": kw["graphs"],
+        "compile": kw["compile"], "compile_mode": kw["compile_mode"],
         "batch_size": kw["batch_size"], "schedule": kw["schedule"], "gamma_policy": kw["gamma_policy"],
         "requests": [{"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
                       "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None,
@@ -239,6 +247,8 @@ def _single(rt, out: Console, items, *, model: str, gamma: int, seq_cap: int, li
         base, _, base_lat, _, _ = run_generate(rt, token_lists, gamma=0, **run)
         if kw["graphs"] == "eager":
             base_lat.pop("graph_capture_ms", None)
+        if kw["compile"] == "off":
+            base_lat.pop("compile_s", None)
         doc["compare"] = compare_block(lat, base_lat, [r.tokens for r in results] == [r.tokens for r in base])
     if trace is not None:
         _write_trace(trace, [row for r in results for row in r.trace])

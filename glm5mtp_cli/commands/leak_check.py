@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
                                           ModelOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.units import fmt_bytes
@@ -46,6 +46,8 @@ def leakcheck_cmd(
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
                                               help="On CUDA, run the engine with CUDA graphs (their slot reuse is "
                                                    "checked too).")] = True,
+    compile: CompileOpt = None,
+    compile_mode: CompileModeOpt = "default",
     threads: ThreadsOpt = None,
 ) -> None:
     """Run sequences to every end (length, EOS, cancel, error) and check the cache pools for leaks.
@@ -67,13 +69,16 @@ def leakcheck_cmd(
     cfg = LeakCheckConfig(sequences, gamma, max_new_tokens, alloc, max_seq_len, inject_leak, seed,
                           batch_size=batch_size)
     check_flags(cfg)  # refuse bad flags before loading anything
+    from glm5mtp_cli.engine.compiled import check_compile
+
+    check_compile(compile or "off", compile_mode)
     model_cfg = resolve_config(model)[0]
     check_flags(cfg, model_cfg)
     limit = model_cfg.max_position_embeddings
     if max_seq_len > limit:
         raise UserError(f"--max-seq-len {max_seq_len} is over the model's limit (max_position_embeddings {limit})")
     from glm5mtp_cli.engine import launch
-    from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, set_threads
+    from glm5mtp_cli.engine.runtime import forward_options, load_runtime, set_threads
 
     set_threads(threads)
     if launch.maybe_spawn(tp, device, model, leakcheck_cmd, kwargs):
@@ -81,7 +86,8 @@ def leakcheck_cmd(
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, layers, with_mtp=True, progress=not json_out,
                       comm=launch.rank_comm(tp, device))
-    cfg.graphs = graph_mode(rt, cuda_graphs)
+    fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
+    cfg.graphs, cfg.compile, cfg.compile_mode = fwd["graphs"], fwd["compile"], fwd["compile_mode"]
     with Progress(TextColumn("leak-check"), BarColumn(), MofNCompleteColumn(), TextColumn("sequences"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:
         task = prog.add_task("sequences", total=sequences)

@@ -34,6 +34,13 @@ MtpIndexShareOpt = Annotated[Optional[bool], typer.Option(
     "--mtp-index-share/--no-mtp-index-share", metavar="",
     help="GLM-5-Next: chained draft steps reuse the pool top-k of the propose's first draft row (on) or score "
          "their own (off). Default: the config's index_share_for_mtp_iteration.")]
+CompileOpt = Annotated[Optional[str], typer.Option(
+    "--compile", metavar="off|kernels|torch",
+    help="Compile the decode, verify and draft forwards with torch.compile before their capture: kernels (the "
+         "Triton kernels as custom ops, inductor fuses the rest), torch (the pure-PyTorch path compiled whole), "
+         "off. Default: the model family's (off). Compile time is reported apart (compile_s).")]
+CompileModeOpt = Annotated[str, typer.Option("--compile-mode", metavar="default|max-autotune-no-cudagraphs",
+                                             help="inductor's mode for --compile.")]
 # On/off flags pass metavar="" so that help shows no "<bool>" beside them.
 
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text (needs the checkpoint's tokenizer).")]

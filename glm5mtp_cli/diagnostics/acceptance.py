@@ -106,7 +106,8 @@ def repetition(results) -> dict:
 
 
 def sweep(rt: Runtime, prompts: PromptSet, *, gammas: list[int], temperatures: list[float], max_new_tokens: int,
-          seed: int, batch_size: int, max_seq_len: int, ignore_eos: bool, graphs: str = "eager", log=None) -> dict:
+          seed: int, batch_size: int, max_seq_len: int, ignore_eos: bool, graphs: str = "eager", compile: str = "off",
+          compile_mode: str = "default", log=None) -> dict:
     """Run every (temperature, gamma); gamma 0 runs too at temperature 0 (the losslessness reference)."""
     runs = []
     lossless = None
@@ -122,7 +123,7 @@ def sweep(rt: Runtime, prompts: PromptSet, *, gammas: list[int], temperatures: l
             results, acc, lat, _, _ = run_generate(
                 rt, prompts.token_lists, gamma=g, max_new_tokens=max_new_tokens, sampling=sampling,
                 batch_size=batch_size, max_seq_len=max_seq_len, alloc="budget", draft_conf_tau=None,
-                ignore_eos=ignore_eos, graphs=graphs)
+                ignore_eos=ignore_eos, graphs=graphs, compile=compile, compile_mode=compile_mode)
             wall = time.perf_counter() - t0
             tokens = [r.tokens for r in results]
             # an engine that emits past --max-new-tokens is a bug of its own; count it, and compare only the

@@ -29,6 +29,8 @@ class BenchConfig:
     repeats: int = 3
     with_transformers: bool = True
     graphs: str = "eager"  # the engine's forward mode (runtime.graph_mode)
+    compile: str = "off"  # --compile (engine/compiled.py)
+    compile_mode: str = "default"
     schedule: str = "continuous"  # speculate.SCHEDULES
     gamma_policy: str = "fixed"  # gamma.POLICIES
     num_prompts: int | None = None  # None: one prompt per slot; else this many through the batch's slots
@@ -56,9 +58,12 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
                                          max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
                                          draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
                                          schedule=c.schedule, gamma_policy=c.gamma_policy,
-                                         prefill_tokens=c.prefill_tokens)
+                                         prefill_tokens=c.prefill_tokens, compile=c.compile,
+                                         compile_mode=c.compile_mode)
         if i:
             runs.append((acc, lat))
+        else:
+            compile_s = lat["compile_s"]  # the first engine's compile: inductor's caches were the coldest
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
     system = f"gamma {gamma}" + (" adaptive" if gamma and c.gamma_policy == "adaptive" else "") + \
         (f", {c.schedule}" if c.schedule != "continuous" else "")
@@ -68,6 +73,7 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
             "tpot_ms_p50": med("tpot_ms_p50"), "tpot_ms_p99": med("tpot_ms_p99"),
             "ttft_ms_p50": med("ttft_ms_p50"), "ttft_ms_p99": med("ttft_ms_p99"),
             "prompts": len(work), "graph_capture_ms": med("graph_capture_ms"),
+            "compile": c.compile, "compile_mode": c.compile_mode, "compile_s": compile_s,
             "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,
             "per_position": runs[0][0].per_position}
 

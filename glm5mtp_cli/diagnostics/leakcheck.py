@@ -41,6 +41,8 @@ class LeakCheckConfig:
     inject_leak: str | None = None
     seed: int = 0
     graphs: str = "eager"  # engine forward mode (runtime.graph_mode): CUDA graphs are checked too
+    compile: str = "off"  # --compile (engine/compiled.py)
+    compile_mode: str = "default"
     batch_size: int = 1  # slots of the engine; > 1: rounds of 2 * batch_size lives (module docstring)
 
 
@@ -117,6 +119,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     pools = rt.make_pools(per_seq, lives)
     engine = make_engine(rt, pools, gamma=c.gamma, sampling=SamplingParams(seed=c.seed),
                         max_seq_len=c.max_seq_len, alloc=c.alloc, eos_ids=[], device=rt.device, graphs=c.graphs,
+                        compile=c.compile, compile_mode=c.compile_mode,
                         check_invariants=True, inject_leak=c.inject_leak)
 
     def run_round(reqs: list[Request], eos: set[int]) -> list[tuple[str, int]]:
@@ -170,7 +173,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     return {
         "model": rt.resolved.spec, "device": str(rt.device), "dtype": str(rt.dtype).replace("torch.", ""),
         "gamma": c.gamma, "alloc": c.alloc, "max_seq_len": c.max_seq_len, "max_new_tokens": c.max_new_tokens,
-        "inject_leak": c.inject_leak, "graphs": c.graphs, "batch_size": c.batch_size, "judged_on": "ledger+cuda_allocated" if rt.device.type == "cuda" else "ledger",
+        "inject_leak": c.inject_leak, "graphs": c.graphs, "compile": c.compile, "batch_size": c.batch_size, "judged_on": "ledger+cuda_allocated" if rt.device.type == "cuda" else "ledger",
         "baseline": {"blocks_held": base["blocks_held"], "bytes_held": base["bytes_held"], "rss_bytes": base["rss"],
                      **({"cuda_allocated_bytes": base["cuda_allocated"]} if "cuda_allocated" in base else {})},
         "lifecycles_seen": sorted({r["finish_reason"] for r in rows}),

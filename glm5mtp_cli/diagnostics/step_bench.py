@@ -11,6 +11,9 @@ the engine replays), timed with device events (GLM-5-Next's target step: the for
 KDA commit runs eagerly after the graph in the engine); every CPU run is host-timed around a
 synchronised eager forward. Both report the median of `repeats` runs after 3 warm-ups.
 
+With `compile` (bench --compile, engine/compiled.py) the step's static forward is compiled first (its
+compile seconds reported apart), then replayed as a CUDA graph on CUDA, or run and host-timed on the CPU.
+
 With `kernels` (bench --kernels), torch.profiler then records a few more steps (graph replays or
 eager forwards) and the step's dict gets "kernels": the top device kernels by time per step with
 their share of all kernel time (on the CPU: the top operators by self CPU time), so a step far from
@@ -90,21 +93,28 @@ def kernel_breakdown(step, device: torch.device, reset=lambda: None, steps: int 
                      "share": us / total_us} for name, count, us in rows[:top]]}
 
 
-def _graph_step(f, context: int, repeats: int, kernels: bool) -> tuple[float, dict | None]:
-    """Capture a one-row static forward (graphs.StaticForward) appending at row `context`; the
-    median device time of its replays, and their kernel breakdown with `kernels`."""
+def _static_step(f, context: int, repeats: int, kernels: bool, graphs: bool,
+                 compile: tuple[str, str]) -> tuple[float, dict | None, float | None]:
+    """A one-row static forward (graphs.StaticForward) appending at row `context`, compiled first
+    unless compile[0] is "off" (-> its compile seconds, else None); captured and replayed on CUDA
+    with `graphs` (the median device time of its replays), else run and host-timed. With `kernels`,
+    also the kernel breakdown."""
     f.ids.fill_(1)
     f.set_starts([context])
+    compile_s = f.compile(*compile) if compile[0] != "off" else None
+    if not (graphs and f.device.type == "cuda"):
+        return (_host_seconds(f.run, lambda: None, f.device, repeats),
+                kernel_breakdown(f.run, f.device) if kernels else None, compile_s)
     f.capture(torch.cuda.graph_pool_handle())
     try:
         seconds = _replay_seconds(f.run, repeats)
         if not kernels:
-            return seconds, None
+            return seconds, None, compile_s
         prof = kernel_breakdown(f.run, f.device)
         if not prof["top"]:  # a profiler that does not see kernels inside graph replays: the same forward, eager
             prof = kernel_breakdown(f._forward, f.device)
             prof["source"] += " (eager forwards: none seen in graph replays)"
-        return seconds, prof
+        return seconds, prof, compile_s
     finally:
         f.close()
 
@@ -145,10 +155,12 @@ def _fill_random(pools) -> None:
 
 def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, context: int,
                     draft_ids: torch.Tensor | None = None, repeats: int = 20, graphs: bool = True,
-                    kernels: bool = False) -> tuple[float, dict | None]:
+                    kernels: bool = False, compile: tuple[str, str] = ("off", "default")
+                    ) -> tuple[float, dict | None, float | None]:
     """Median seconds of one chained draft step (batch 1) at a context of `context` drafter rows:
-    one new row appended and dropped again. CUDA graph replays with `graphs` on CUDA, else eager.
-    With `kernels`, also the step's kernel_breakdown (else None)."""
+    one new row appended and dropped again. CUDA graph replays with `graphs` on CUDA, else eager
+    (compiled: the static forward, _static_step). With `kernels`, also the step's kernel_breakdown
+    (else None); then the compile seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.engine.graphs import sequence_forward
     from glm5mtp_cli.engine.mtp_head import MtpHead
@@ -165,12 +177,12 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
         state.cache.length = state.real_rows = context
         hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
         token = torch.tensor([1], device=device)
-        if graphs and device.type == "cuda":
+        if (graphs and device.type == "cuda") or compile[0] != "off":
             f = sequence_forward(head_.context,
                                  lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
                                  state.cache, 1, device, (cfg.hidden_size, dtype))
             f.hidden.copy_(hidden[None])
-            return _graph_step(f, context, repeats, kernels)
+            return _static_step(f, context, repeats, kernels, graphs, compile)
 
         def step():
             mtp(token[None], hidden[None], [state.cache], embed, out_head, rows="last")
@@ -179,17 +191,19 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
             state.cache.truncate(context)
 
         return (_host_seconds(step, reset, device, repeats),
-                kernel_breakdown(step, device, reset) if kernels else None)
+                kernel_breakdown(step, device, reset) if kernels else None, None)
     finally:
         head_.free_state(state)
 
 
 def time_target_step(target, device: torch.device, dtype: torch.dtype, context: int, repeats: int = 20,
-                     graphs: bool = True, kernels: bool = False) -> tuple[float, dict | None]:
+                     graphs: bool = True, kernels: bool = False, compile: tuple[str, str] = ("off", "default")
+                     ) -> tuple[float, dict | None, float | None]:
     """Median seconds of one batch-1 decode step of `target` at `context` cached rows: CUDA graph
-    replays with `graphs` on CUDA; else an eager forward of one row plus the commit of its
-    fixed-size state (what the engine's truncate after a verify writes), host-timed. With
-    `kernels`, also the step's kernel_breakdown (else None)."""
+    replays with `graphs` on CUDA (compiled: _static_step); else an eager forward of one row plus
+    the commit of its fixed-size state (what the engine's truncate after a verify writes),
+    host-timed. With `kernels`, also the step's kernel_breakdown (else None); then the compile
+    seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.engine.graphs import sequence_forward
 
@@ -199,10 +213,10 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     cache.reserve(context + 8)
     try:
         _fill_random(pools)
-        if graphs and device.type == "cuda":
+        if (graphs and device.type == "cuda") or compile[0] != "off":
             f = sequence_forward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
                                  cache, 1, device)
-            return _graph_step(f, context, repeats, kernels)
+            return _static_step(f, context, repeats, kernels, graphs, compile)
         cache.length = context
         ids = torch.ones(1, 1, dtype=torch.long, device=device)
 
@@ -213,7 +227,8 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
         def reset():
             cache.length = context  # the next step overwrites that row; states stay random-like
 
-        return _host_seconds(step, reset, device, repeats), kernel_breakdown(step, device, reset) if kernels else None
+        return (_host_seconds(step, reset, device, repeats),
+                kernel_breakdown(step, device, reset) if kernels else None, None)
     finally:
         cache.release()
 
@@ -277,29 +292,38 @@ def random_drafter(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0)
     return mtp.eval(), embed, head
 
 
-def _against_floor(step_s: float, nbytes: dict, bw: float | None, kernels: dict | None) -> dict:
+def _timing(dev: torch.device, graphs: bool, compile: tuple[str, str]) -> dict:
+    """How a step was timed: "timing" (cuda graph, static or eager) and the compile setting."""
+    timing = "cuda graph" if graphs and dev.type == "cuda" else ("static" if compile[0] != "off" else "eager")
+    return {"timing": timing, "compile": compile[0], "compile_mode": compile[1]}
+
+
+def _against_floor(step_s: float, nbytes: dict, bw: float | None, kernels: dict | None,
+                   compile_s: float | None) -> dict:
     floor = nbytes["total"] / bw if bw else None
-    return {"step_ms": step_s * 1e3, "bytes": nbytes, "copy_bandwidth_bytes_per_s": bw,
+    return {"step_ms": step_s * 1e3, "compile_s": compile_s, "bytes": nbytes, "copy_bandwidth_bytes_per_s": bw,
             "floor_ms": floor * 1e3 if floor else None, "ratio_to_floor": step_s / floor if floor else None,
             "kernels": kernels}
 
 
 def target_step(cfg, layers: int, dev: torch.device, dt: torch.dtype, context: int, bw: float | None,
-                graphs: bool, kernels: bool = False) -> dict:
+                graphs: bool, kernels: bool = False, compile: tuple[str, str] = ("off", "default")) -> dict:
     """One decode step of a random target truncated to `layers`, timed and set against its memory floor
-    (with `kernels`: and its kernel breakdown)."""
+    (with `kernels`: and its kernel breakdown; with `compile`: compiled first, engine/compiled.py)."""
     target = random_target(cfg, layers, dev, dt)
-    step_s, prof = time_target_step(target, dev, dt, context, graphs=graphs, kernels=kernels)
+    step_s, prof, compile_s = time_target_step(target, dev, dt, context, graphs=graphs, kernels=kernels,
+                                               compile=compile)
     nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=dt).element_size(), context)
     del target
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return {"layers": layers, "context": context, "timing": "cuda graph" if graphs and dev.type == "cuda" else "eager",
-            **_against_floor(step_s, nbytes, bw, prof)}
+    return {"layers": layers, "context": context, **_timing(dev, graphs, compile),
+            **_against_floor(step_s, nbytes, bw, prof, compile_s)}
 
 
 def draft_step(mtp, embed, head, cfg, dev: torch.device, dt: torch.dtype, context: int, k: int,
-               folder, bw: float | None, graphs: bool, counts_file=None, kernels: bool = False) -> dict:
+               folder, bw: float | None, graphs: bool, counts_file=None, kernels: bool = False,
+               compile: tuple[str, str] = ("off", "default")) -> dict:
     """One chained draft step over a vocabulary of k tokens (0: all), timed and set against its memory floor
     (with `kernels`: and its kernel breakdown).
     folder/counts_file: where the token counts for k come from (random weights: the first k ids)."""
@@ -308,8 +332,8 @@ def draft_step(mtp, embed, head, cfg, dev: torch.device, dt: torch.dtype, contex
         # a checkpoint drafts over its most frequent tokens; random weights have no counts: first k ids
         ids = (load_draft_ids(folder, k, cfg.vocab_size, dev, path=counts_file) if folder is not None
                else torch.arange(min(k, cfg.vocab_size), device=dev))
-    step_s, prof = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs, kernels=kernels)
+    step_s, prof, compile_s = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs, kernels=kernels,
+                                              compile=compile)
     nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=dt).element_size(), context, k or None)
-    return {"draft_vocab": k or None, "context": context,
-            "timing": "cuda graph" if graphs and dev.type == "cuda" else "eager",
-            **_against_floor(step_s, nbytes, bw, prof)}
+    return {"draft_vocab": k or None, "context": context, **_timing(dev, graphs, compile),
+            **_against_floor(step_s, nbytes, bw, prof, compile_s)}

@@ -207,13 +207,31 @@ class CachedRows:
 
     def write(self, layer: int, rows: torch.Tensor) -> None:
         """Append rows [B, T, W] at the new slots."""
-        data = self.data[layer]
-        data.index_copy_(0, self.new, rows.reshape(-1, rows.shape[-1]).to(data.dtype))
+        pool_write(self.data, layer, self.new, rows)
 
     def write_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Append rows [B, T, W] at the new slots, then read rows 0..L-1 of each sequence: [B, L, W]."""
         self.write(layer, rows)
         return self.data[layer].index_select(0, self.all.reshape(-1)).view(*self.all.shape, -1)
+
+
+def pool_write(data: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """data[layer, slots[i]] = row i of rows [..., W]. Inside a compiled forward (engine/compiled.py)
+    through the write_rows op: an op that declares its write lets inductor write the pool in place;
+    index_copy_ on a view of the pool made it copy the whole pool layer for the reads that follow,
+    every layer of every forward."""
+    if torch.compiler.is_compiling():
+        write_rows(data, layer, slots, rows)
+    else:
+        write_rows_(data, layer, slots, rows)
+
+
+def write_rows_(data: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    view = data[layer]
+    view.index_copy_(0, slots, rows.reshape(-1, rows.shape[-1]).to(view.dtype))
+
+
+write_rows = torch.library.custom_op("glm5mtp::write_rows", write_rows_, mutates_args=("data",))
 
 
 @dataclass

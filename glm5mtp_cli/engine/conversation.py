@@ -90,8 +90,8 @@ def check_carry_flags(carry: str, carry_budget: int | None) -> None:
 def run_conversations(rt: Runtime, convs: list[list], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
                       max_seq_len: int, alloc: str, carry: str, carry_budget: int | None, use_template: bool,
                       ignore_eos: bool, draft_conf_tau: float | None = None, draft_vocab: int | None = None,
-                      draft_vocab_file: Path | None = None, graphs: str = "eager",
-                      gamma_policy: str = "fixed") -> tuple[list[Chat], dict]:
+                      draft_vocab_file: Path | None = None, graphs: str = "eager", compile: str = "off",
+                      compile_mode: str = "default", gamma_policy: str = "fixed") -> tuple[list[Chat], dict]:
     """Every turn of every chat (round-robin), with generate's flags: draft_conf_tau, draft_vocab
     (+ draft_vocab_file) and graphs reach the engine as in a single run."""
     check_carry_flags(carry, carry_budget)
@@ -105,7 +105,8 @@ def run_conversations(rt: Runtime, convs: list[list], *, gamma: int, max_new_tok
     pools = rt.make_pools(per_seq, len(convs) + 1)
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
-                        device=rt.device, draft_ids=draft_ids, graphs=graphs, gamma_policy=gamma_policy)
+                        device=rt.device, draft_ids=draft_ids, graphs=graphs, compile=compile, compile_mode=compile_mode,
+                        gamma_policy=gamma_policy)
     store = CarryStore(engine.head, carry_budget)
     chats = [Chat(list(c)) for c in convs]
     try:

@@ -30,6 +30,9 @@ taken once per engine): set by `occupy`, pointed at the scratch slot by `retire`
 like the tables. A forward only reads those states; the target's commit records are the graph's
 outputs, left on the caches after the run (`leave_pending`) and committed by the engine's truncate
 after the verify, before that graph's next replay (or whole by the next run's `prepare`).
+Compiled forwards (--compile, engine/compiled.py): `open` passes each static forward through
+torch.compile and runs it once (the compile, timed apart as `compile_s`), before any capture; the
+capture then records the compiled forward's kernels like any other.
 Catch-up feeds vary from 1 to g + 1 rows; they are padded and the logits are taken at each row's
 last real row; padding rows land past the row's length (overwritten later) or, past its
 reservation, in the scratch block.
@@ -37,7 +40,9 @@ reservation, in the scratch block.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +51,10 @@ from collections import defaultdict
 
 from glm5mtp_cli.engine.cache import (BlockPool, CachedRows, CachedSlots, CachePools, SlotPool, cached_rows,
                                       table_slots, to_device)
+from glm5mtp_cli.engine.compiled import PATH_OF, check_compile, compile_forward
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.glm5.layers import sync_free
+from kernels._triton import kernel_path
 
 
 _WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -125,6 +132,7 @@ class StaticForward:
         self.rows = torch.zeros(b, dtype=torch.long, device=device) if pick_row else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out = None
+        self.path: str | None = None  # the kernel path a compiled forward runs (None: as set outside)
 
     def context(self, starts: torch.Tensor, t: int):
         """The model's context of a forward appending t rows at `starts` (device) to every row; the
@@ -135,8 +143,21 @@ class StaticForward:
         return self.context_fn(starts, t, rows, {name: s.slots(self.idx) for name, s in self.slots.items()})
 
     def _forward(self):
-        with sync_free():
+        with sync_free(), kernel_path(self.path) if self.path else contextlib.nullcontext():
             return self.fn(self)
+
+    def compile(self, compile: str, mode: str) -> float:
+        """Compile this forward (engine/compiled.py) and run it once, so that the compile happens
+        now (the run writes where the buffers point: the scratch block at engine start); -> its
+        seconds."""
+        self.fn = compile_forward(self.fn, mode)
+        self.path = PATH_OF.get(compile)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda device: None
+        sync(self.device)
+        t0 = time.perf_counter()
+        self._forward()
+        sync(self.device)
+        return time.perf_counter() - t0
 
     def capture(self, mempool) -> None:
         """Warm up on a side stream (allocator, cuBLAS workspaces, Triton compiles), then capture.
@@ -263,6 +284,11 @@ class EngineGraphs:
                 bucket.chain = StaticForward(proposer.context, drafter, b, 1, td, dev, hidden, idx=idx, slots=ds)
         return bucket
 
+    def compile_all(self, compile: str, mode: str) -> float:
+        """Compile every forward (engine/compiled.py), largest bucket first; -> the seconds it took."""
+        return sum(f.compile(compile, mode) for b in sorted(self.buckets, reverse=True)
+                   for f in self.buckets[b].forwards())
+
     def capture_all(self) -> None:
         """Capture every forward (CUDA only), largest bucket first (its intermediates size the
         shared pool the smaller ones reuse); every row points at the scratch row meanwhile."""
@@ -320,13 +346,19 @@ class ForwardRunner:
 
     MODES = ("eager", "static", "cuda")
 
-    def __init__(self, mode: str, device: torch.device):
+    def __init__(self, mode: str, device: torch.device, compile: str = "off", compile_mode: str = "default"):
         if mode not in self.MODES:
             raise UserError(f"forward mode must be one of {', '.join(self.MODES)}, got {mode!r}")
         if mode == "cuda" and device.type != "cuda":
             raise UserError("CUDA graphs need --device cuda")
+        check_compile(compile, compile_mode)
+        if compile != "off" and mode == "eager":
+            raise UserError(f"--compile {compile} compiles the static forwards: eager mode has none")
         self.mode = mode
         self.device = device
+        self.compile = compile
+        self.compile_mode = compile_mode
+        self.compile_s = 0.0  # compiling the static forwards (in open), apart from their capture
         self.graphs: EngineGraphs | None = None
         self.bucket: _Bucket | None = None
         self.active = 0
@@ -335,12 +367,14 @@ class ForwardRunner:
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
              hidden: tuple[int, torch.dtype] | None, greedy: bool) -> None:
-        """Build (and on CUDA capture) the engine's static forwards; a no-op when eager."""
+        """Build (compile, and on CUDA capture) the engine's static forwards; a no-op when eager."""
         if self.mode == "eager" or self.graphs is not None:
             return
         self.graphs = EngineGraphs(target, proposer, pools, slots, max_blocks, gammas, hidden, self.device,
                                    capture=self.mode == "cuda", greedy=greedy)
         try:
+            if self.compile != "off":
+                self.compile_s += self.graphs.compile_all(self.compile, self.compile_mode)
             self.graphs.capture_all()
         except BaseException:
             self.close()

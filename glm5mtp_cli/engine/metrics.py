@@ -88,6 +88,7 @@ class Latency:
     decode_tokens: int = 0
     total_tokens: int = 0
     capture_seconds: float = 0.0  # CUDA-graph capture, outside total_seconds
+    compile_seconds: float = 0.0  # compiling the static forwards (--compile), outside both
 
     def to_json(self) -> dict:
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
@@ -104,4 +105,5 @@ class Latency:
             "decode_tokens_per_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else None,
             "e2e_tokens_per_s": self.total_tokens / self.total_seconds if self.total_seconds else None,
             "graph_capture_ms": self.capture_seconds * 1e3,
+            "compile_s": self.compile_seconds,
         }

@@ -26,9 +26,10 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_decode_s: float,
-              wall_capture_s: float = 0.0) -> tuple[Acceptance, Latency]:
+              wall_capture_s: float = 0.0, compile_s: float = 0.0) -> tuple[Acceptance, Latency]:
     """End to end = prefill + decode; CUDA-graph capture is one-time setup (as in vLLM and SGLang,
-    which capture at start-up), reported on its own. With continuous batching prefills interleave
+    which capture at start-up), reported on its own, and so is compiling the static forwards
+    (--compile; wall_capture_s includes it, compile_s is its part). With continuous batching prefills interleave
     with decode steps: prefill is the wall time of the admission phases between steps, decode the
     rest of the run (SpecEngine's docstring), so decode tokens/s is over the steps' wall time alone.
     TTFT counts each request's wait for a slot."""
@@ -47,7 +48,8 @@ def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_
     lat.decode_tokens = lat.total_tokens - len(results)
     lat.decode_seconds = wall_decode_s
     lat.total_seconds = wall_prefill_s + wall_decode_s
-    lat.capture_seconds = wall_capture_s
+    lat.capture_seconds = wall_capture_s - compile_s
+    lat.compile_seconds = compile_s
     return acc, lat
 
 
@@ -65,7 +67,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
                  batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
                  on_tokens=None, draft_vocab: int | None = None, graphs: str = "eager",
                  draft_vocab_file: Path | None = None, schedule: str = "continuous", gamma_policy: str = "fixed",
-                 prefill_tokens: int = 8192):
+                 prefill_tokens: int = 8192, compile: str = "off", compile_mode: str = "default"):
     """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes).
 
     draft_vocab_file: the token counts for --draft-vocab (default: token_counts.json beside the checkpoint)."""
@@ -79,13 +81,15 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
                         device=rt.device, draft_ids=draft_ids, graphs=graphs, schedule=schedule,
-                        gamma_policy=gamma_policy, prefill_tokens=prefill_tokens)
+                        gamma_policy=gamma_policy, prefill_tokens=prefill_tokens, compile=compile,
+                        compile_mode=compile_mode)
     engine.on_tokens = on_tokens
     try:
         results = engine.generate(requests, batch_size=batch_size)
     finally:
         engine.close()
-    acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s, engine.wall_capture_s)
+    acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s, engine.wall_capture_s,
+                         engine.runner.compile_s)
     leftover = pools.blocks_held()
     if any(leftover.values()):
         raise RuntimeError(f"cache blocks still held after generate: {leftover}")

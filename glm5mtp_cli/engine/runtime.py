@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools
+from glm5mtp_cli.engine.compiled import check_compile, default_compile
 from glm5mtp_cli.engine.graphs import takes_slots
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import ResolvedModel, resolve_model
@@ -195,16 +196,30 @@ def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: Sampl
                       device=device, comm=rt.comm, **options)
 
 
-def graph_mode(rt: "Runtime", cuda_graphs: bool) -> str:
+def graph_mode(rt: "Runtime", cuda_graphs: bool, compile: str = "off") -> str:
     """The engine's forward mode: CUDA graphs on CUDA unless switched off, under --tp too (each rank
     captures the same forwards in the same order, its NCCL collectives inside: parallel.Comm);
     eager on the CPU (gloo collectives cannot be captured; static mode runs there only when asked,
     as the tests do) and for a model with fixed-size state slots whose forwards cannot read them
-    through slot indices (graphs.takes_slots; GLM-5-Next's can)."""
+    through slot indices (graphs.takes_slots; GLM-5-Next's can). With --compile (other than off)
+    the static forwards run compiled: static mode where no graph is captured."""
     slots = any(c.kind == SLOT for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype))
-    if cuda_graphs and rt.device.type == "cuda" and (not slots or takes_slots(rt.target)):
+    static_ok = not slots or takes_slots(rt.target)
+    if cuda_graphs and rt.device.type == "cuda" and static_ok:
         return "cuda"
+    if compile != "off":
+        if not static_ok:
+            raise UserError(f"--compile {compile}: this model's decode forwards cannot run as static forwards")
+        return "static"
     return "eager"
+
+
+def forward_options(rt: "Runtime", cuda_graphs: bool, compile: str | None, compile_mode: str = "default") -> dict:
+    """The engine's forward settings (graphs, compile, compile_mode) for make_engine or run_generate:
+    compile None is the model family's default (engine/compiled.default_compile)."""
+    compile = default_compile(rt.cfg) if compile is None else compile
+    check_compile(compile, compile_mode)
+    return {"graphs": graph_mode(rt, cuda_graphs, compile), "compile": compile, "compile_mode": compile_mode}
 
 
 def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: int | None = None,

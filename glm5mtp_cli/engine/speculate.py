@@ -127,8 +127,8 @@ class SpecEngine:
     def __init__(self, cfg, target, proposer: DraftProposer | None, pools: CachePools, *, gamma: int,
                  sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
                  eos_ids: list[int] | None = None, prefill_chunk: int = 1024, prefill_tokens: int = 8192,
-                 device: torch.device | str = "cpu",
-                 check_invariants: bool = False, inject_leak: str | None = None, graphs: str = "eager",
+                 device: torch.device | str = "cpu", check_invariants: bool = False, inject_leak: str | None = None,
+                 graphs: str = "eager", compile: str = "off", compile_mode: str = "default",
                  schedule: str = "continuous", gamma_policy: str = "fixed", comm=None):
         if gamma < 0:
             raise UserError(f"--gamma must be >= 0, got {gamma}")
@@ -158,11 +158,11 @@ class SpecEngine:
         self.comm = comm  # parallel.Comm under --tp: the adaptive gamma is rank 0's
         self._admission_s = 0.0  # wall time of the last admission (the rent-or-buy rule's price)
         self._idle_s = 0.0  # free-slot seconds since then
-        self.runner = ForwardRunner(graphs, self.device)
+        self.runner = ForwardRunner(graphs, self.device, compile, compile_mode)
         self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
         self.wall_decode_s = 0.0
-        self.wall_capture_s = 0.0  # building and capturing the engine's graphs (one-time setup, outside both)
+        self.wall_capture_s = 0.0  # building (compiling: runner.compile_s) and capturing the graphs (one-time setup)
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
         self.head = proposer if gamma > 0 else None
 

@@ -56,6 +56,7 @@ class ModelFamily(Protocol):
 
     name: str
     model_types: tuple[str, ...]
+    compile_default: str  # --compile without the flag: off | kernels | torch (engine/compiled.py; optional)
 
     def parse_config(self, raw: dict[str, Any], source: str) -> Any: ...
     # per rank: `tp` ranks each hold their share of head-split state (a KDA state's heads); rows and

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels._triton import use_kernels
 from kernels.fp8_block import fp8_block_dequant, fp8_block_dequant_ref, fp8_block_matmul
 
 from glm5mtp_cli.errors import UserError
@@ -40,7 +41,7 @@ def scale_grid(rows: int, cols: int, block: int) -> tuple[int, int]:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
     """x [..., K] @ dequant(w [N, K])^T in x.dtype (see the module docstring for CUDA vs CPU)."""
-    if x.is_cuda:
+    if use_kernels(x):
         return fp8_block_matmul(x, w, scale_inv, block)
     n, k = w.shape
     rows = max(block, CPU_CHUNK_BYTES // (4 * max(k, 1)) // block * block)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels._triton import use_kernels
 from kernels.fp8_block import fp8_heads_matmul, heads_tile
 from kernels.paged import indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
@@ -32,7 +33,7 @@ def rope_gt(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Interleaved rope of x [G, T, ..., D] with each sequence's positions' cos/sin [G, T, D/2]
     (pairs (x0,x1),(x2,x3),... rotated, laid out as [rotated evens, rotated odds]). At inference on
     CUDA: kernels/rope.py, one kernel instead of about nine, fp32 math rounded once."""
-    if x.is_cuda and not torch.is_grad_enabled():
+    if use_kernels(x) and not torch.is_grad_enabled():
         n = cos.shape[0] * cos.shape[1]
         out = rope_interleaved(x.reshape(n, *x.shape[2:]), cos.reshape(n, -1), sin.reshape(n, -1))
         return out.view(x.shape)
@@ -150,7 +151,7 @@ class MLAttention(nn.Module):
         place; else an FP8 kv_b (models/fp8.py) is dequantized for this forward (on the CPU: exactly
         the weights an unquantized twin holds)."""
         lin, r = self.kv_b_proj, self.nope + self.v_dim
-        if x.is_cuda and isinstance(lin, Fp8Linear) and heads_tile(r, self.nope, lin.block):
+        if use_kernels(x) and isinstance(lin, Fp8Linear) and heads_tile(r, self.nope, lin.block):
             w, s, b, h = lin.weight, lin.weight_scale_inv, lin.block, self.n_heads
             return (fp8_heads_matmul(q_nope, w, s, h, 0, self.nope, True, b),
                     lambda out: fp8_heads_matmul(out.contiguous(), w, s, h, self.nope, self.v_dim, False, b))
@@ -198,7 +199,7 @@ class MLAttention(nn.Module):
 
     def use_paged_kernels(self, x: torch.Tensor) -> bool:
         """Cached inference on CUDA reads the pools through kernels/paged.py (small selections)."""
-        return x.is_cuda and not torch.is_grad_enabled() and self.index_topk <= self.PAGED_MAX_TOPK
+        return use_kernels(x) and not torch.is_grad_enabled() and self.index_topk <= self.PAGED_MAX_TOPK
 
     def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, values):
         """The cached path on CUDA: kernels/paged.py score the indexer keys and attend over the

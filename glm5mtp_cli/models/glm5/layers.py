@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels._triton import use_kernels
 from kernels.fp8_block import fp8_block_dequant_ref
 from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not torch.is_grad_enabled():
+        if use_kernels(x) and not torch.is_grad_enabled():
             return rmsnorm(x, self.weight, self.eps)  # one Triton kernel instead of six (inference only)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -159,7 +160,7 @@ class Experts(nn.Module):
     def _on_kernels(self, x) -> bool:
         """CUDA reads the stacks in place (kernels/moe.py for few pairs, kernels/moe_grouped.py for
         many) when they share x's dtype."""
-        return x.is_cuda and self._kernel_reads(x)
+        return use_kernels(x) and self._kernel_reads(x)
 
     def _gathered(self, x, weights, ids):
         gate, up, down = self._weights(ids, x.dtype)  # [N, k, ...]

@@ -21,6 +21,8 @@ from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget
 class Glm5NextFamily:
     name = "glm5_next"
     model_types = ("glm5_next", "glm5_next_text")
+    # --compile without the flag (engine/compiled.py): off until measured faster on the H200
+    compile_default = "off"
 
     def parse_config(self, raw: dict[str, Any], source: str) -> NextConfig:
         cfg = NextConfig.from_dict(raw, source)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachedRows, CachedSlots
+from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, pool_write
 from glm5mtp_cli.models.glm5_next.attention import MlaLayer
 from glm5mtp_cli.models.glm5_next.indexer import pool_keys, pool_scores, select_pools
 from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
@@ -64,7 +64,7 @@ def write_pools(rows: CachedRows, layer: int, raw: torch.Tensor, starts: torch.T
     old = data.index_select(0, slots).view(*pos.shape, -1)
     n = starts[:, None]
     fresh = (base + pool <= n + t) & (base >= n // pool * pool)  # complete now, and not before
-    data.index_copy_(0, slots, torch.where(fresh[..., None], chunk.to(data.dtype), old).reshape(slots.shape[0], -1))
+    pool_write(rows.data, layer, slots, torch.where(fresh[..., None], chunk.to(data.dtype), old))
     whole = length // pool * pool
     return data.index_select(0, rows.all[:, :whole].reshape(-1)).view(b, length // pool, pool * data.shape[-1])
 
