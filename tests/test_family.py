@@ -20,7 +20,8 @@ from torch import nn
 
 from glm5mtp_cli.engine.cache import CachePools, cached_rows
 from glm5mtp_cli.engine.proposer import DraftChain, DraftProposer, ProposerState
-from glm5mtp_cli.engine.speculate import Request, SpecEngine
+from glm5mtp_cli.engine.speculate import SpecEngine
+from glm5mtp_cli.engine.sequence import Request
 from glm5mtp_cli.models import register_family
 from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
 

@@ -13,7 +13,8 @@ from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
 
 from glm5mtp_cli.engine.cache import CachePools  # noqa: E402
 from glm5mtp_cli.engine.graphs import ForwardRunner  # noqa: E402
-from glm5mtp_cli.engine.speculate import Request, SpecEngine  # noqa: E402
+from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
+from glm5mtp_cli.engine.sequence import Request  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
 from glm5mtp_cli.models.glm5_next import paged  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402

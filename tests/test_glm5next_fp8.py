@@ -214,7 +214,7 @@ def _tp_config():
 
 def _generate(rt, gamma, prompts=PROMPTS, graphs="eager", batch=1, device="cpu"):
     from glm5mtp_cli.engine.runtime import make_engine
-    from glm5mtp_cli.engine.speculate import Request
+    from glm5mtp_cli.engine.sequence import Request
 
     pools = rt.make_pools(96, len(prompts), block_size=4)
     engine = make_engine(rt, pools, gamma=gamma, max_seq_len=96, eos_ids=[], check_invariants=True, graphs=graphs,

@@ -14,7 +14,7 @@ import torch
 from glm5mtp_cli.engine.graphs import EngineGraphs
 from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request
+from glm5mtp_cli.engine.sequence import Request
 
 # prompt, max new tokens: different lengths, budgets ending apart
 TEXTS = [("def binary_search(items, target):\n", 14), ("import os\n", 6),

@@ -43,7 +43,7 @@ def _engine(rt, gamma, tokens=96, graphs="eager"):
 
 
 def _generate(rt, gamma, prompts=PROMPTS, new=12, graphs="eager", batch=1):
-    from glm5mtp_cli.engine.speculate import Request
+    from glm5mtp_cli.engine.sequence import Request
 
     engine, pools = _engine(rt, gamma, graphs=graphs)
     res = engine.generate([Request(p, new, i) for i, p in enumerate(prompts)], batch_size=batch)
@@ -99,7 +99,7 @@ def _section_nano(comm, folder):
 
 def _section_state(comm, folder):
     """Bytes one admitted sequence holds per state component, at tp 1 and on this rank at tp 2."""
-    from glm5mtp_cli.engine.speculate import Request
+    from glm5mtp_cli.engine.sequence import Request
 
     out = {}
     for tp, rt in zip((1, 2), _runtimes(comm, folder)):

@@ -12,7 +12,7 @@ from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.graphs import EngineGraphs
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request
+from glm5mtp_cli.engine.sequence import Request
 
 
 @pytest.fixture(scope="module")

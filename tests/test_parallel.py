@@ -46,7 +46,7 @@ def _engine(rt, gamma, sampling=None):
 
 
 def _generate(rt, gamma, sampling=None, prompts=PROMPTS, max_new_tokens=20):
-    from glm5mtp_cli.engine.speculate import Request
+    from glm5mtp_cli.engine.sequence import Request
 
     res = _engine(rt, gamma, sampling).generate([Request(p, max_new_tokens, i) for i, p in enumerate(prompts)])
     return [r.tokens for r in res], sum(r.acceptance.accepted for r in res), sum(r.acceptance.proposed for r in res)
@@ -54,7 +54,7 @@ def _generate(rt, gamma, sampling=None, prompts=PROMPTS, max_new_tokens=20):
 
 def _first_drafts(rt, prompt, gamma=3, sampling=None) -> list[int]:
     """The drafts of the first verify step, as the engine's proposer returned them."""
-    from glm5mtp_cli.engine.speculate import Request
+    from glm5mtp_cli.engine.sequence import Request
 
     engine = _engine(rt, gamma, sampling)
     seen = []
@@ -171,7 +171,7 @@ def _modes_run(rt, gamma, mode, sampling=None):
     -> tokens, (proposed, accepted) per request, and whether the static forwards were built."""
     from glm5mtp_cli.engine.sampling import SamplingParams
     from glm5mtp_cli.engine.runtime import make_engine
-    from glm5mtp_cli.engine.speculate import Request
+    from glm5mtp_cli.engine.sequence import Request
 
     pools = rt.make_pools(128, 2, block_size=4)
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling or SamplingParams(), max_seq_len=128,
@@ -232,7 +232,7 @@ def _section_trained(comm, c):
     head run as if it were unsharded)."""
     from glm5mtp_cli.models.glm5.sharding import strip_comm
     from glm5mtp_cli.engine.runtime import load_runtime
-    from glm5mtp_cli.engine.speculate import Request
+    from glm5mtp_cli.engine.sequence import Request
 
     rt = load_runtime("glm5-nano", "cpu", "fp32", progress=False, comm=comm)
     prompts = [rt.tokenizer.encode(p) for p in ("def binary_search(items, target):\n",

@@ -10,7 +10,7 @@ from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftProposer
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request
+from glm5mtp_cli.engine.sequence import Request
 
 
 @pytest.fixture(scope="module")

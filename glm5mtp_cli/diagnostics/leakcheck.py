@@ -25,7 +25,7 @@ from glm5mtp_cli.models import family_of
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import InjectedFailure, Request, budget_tokens, reserve_tokens
+from glm5mtp_cli.engine.sequence import InjectedFailure, Request, budget_tokens, reserve_tokens
 
 LIFECYCLES = ("length", "eos", "cancelled", "failed")
 CUDA_TOLERANCE = 1 << 20  # allocator growth (bytes, whole run) tolerated on CUDA: workspaces, RNG state

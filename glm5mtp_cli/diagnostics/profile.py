@@ -23,7 +23,7 @@ from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.sizing import bytes_per_token, growth_bytes, predicted_bytes, predicted_weight_bytes
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
-from glm5mtp_cli.engine.speculate import Request, reserve_tokens
+from glm5mtp_cli.engine.sequence import Request, reserve_tokens
 
 POLICIES = ("ceiling", "budget")
 PREFILL_TOKENS = 32  # the "short prompt" of the prefill latency

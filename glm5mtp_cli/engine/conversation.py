@@ -18,7 +18,7 @@ from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_jsonl
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request, budget_tokens
+from glm5mtp_cli.engine.sequence import Request, budget_tokens
 
 
 @dataclass

@@ -15,7 +15,7 @@ from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.engine.metrics import Acceptance, Latency
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
-from glm5mtp_cli.engine.speculate import Request, SeqResult, budget_tokens, reserve_tokens
+from glm5mtp_cli.engine.sequence import Request, SeqResult, budget_tokens, reserve_tokens
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:

@@ -30,7 +30,6 @@ steps' propose + verify times.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -43,80 +42,11 @@ from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose, request_stream
+from glm5mtp_cli.engine.sequence import (InjectedFailure, LiveSequence, Request, SeqResult, budget_tokens,
+                                          reserve_tokens)
 from glm5mtp_cli.errors import UserError
 
 SCHEDULES = ("continuous", "static")
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_new_tokens: int
-    request_id: int = 0
-    cancel_after_steps: int | None = None  # leak-check: stop mid-way as a client would
-    fail_at_step: int | None = None  # leak-check: raise inside a verify step
-    carry: Carry | None = None  # the previous turn's caches of this conversation (consumed)
-    carry_mode: str = "none"  # what to hand back for the next turn: none | drafter | all
-
-
-@dataclass
-class SeqResult:
-    request_id: int
-    prompt_tokens: int
-    tokens: list[int]
-    finish_reason: str
-    acceptance: Acceptance
-    ttft_s: float
-    prefill_s: float
-    decode_s: float
-    propose_s: list[float] = field(default_factory=list)  # per draft, per step
-    verify_s: list[float] = field(default_factory=list)
-    trace: list[dict] = field(default_factory=list)
-    state_bytes: dict[str, int] = field(default_factory=dict)
-    queue_s: float = 0.0  # from the generate call to this request's admission
-    prefilled_target_rows: int = 0
-    prefilled_drafter_rows: int = 0
-    carried_target_rows: int = 0
-    carried_drafter_rows: int = 0
-    carry_out: Carry | None = None
-
-
-class InjectedFailure(RuntimeError):
-    """Raised inside a verify step by leak-check's failure injection; `results` holds the generate
-    call's results so far (None for requests it aborted)."""
-
-    results: list = []
-    request_id: int | None = None
-
-
-@dataclass
-class LiveSequence:
-    req: Request
-    cache: SequenceCache
-    state: ProposerState | None
-    out: list[int]
-    acc: Acceptance
-    t0: object
-    all_tokens: list[int] = field(default_factory=list)  # prompt + every accepted token (untruncated)
-    last: int = 0  # t[n]: newest accepted token, not yet in the target cache
-    # the same token on the device (next verify input): row last_i of last_src, the whole batch's
-    # [A] tokens of the step that made it, so an unchanged batch feeds its next verify with no copy
-    last_src: torch.Tensor | None = None
-    last_i: int = 0
-    pend_tokens: torch.Tensor | None = None
-    pend_hidden: torch.Tensor | None = None
-    backlog: list = field(default_factory=list)  # (token [1], hidden [1, H]) per step without drafts since the last drafting one
-    done: str | None = None
-    steps: int = 0
-    res: SeqResult | None = None
-    marks: list = field(default_factory=list)  # ("prefill", start, end), then ("step", StepTimes, ...) per step
-    slot: int | None = None  # the engine slot it holds (its rows of the graphs' block tables)
-    gen: torch.Generator | None = None  # its own random stream (sampling)
-    arrive: object = None  # clock mark of the generate call that brought it
-
-    @property
-    def last_dev(self) -> torch.Tensor:
-        return self.last_src[self.last_i:self.last_i + 1]
 
 
 class SpecEngine:
@@ -630,13 +560,3 @@ class SpecEngine:
         if self.inject_leak is not None and self.inject_leak.startswith(owner + "_"):
             leaked = self.inject_leak[len(owner) + 1:]
         cache.release(keep=leaked)
-
-
-def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
-    """Rows a request can reach in either cache: prompt + new tokens + the last verify's drafts."""
-    return prompt_len + max_new_tokens + gamma
-
-
-def reserve_tokens(prompt_len: int, max_new_tokens: int, gamma: int, alloc: str, max_seq_len: int) -> int:
-    """Rows reserved per cache for one sequence: its budget, or the --max-seq-len ceiling."""
-    return budget_tokens(prompt_len, max_new_tokens, gamma) if alloc == "budget" else max_seq_len
