@@ -113,7 +113,8 @@ def test_bench_random_fp8_draft_step_floor_counts_fp8():
     """--fp8: the random drafter holds FP8 weights, and the floor counts 1 byte + block scales for them
     (the lm_head stays unquantized)."""
     from glm5mtp_cli.checkpoint.resolve import resolve_config
-    from glm5mtp_cli.diagnostics.step_bench import fp8_config, random_drafter
+    from glm5mtp_cli.diagnostics.step_bench import random_drafter
+    from glm5mtp_cli.models.fp8 import fp8_config
     from glm5mtp_cli.models.fp8 import Fp8Linear
 
     args = ["bench", "--model", "glm5-tiny", "--random-weights", "--draft-context", "32", "--device", "cpu",

@@ -15,7 +15,8 @@ from glm5mtp_cli.checkpoint.load import build_loaded, load_models
 from glm5mtp_cli.checkpoint.random import RandomReader
 from glm5mtp_cli.checkpoint.read import CheckpointReader
 from glm5mtp_cli.checkpoint.resolve import config_from_spec, resolve_model
-from glm5mtp_cli.checkpoint.write import FP8_QUANT_CONFIG, init_random, rewrite_checkpoint
+from glm5mtp_cli.checkpoint.write import init_random, rewrite_checkpoint
+from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 from glm5mtp_cli.diagnostics.sizing import predicted_weight_bytes
 from glm5mtp_cli.engine.parallel import Comm
 from glm5mtp_cli.engine.run import run_generate
@@ -208,3 +209,42 @@ def test_quantize_command_refuses_fp8_source(tiny_fp8, tmp_path):
     with pytest.raises(UserError, match="already FP8"):
         rewrite_checkpoint(str(tiny_fp8[0]), tmp_path / "again", fp8=True)
     assert dict(FP8_QUANT_CONFIG)["weight_block_size"] == [128, 128]
+
+
+# ---- random FP8 weights on the device (the 8-GPU run has no checkpoint to read) -----------------------
+
+def test_generate_and_leak_check_on_random_fp8_weights(tmp_path):
+    """generate/leak-check --random-weights --fp8 build what init-random --fp8 writes (same seed),
+    kept FP8: the same tokens as that checkpoint's, and every allocation comes back."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from glm5mtp_cli.cli import app
+
+    init_random("glm5-tiny", tmp_path, seed=0, dtype=torch.float32, fp8=True)
+    args = ["generate", "--prompt-ids", "5,17,99,3", "--gamma", "2", "--max-new-tokens", "8", "--device", "cpu",
+            "--dtype", "fp32", "--json"]
+    runs = [CliRunner().invoke(app, [*args, "--model", m, *extra])
+            for m, extra in (("glm5-tiny", ["--random-weights", "--fp8"]), (str(tmp_path), []))]
+    docs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+    assert docs[0]["requests"][0]["tokens"] == docs[1]["requests"][0]["tokens"]
+    assert docs[0]["memory"]["weights_bytes"] == docs[1]["memory"]["weights_bytes"]
+    r = CliRunner().invoke(app, ["leak-check", "--model", "glm5-tiny", "--random-weights", "--fp8", "--device", "cpu",
+                                 "--sequences", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["verdict"] == "clean"
+
+
+@pytest.mark.parametrize("cmd", ["generate", "leak-check", "bench"])
+def test_fp8_without_random_weights_is_one_line(cmd):
+    from typer.testing import CliRunner
+
+    from glm5mtp_cli.cli import app
+
+    extra = ["--prompt-ids", "5,6"] if cmd == "generate" else []
+    r = CliRunner().invoke(app, [cmd, "--model", "glm5-tiny", "--device", "cpu", "--fp8", *extra])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--fp8 makes random FP8 weights" in lines[0], r.output

@@ -184,7 +184,7 @@ def test_bench_random_fp8_target_step_counts_fp8():
     counts them at 1 byte + block scales; the draft step (the bf16 nextn block) is unchanged."""
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.sizing import draft_step_bytes, target_step_bytes
-    from glm5mtp_cli.diagnostics.step_bench import fp8_config
+    from glm5mtp_cli.models.fp8 import fp8_config
 
     r = CliRunner().invoke(app, ["bench", "--model", "glm5next-tiny", "--random-weights", "--fp8", "--draft-context",
                                  "32", "--target-layers", "4", "--device", "cpu", "--dtype", "bf16", "--json"])

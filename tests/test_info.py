@@ -16,7 +16,8 @@ from glm5mtp_cli.cli import app
 from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.diagnostics.info import GIB, info_dict
-from glm5mtp_cli.checkpoint.write import FP8_QUANT_CONFIG, init_random
+from glm5mtp_cli.checkpoint.write import init_random
+from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 
 GLM5 = ModelConfig.from_json_file(profile_path("glm5") / "config.json")
 TINY = ModelConfig.from_json_file(profile_path("glm5-tiny") / "config.json")

@@ -23,10 +23,9 @@ from kernels.fp8_block import fp8_block_quantize
 from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, config_from_spec
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
+from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 from glm5mtp_cli.models.glm5.config import ModelConfig
 
-FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": [128, 128]}
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
 _HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}

@@ -12,8 +12,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          GammaPolicyOpt, ModelOpt, PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt)
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
+                                          Fp8Opt, GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, PrefillTokensOpt,
+                                          ScheduleOpt, ThreadsOpt, TpOpt, check_fp8)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
@@ -104,8 +105,7 @@ def bench_cmd(
     random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Draft step and one target decode "
                                                  "step only, with random weights of the model's config built on the "
                                                  "device (e.g. --model glm5, --model glm5next).")] = False,
-    fp8: Annotated[bool, typer.Option("--fp8", metavar="", help="With --random-weights: FP8 weights (e4m3, 128x128 "
-                                      "block scales, as init-random --fp8 writes; lm_head bf16) and their floor.")] = False,
+    fp8: Fp8Opt = False,
     draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", help="Draft-step vocabularies to time; 0 is the "
                                                                         "full vocabulary.")] = "0",
     draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file",
@@ -160,8 +160,7 @@ def bench_cmd(
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
     if tp > 1 and random_weights:
         raise UserError("--random-weights times one device's draft and target steps; drop --tp")
-    if fp8 and not random_weights:
-        raise UserError("--fp8 makes random FP8 weights (with --random-weights); a checkpoint says itself whether it is FP8")
+    check_fp8(fp8, random_weights)
     if target_layers is not None and target_layers < 0:
         raise UserError(f"--target-layers must be >= 0, got {target_layers}")
     if draft_vocab_file is not None and not draft_vocab_file.is_file():
@@ -176,8 +175,9 @@ def bench_cmd(
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers
     from glm5mtp_cli.diagnostics.recommend import recommend
-    from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step,
-                                                    fp8_config, random_drafter, target_step)
+    from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step, random_drafter,
+                                                    target_step)
+    from glm5mtp_cli.models.fp8 import fp8_config
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import forward_options, load_runtime, pick_device, pick_dtype, set_threads
 

@@ -16,9 +16,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          GammaPolicyOpt, ModelOpt, MtpIndexShareOpt, PrefillTokensOpt, PromptIdsOpt,
-                                          PromptOpt, ScheduleOpt, ThreadsOpt, TpOpt, apply_mtp_index_share)
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
+                                          Fp8Opt, GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, MtpIndexShareOpt,
+                                          PrefillTokensOpt, PromptIdsOpt, PromptOpt, RandomWeightsOpt, ScheduleOpt,
+                                          ThreadsOpt, TpOpt, apply_mtp_index_share, check_fp8)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import read_prompts
 
@@ -126,15 +127,15 @@ def generate_cmd(
     cuda_graphs: CudaGraphsOpt = True,
     compile: CompileOpt = None,
     compile_mode: CompileModeOpt = "default",
-    random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Random weights of the model's config, "
-                                                 "built on the device (real dimensions without a checkpoint, e.g. "
-                                                 "--model glm5 --layers 4).")] = False,
+    random_weights: RandomWeightsOpt = False,
+    fp8: Fp8Opt = False,
     threads: ThreadsOpt = None,
     mtp_index_share: MtpIndexShareOpt = None,
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
     kwargs = dict(locals())
     check_flags(gamma, max_new_tokens, temperature, top_p, batch_size, draft_conf_tau)
+    check_fp8(fp8, random_weights)
     if alloc not in ("budget", "ceiling"):
         raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
     from glm5mtp_cli.engine.gamma import POLICIES
@@ -181,7 +182,7 @@ def generate_cmd(
 
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, layers, revision, with_mtp=gamma > 0 or compare, progress=not json_out,
-                      comm=launch.rank_comm(tp, device), random_weights=random_weights)
+                      comm=launch.rank_comm(tp, device), random_weights=random_weights, fp8=fp8)
     apply_mtp_index_share(rt, mtp_index_share)
     limit = rt.cfg.max_position_embeddings
     if max_seq_len is not None and max_seq_len > limit:

@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, DeviceOpt, DtypeOpt, JsonOpt, LayersOpt,
-                                          ModelOpt, ThreadsOpt, TpOpt)
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, DeviceOpt, DtypeOpt, Fp8Opt, JsonOpt,
+                                          LayersOpt, ModelOpt, RandomWeightsOpt, ThreadsOpt, TpOpt, check_fp8)
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.units import fmt_bytes
 from glm5mtp_cli.errors import UserError
@@ -48,6 +48,8 @@ def leakcheck_cmd(
                                                    "checked too).")] = True,
     compile: CompileOpt = None,
     compile_mode: CompileModeOpt = "default",
+    random_weights: RandomWeightsOpt = False,
+    fp8: Fp8Opt = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """Run sequences to every end (length, EOS, cancel, error) and check the cache pools for leaks.
@@ -61,6 +63,8 @@ def leakcheck_cmd(
       glm5mtp leak-check --sequences 100 --alloc ceiling --json
 
       glm5mtp leak-check --inject-leak drafter_mla    (must report the leak and exit 1)
+
+      glm5mtp leak-check --model glm5 --random-weights --fp8 --layers 4 --device cuda    (real dims, no checkpoint)
     """
     kwargs = dict(locals())
     from glm5mtp_cli.checkpoint.resolve import resolve_config
@@ -69,6 +73,7 @@ def leakcheck_cmd(
     cfg = LeakCheckConfig(sequences, gamma, max_new_tokens, alloc, max_seq_len, inject_leak, seed,
                           batch_size=batch_size)
     check_flags(cfg)  # refuse bad flags before loading anything
+    check_fp8(fp8, random_weights)
     from glm5mtp_cli.engine.compiled import check_compile
 
     check_compile(compile or "off", compile_mode)
@@ -85,7 +90,7 @@ def leakcheck_cmd(
         return
     out = Console(stderr=json_out)
     rt = load_runtime(model, device, dtype, layers, with_mtp=True, progress=not json_out,
-                      comm=launch.rank_comm(tp, device))
+                      comm=launch.rank_comm(tp, device), random_weights=random_weights, fp8=fp8)
     fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
     cfg.graphs, cfg.compile, cfg.compile_mode = fwd["graphs"], fwd["compile"], fwd["compile_mode"]
     with Progress(TextColumn("leak-check"), BarColumn(), MofNCompleteColumn(), TextColumn("sequences"),

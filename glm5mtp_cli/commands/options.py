@@ -24,6 +24,18 @@ JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="One JSON docu
 TpOpt = Annotated[int, typer.Option("--tp", metavar="N", help="Tensor/expert parallel ranks (one GPU each; gloo "
                                                              "processes on the CPU). Started by the command itself, "
                                                              "or by torchrun.")]
+RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="", help="Random weights of the model's config, "
+                                                 "built on the device, each rank its own slices under --tp (real "
+                                                 "dimensions without a checkpoint, e.g. --model glm5 --layers 4).")]
+Fp8Opt = Annotated[bool, typer.Option("--fp8", metavar="", help="With --random-weights: the family's FP8 layout as "
+                                      "GLM-5-FP8 stores it (e4m3, 128x128 block scales; lm_head bf16), kept FP8.")]
+
+
+def check_fp8(fp8: bool, random_weights: bool) -> None:
+    if fp8 and not random_weights:
+        raise UserError("--fp8 makes random FP8 weights (with --random-weights); a checkpoint says itself whether it is FP8")
+
+
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", metavar="N", help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the cores, at most 4: "
                       "torch's own default, every core, collapses when another process is busy).")]

@@ -262,19 +262,6 @@ def _top_level(reader: RandomReader, suffix: str) -> str:
     return name[:-len("weight")]
 
 
-def fp8_config(cfg):
-    """cfg as an FP8 checkpoint's (GLM-5-FP8's quantization_config): a RandomReader over it makes the
-    family's quantized matrices FP8 with 128x128 block scales, and the step floors count those bytes."""
-    import dataclasses
-
-    from glm5mtp_cli.checkpoint.write import FP8_QUANT_CONFIG
-
-    if not hasattr(cfg, "quantization_config") or not any(
-            family_of(cfg).is_fp8_quantized(cfg, n, s) for n, s in family_of(cfg).tensor_shapes(cfg)):
-        raise UserError(f"--fp8: model type {cfg.model_type} has no FP8 layout here")
-    return dataclasses.replace(cfg, quantization_config=dict(FP8_QUANT_CONFIG))
-
-
 def random_drafter(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """The MTP layer, embeddings and head with random weights (checkpoint.random's initialiser)
     built on the device: real dimensions without a checkpoint on disk (the draft step's time does

@@ -5,6 +5,7 @@ Shared by generate, profile, leak-check and bench so they build the same thing t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.family import SLOT
+from glm5mtp_cli.models.fp8 import fp8_config
 
 DEFAULT_MODEL = "glm5-nano"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -224,9 +226,13 @@ def forward_options(rt: "Runtime", cuda_graphs: bool, compile: str | None, compi
 
 def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: int | None = None,
                  revision: str | None = None, with_mtp: bool = True, progress: bool = True, comm=None,
-                 random_weights: bool = False) -> Runtime:
+                 random_weights: bool = False, fp8: bool = False) -> Runtime:
     """comm (parallel.Comm): this rank's shard on its own GPU (cuda:local_rank) or the CPU.
-    random_weights: the model's config with random tensors (checkpoint.RandomReader)."""
+    random_weights: the model's config with random tensors (checkpoint.RandomReader), built on the
+    device (under --tp each rank draws its own slices); fp8: those of the family's FP8 layout as
+    GLM-5-FP8 stores them (models/fp8.fp8_config)."""
+    if fp8 and not random_weights:
+        raise ValueError("fp8 describes random weights (the commands refuse --fp8 alone: options.check_fp8)")
     dev = pick_device(device)
     if comm is not None and dev.type == "cuda":
         dev = torch.device("cuda", comm.local_rank)
@@ -234,6 +240,10 @@ def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: 
     dt = pick_dtype(dtype, dev)
     resolved = resolve_model(model, revision=revision, need="all" if with_mtp else "target", layers=layers,
                              progress=progress)
+    if fp8:  # the random reader draws by the untruncated config (--layers keeps the MTP layer's name)
+        source = resolved.source_config
+        resolved = dataclasses.replace(resolved, config=fp8_config(resolved.config),
+                                       source_config=fp8_config(source) if source is not None else None)
     if comm is not None:
         from glm5mtp_cli.engine.parallel import check_tp
 

@@ -32,7 +32,25 @@ from glm5mtp_cli.errors import UserError
 
 FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"
+# GLM-5-FP8's quantization_config: what init-random --fp8 and quantize write, and what random FP8 weights mean
+FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
 CPU_CHUNK_BYTES = 16 << 20  # fp32 bytes of one dequantized chunk on the CPU
+
+
+def fp8_config(cfg):
+    """cfg as an FP8 checkpoint's (GLM-5-FP8's quantization_config): random weights over it
+    (checkpoint.random.RandomReader) make the family's quantized matrices FP8 with 128x128 block
+    scales, and every byte prediction counts them so."""
+    import dataclasses
+
+    from glm5mtp_cli.models import family_of  # lazy: the families import this module
+
+    family = family_of(cfg)
+    if not hasattr(cfg, "quantization_config") or not any(
+            family.is_fp8_quantized(cfg, n, s) for n, s in family.tensor_shapes(cfg)):
+        raise UserError(f"--fp8: model type {cfg.model_type} has no FP8 layout here")
+    return dataclasses.replace(cfg, quantization_config=dict(FP8_QUANT_CONFIG))
 
 
 def scale_grid(rows: int, cols: int, block: int) -> tuple[int, int]:
