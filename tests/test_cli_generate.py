@@ -44,6 +44,22 @@ def test_tables_print(spec_ckpt):
     assert "mean acceptance" in r.output and "TPOT p50" in r.output and "drafter_mla" in r.output
 
 
+def test_latency_table_shows_setup_only_where_it_happened():
+    from rich.console import Console
+
+    from glm5mtp_cli.diagnostics.report import latency_table
+
+    def text(lat):
+        c = Console(record=True, width=100)
+        c.print(latency_table(lat))
+        return c.export_text()
+
+    base = {"ttft_ms": 1.0, "tpot_ms_p50": 2.0}
+    assert "setup" not in text(base)
+    shown = text(dict(base, compile_s=57.45, graph_capture_ms=223.0))
+    assert "compiling the forwards" in shown and "57.45 s" in shown and "223.00 ms" in shown
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--model", "no-such-model-here"], "not found"),
     (["--gamma", "-1"], "--gamma"),

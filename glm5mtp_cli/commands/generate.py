@@ -221,6 +221,10 @@ def _single(rt, out: Console, items, *, model: str, gamma: int, seq_cap: int, li
         _header(out, model, rt, gamma, kw)
         stream = _Streamer(rt, out, token_lists[0])
     run = dict(kw, max_seq_len=seq_cap)
+    if kw["compile"] != "off" and not json_out:
+        # the first step waits for it: say so rather than look hung (CPU: a minute or more)
+        Console(stderr=True).print(f"[dim]--compile {kw['compile']}: compiling the engine's forwards before the first "
+                                   "step (once per engine)[/dim]")
     results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, gamma=gamma, on_tokens=stream, **run)
     if kw["graphs"] == "eager":
         lat.pop("graph_capture_ms", None)  # nothing is captured in eager mode

@@ -46,6 +46,10 @@ def latency_table(lat: dict) -> Table:
             ("verify (gamma+1 tokens)", "verify_ms", "ms"), ("TPOT p50", "tpot_ms_p50", "ms"),
             ("TPOT p99", "tpot_ms_p99", "ms"), ("tokens/s, decode only", "decode_tokens_per_s", ""),
             ("tokens/s, end to end", "e2e_tokens_per_s", "")]
+    # one-time setup, outside end to end; only present where it happened (generate drops the others)
+    rows += [(label, key, unit) for label, key, unit in (("setup: compiling the forwards", "compile_s", "s"),
+                                                         ("setup: CUDA-graph capture", "graph_capture_ms", "ms"))
+             if key in lat]
     for label, key, unit in rows:
         v = lat.get(key)
         t.add_row(label, "-" if v is None else f"{v:.2f} {unit}".strip())
