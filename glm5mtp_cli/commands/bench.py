@@ -104,7 +104,8 @@ def bench_cmd(
     json_out: JsonOpt = False,
     random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Draft step and one target decode "
                                                  "step only, with random weights of the model's config built on the "
-                                                 "device (e.g. --model glm5, --model glm5next).")] = False,
+                                                 "device (e.g. --model glm5, --model glm5next); with --tp N each "
+                                                 "rank builds and times its own shard.")] = False,
     fp8: Fp8Opt = False,
     draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", help="Draft-step vocabularies to time; 0 is the "
                                                                         "full vocabulary.")] = "0",
@@ -138,6 +139,8 @@ def bench_cmd(
 
       glm5mtp bench --model glm5next --random-weights --device cuda --draft-context 2048 --target-layers 4
 
+      glm5mtp bench --model glm5 --random-weights --fp8 --tp 8 --device cuda    (per GPU at tp 8: rank 0's steps)
+
       glm5mtp bench --model glm5-nano --random-weights --device cuda --draft-context 512 --compile kernels
     """
     kwargs = dict(locals())
@@ -158,8 +161,9 @@ def bench_cmd(
     if max_new_tokens < 2 or repeats < 1 or draft_context < 1:
         raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
-    if tp > 1 and random_weights:
-        raise UserError("--random-weights times one device's draft and target steps; drop --tp")
+    if tp > 1 and any(sizes):
+        # a draft vocabulary is a subset of the whole head's rows; under --tp each rank holds a slice
+        raise UserError("--draft-vocab-sizes under --tp: only 0 (the full vocabulary) is timed over split ranks")
     check_fp8(fp8, random_weights)
     if target_layers is not None and target_layers < 0:
         raise UserError(f"--target-layers must be >= 0, got {target_layers}")
@@ -179,18 +183,19 @@ def bench_cmd(
                                                     target_step)
     from glm5mtp_cli.models.fp8 import fp8_config
     from glm5mtp_cli.engine import launch
-    from glm5mtp_cli.engine.runtime import forward_options, load_runtime, pick_device, pick_dtype, set_threads
+    from glm5mtp_cli.engine.runtime import forward_options, load_runtime, pick_dtype, rank_device, set_threads
 
     set_threads(threads)
     if launch.maybe_spawn(tp, device, model, bench_cmd, kwargs):
         return
     comm = launch.rank_comm(tp, device)
+    world = comm.world if comm is not None else 1
     if comm is not None:
         c.with_transformers = False  # transformers' generate runs on one device: not a tp baseline
     out = Console(stderr=json_out)
     rows = []
     if random_weights:
-        dev = pick_device(device)
+        dev = rank_device(device, comm)
         dt = pick_dtype(dtype, dev)
         cfg, _ = resolve_config(model)
         if fp8:
@@ -199,7 +204,9 @@ def bench_cmd(
             target_layers = min(4, cfg.num_hidden_layers)
         if target_layers:
             check_target_layers(cfg, target_layers)
-        mtp, embed, head = random_drafter(cfg, dev, dt)
+        # under --tp: this rank's shard, split by the rules the runtime loads with; every rank times
+        # the same steps in lockstep (the collectives inside the forwards) and rank 0 reports
+        mtp, embed, head = random_drafter(cfg, dev, dt, comm=comm)
         folder = None
         # how the steps are timed: graph replays where the family's forwards can be captured
         c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" else "eager"
@@ -223,14 +230,14 @@ def bench_cmd(
     bw = copy_bandwidth(dev)
     steps = (c.compile, compile_mode)
     drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs, draft_vocab_file,
-                         kernels, steps) for k in sizes]
+                         kernels, steps, world) for k in sizes]
     t_step = None
     if random_weights and target_layers:
         del mtp, embed, head
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, cuda_graphs, kernels, steps)
-    doc = {"model": model, "device": str(dev), "tp": comm.world if comm else 1, "graphs": c.graphs,
+        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, cuda_graphs, kernels, steps, comm)
+    doc = {"model": model, "device": str(dev), "tp": world, "graphs": c.graphs,
            "compile": c.compile, "compile_mode": compile_mode,
            "target_step": t_step,
            "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
@@ -260,13 +267,14 @@ def bench_cmd(
     if rows:
         out.print(t)
         _print_recommendations(out, recs)
+    rank = f" on rank 0 of {world}, its shard's bytes" if world > 1 else ""
     for d in drafts:
-        out.print(f"one draft step ({d['timing']}), vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} "
+        out.print(f"one draft step ({d['timing']}{rank}), vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} "
                   f"drafter rows: {d['step_ms']:.3f} ms, reads {d['bytes']['total'] / 1e9:.4f} GB; {_floor(d)}")
         if d["kernels"]:
             _print_kernels(out, f"draft step, vocab {d['draft_vocab'] or cfg.vocab_size}", d)
     if t_step:
-        out.print(f"one target decode step ({t_step['timing']}), {t_step['layers']} layers, {draft_context} cached "
+        out.print(f"one target decode step ({t_step['timing']}{rank}), {t_step['layers']} layers, {draft_context} cached "
                   f"rows: {t_step['step_ms']:.3f} ms, reads {t_step['bytes']['total'] / 1e9:.4f} GB; {_floor(t_step)}")
         if t_step["kernels"]:
             _print_kernels(out, f"target step, {t_step['layers']} layers", t_step)

@@ -102,16 +102,30 @@ def predicted_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool = True) -> in
                for name, shape in model_tensors(cfg, with_mtp))
 
 
-def _active_layer_bytes(cfg, layer: int | None, elem_bytes: int) -> int:
-    """Bytes of one layer's weights a batch-1 token reads: every tensor, but only the chosen experts;
-    an FP8 checkpoint's quantized matrices at 1 byte plus their block scales (as loaded, models/fp8.py)."""
+def _rank_share(cfg, name: str, nbytes: int, tp: int) -> int:
+    """One rank's bytes of a tensor's `nbytes` under --tp: 1/tp of what the family's sharding splits
+    (heads, experts, MLP columns; rounded up), all of what every rank holds whole."""
+    return -(-nbytes // tp) if tp > 1 and _split_rule(cfg)(name) else nbytes
+
+
+def _head_bytes(cfg, rows: int, elem_bytes: int, tp: int) -> int:
+    """One rank's lm_head bytes over `rows` vocabulary rows: ceil(rows/tp) rows (rank 0 holds the
+    most: parallel.vocab_range)."""
+    return -(-rows // tp) * cfg.hidden_size * elem_bytes
+
+
+def _active_layer_bytes(cfg, layer: int | None, elem_bytes: int, tp: int = 1) -> int:
+    """Bytes of one layer's weights a batch-1 token reads on one of `tp` ranks: every tensor (this
+    rank's slice of a split one), but only the chosen experts (a rank holds E/tp experts: on average
+    top-k/tp of them); an FP8 checkpoint's quantized matrices at 1 byte plus their block scales (as
+    loaded, models/fp8.py)."""
     block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
     total = 0
     for name, shape in layout.tensor_shapes(cfg, layer).items():
         b = tensor_bytes(cfg, name, shape, elem_bytes, block, held=True)
         if ".mlp.experts." in name:
             b = b * cfg.num_experts_per_tok // cfg.n_routed_experts
-        total += b
+        total += _rank_share(cfg, name, b, tp)
     return total
 
 
@@ -121,25 +135,27 @@ def _cache_read_bytes(cfg, layer: int, elem_bytes: int, context: int) -> int:
     return (keys + min(context, cfg.index_topk) * cfg.kv_cache_width) * elem_bytes
 
 
-def draft_step_bytes(cfg, elem_bytes: int, context: int, draft_vocab: int | None = None) -> dict:
-    """Bytes one chained draft step reads at batch 1 (the floor's numerator)."""
+def draft_step_bytes(cfg, elem_bytes: int, context: int, draft_vocab: int | None = None, tp: int = 1) -> dict:
+    """Bytes one chained draft step reads at batch 1 on one of `tp` ranks (the floor's numerator):
+    its share of the split weights; the MLA latent and indexer rows whole (replicated on every rank)."""
     if family_of(cfg).name == "glm5_next":
-        return _next_draft_step_bytes(cfg, elem_bytes, context, draft_vocab)
-    weights = _active_layer_bytes(cfg, cfg.mtp_layer_index, elem_bytes)
-    head = (draft_vocab or cfg.vocab_size) * cfg.hidden_size * elem_bytes
+        return _next_draft_step_bytes(cfg, elem_bytes, context, draft_vocab, tp)
+    weights = _active_layer_bytes(cfg, cfg.mtp_layer_index, elem_bytes, tp)
+    head = _head_bytes(cfg, draft_vocab or cfg.vocab_size, elem_bytes, tp)
     cache = _cache_read_bytes(cfg, cfg.mtp_layer_index, elem_bytes, context)
     return {"mtp_weights": weights, "lm_head": head, "cache": cache, "total": weights + head + cache}
 
 
-def target_step_bytes(cfg, elem_bytes: int, context: int) -> dict:
-    """Bytes one batch-1 decode step of the (truncated) target reads: its layers' active weights,
-    one embedding row, the final norm and the head, and each layer's cache reads (GLM-5-Next: and
-    its KDA states read and written)."""
+def target_step_bytes(cfg, elem_bytes: int, context: int, tp: int = 1) -> dict:
+    """Bytes one batch-1 decode step of the (truncated) target reads on one of `tp` ranks: its
+    layers' active weights (its share of the split ones), one embedding row, the final norm and its
+    share of the head, and each layer's cache reads, whole on every rank (GLM-5-Next: and its
+    share of the KDA states, read and written)."""
     if family_of(cfg).name == "glm5_next":
-        return _next_target_step_bytes(cfg, elem_bytes, context)
-    layers = sum(_active_layer_bytes(cfg, i, elem_bytes) for i in range(cfg.num_hidden_layers))
+        return _next_target_step_bytes(cfg, elem_bytes, context, tp)
+    layers = sum(_active_layer_bytes(cfg, i, elem_bytes, tp) for i in range(cfg.num_hidden_layers))
     h = cfg.hidden_size
-    top = (h + cfg.vocab_size * h) * elem_bytes + h * elem_bytes
+    top = 2 * h * elem_bytes + _head_bytes(cfg, cfg.vocab_size, elem_bytes, tp)
     cache = sum(_cache_read_bytes(cfg, i, elem_bytes, context) for i in range(cfg.num_hidden_layers))
     return {"layer_weights": layers, "embed_norm_head": top, "cache": cache, "total": layers + top + cache}
 
@@ -147,10 +163,10 @@ def target_step_bytes(cfg, elem_bytes: int, context: int) -> dict:
 # GLM-5-Next's floors, one formula per component: a layer's active weights, a KDA layer's state, an
 # indexed layer's cache reads.
 
-def _next_active_layer_bytes(cfg, layer: int, elem_bytes: int) -> int:
-    """Weights of trunk layer `layer` (or the MTP layer) one batch-1 token reads: every tensor (mHC,
-    KDA or MLA with its indexer, router, shared expert, dense MLP), of the routed experts only the
-    top-k chosen; fp32 for what the model keeps in fp32; an FP8 checkpoint's quantized matrices at
+def _next_active_layer_bytes(cfg, layer: int, elem_bytes: int, tp: int = 1) -> int:
+    """Weights of trunk layer `layer` (or the MTP layer) one batch-1 token reads on one of `tp` ranks:
+    every tensor (mHC, KDA or MLA with its indexer, router, shared expert, dense MLP; this rank's
+    slice of a split one), of the routed experts only the top-k chosen (top-k/tp a rank on average); fp32 for what the model keeps in fp32; an FP8 checkpoint's quantized matrices at
     1 byte plus their block scales (as loaded, models/fp8.py)."""
     from glm5mtp_cli.models.glm5_next import layout as next_layout
 
@@ -158,18 +174,19 @@ def _next_active_layer_bytes(cfg, layer: int, elem_bytes: int) -> int:
     block = cfg.fp8_block if cfg.fp8 else None
     total = 0
     for name, shape in shapes.items():
-        b = tensor_bytes(cfg, next_layout.layer_prefix(layer) + name, shape, elem_bytes, block, held=True)
+        full = next_layout.layer_prefix(layer) + name
+        b = tensor_bytes(cfg, full, shape, elem_bytes, block, held=True)
         if name.startswith("mlp.experts."):
             b = b * cfg.num_experts_per_tok // cfg.n_routed_experts
-        total += b
+        total += _rank_share(cfg, full, b, tp)
     return total
 
 
-def _next_kda_state_bytes(cfg, elem_bytes: int) -> int:
-    """One KDA layer's per-token state traffic: the fp32 recurrent state [H, d, d] and the conv
-    window [K-1, 3C], each read and written once."""
-    h, d = cfg.linear_num_heads, cfg.linear_head_dim
-    return 2 * (h * d * d * 4 + (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.linear_dim * elem_bytes)
+def _next_kda_state_bytes(cfg, elem_bytes: int, tp: int = 1) -> int:
+    """One KDA layer's per-token state traffic on one of `tp` ranks: its heads' fp32 recurrent state
+    [H/tp, d, d] and conv window [K-1, 3C/tp], each read and written once."""
+    h, d = cfg.linear_num_heads // tp, cfg.linear_head_dim
+    return 2 * (h * d * d * 4 + (cfg.linear_conv_kernel_dim - 1) * 3 * (cfg.linear_dim // tp) * elem_bytes)
 
 
 def _next_cache_read_bytes(cfg, elem_bytes: int, context: int) -> int:
@@ -183,20 +200,19 @@ def _next_cache_read_bytes(cfg, elem_bytes: int, context: int) -> int:
     return ((context // P) * di + tail * 2 * di + latents * cfg.kv_lora_rank) * elem_bytes
 
 
-def _next_draft_step_bytes(cfg, elem_bytes: int, context: int, draft_vocab: int | None) -> dict:
-    weights = _next_active_layer_bytes(cfg, cfg.mtp_layer_index, elem_bytes)
-    head = (draft_vocab or cfg.vocab_size) * cfg.hidden_size * elem_bytes
+def _next_draft_step_bytes(cfg, elem_bytes: int, context: int, draft_vocab: int | None, tp: int) -> dict:
+    weights = _next_active_layer_bytes(cfg, cfg.mtp_layer_index, elem_bytes, tp)
+    head = _head_bytes(cfg, draft_vocab or cfg.vocab_size, elem_bytes, tp)
     embed = cfg.hidden_size * elem_bytes
     cache = _next_cache_read_bytes(cfg, elem_bytes, context)
     return {"mtp_weights": weights, "lm_head": head, "embed_row": embed, "cache": cache,
             "total": weights + head + embed + cache}
 
 
-def _next_target_step_bytes(cfg, elem_bytes: int, context: int) -> dict:
-    layers = sum(_next_active_layer_bytes(cfg, i, elem_bytes) for i in range(cfg.num_hidden_layers))
-    h = cfg.hidden_size
-    top = (h + h + cfg.vocab_size * h) * elem_bytes  # embedding row, final norm, lm_head
-    kda = len(cfg.kda_layers) * _next_kda_state_bytes(cfg, elem_bytes)
+def _next_target_step_bytes(cfg, elem_bytes: int, context: int, tp: int) -> dict:
+    layers = sum(_next_active_layer_bytes(cfg, i, elem_bytes, tp) for i in range(cfg.num_hidden_layers))
+    top = 2 * cfg.hidden_size * elem_bytes + _head_bytes(cfg, cfg.vocab_size, elem_bytes, tp)  # embedding row, norm
+    kda = len(cfg.kda_layers) * _next_kda_state_bytes(cfg, elem_bytes, tp)
     cache = len(cfg.indexed_layers) * _next_cache_read_bytes(cfg, elem_bytes, context)
     return {"layer_weights": layers, "embed_norm_head": top, "kda_state": kda, "cache": cache,
             "total": layers + top + kda + cache}

@@ -155,10 +155,11 @@ def _fill_random(pools) -> None:
 
 def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, context: int,
                     draft_ids: torch.Tensor | None = None, repeats: int = 20, graphs: bool = True,
-                    kernels: bool = False, compile: tuple[str, str] = ("off", "default")
+                    kernels: bool = False, compile: tuple[str, str] = ("off", "default"), tp: int = 1
                     ) -> tuple[float, dict | None, float | None]:
     """Median seconds of one chained draft step (batch 1) at a context of `context` drafter rows:
-    one new row appended and dropped again. CUDA graph replays with `graphs` on CUDA, else eager
+    one new row appended and dropped again (`tp`: the ranks `mtp` is sharded over, each running
+    this in lockstep). CUDA graph replays with `graphs` on CUDA, else eager
     (compiled: the static forward, _static_step). With `kernels`, also the step's kernel_breakdown
     (else None); then the compile seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
@@ -166,7 +167,7 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
     from glm5mtp_cli.engine.mtp_head import MtpHead
 
     cfg = mtp.cfg
-    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device)
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, tp=tp)
     # GLM-5-Next always chains on the post-norm hidden (its config has no such switch)
     head_ = MtpHead(mtp, embed, head, pools, context + 8, draft_ids=draft_ids,
                     carry_normed=getattr(cfg, "mtp_carry_normed_hidden", True))
@@ -197,9 +198,10 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
 
 
 def time_target_step(target, device: torch.device, dtype: torch.dtype, context: int, repeats: int = 20,
-                     graphs: bool = True, kernels: bool = False, compile: tuple[str, str] = ("off", "default")
-                     ) -> tuple[float, dict | None, float | None]:
-    """Median seconds of one batch-1 decode step of `target` at `context` cached rows: CUDA graph
+                     graphs: bool = True, kernels: bool = False, compile: tuple[str, str] = ("off", "default"),
+                     tp: int = 1) -> tuple[float, dict | None, float | None]:
+    """Median seconds of one batch-1 decode step of `target` (sharded over `tp` ranks, each running
+    this in lockstep) at `context` cached rows: CUDA graph
     replays with `graphs` on CUDA (compiled: _static_step); else an eager forward of one row plus
     the commit of its fixed-size state (what the engine's truncate after a verify writes),
     host-timed. With `kernels`, also the step's kernel_breakdown (else None); then the compile
@@ -208,7 +210,7 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     from glm5mtp_cli.engine.graphs import sequence_forward
 
     cfg = target.cfg
-    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, with_drafter=False)
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, with_drafter=False, tp=tp)
     cache = pools.target_cache()
     cache.reserve(context + 8)
     try:
@@ -247,13 +249,19 @@ def check_target_layers(cfg, layers: int) -> None:
                         "state; the step must include every kind of layer the model has: give more layers")
 
 
-def random_target(cfg, layers: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def _sharded(comm) -> bool:
+    return comm is not None and comm.world > 1
+
+
+def random_target(cfg, layers: int, device: torch.device, dtype: torch.dtype, seed: int = 0, comm=None):
     """The target truncated to `layers` layers with random weights (checkpoint.random's initialiser)
-    built on the device."""
+    built on the device; with `comm` (parallel.Comm) this rank's shard, by the family's shard_target
+    (the values are the slices of the one-device tensors)."""
     family = family_of(cfg)
     reader = RandomReader(cfg, seed)
+    shard = (lambda m: family.shard_target(m, comm)) if _sharded(comm) else None
     return build_loaded(lambda: family.build_target(cfg.with_layers(layers)), reader, "", dtype, device,
-                        family.keeps_fp32, what="target").eval()
+                        family.keeps_fp32, shard, what="target").eval()
 
 
 def _top_level(reader: RandomReader, suffix: str) -> str:
@@ -262,20 +270,37 @@ def _top_level(reader: RandomReader, suffix: str) -> str:
     return name[:-len("weight")]
 
 
-def random_drafter(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def _vocab_module(build, reader: RandomReader, suffix: str, dtype: torch.dtype, device: torch.device,
+                  comm, parallel) -> torch.nn.Module:
+    """The target's `suffix` tensor as a module: `build()` on one device, else this rank's rows of
+    the vocabulary (`parallel`, engine.parallel's vocab-parallel module, as shard_target makes it)."""
+    prefix = _top_level(reader, suffix)
+    if not _sharded(comm):
+        return build_loaded(build, reader, prefix, dtype, device)
+    vocab, hidden = reader.shape(prefix + "weight")
+    return build_loaded(lambda: parallel(vocab, hidden, comm), reader, prefix, dtype, device,
+                        shard=lambda m: {prefix + "weight": (0, m.start, m.stop)})
+
+
+def random_drafter(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0, comm=None):
     """The MTP layer, embeddings and head with random weights (checkpoint.random's initialiser)
     built on the device: real dimensions without a checkpoint on disk (the draft step's time does
-    not depend on the values)."""
+    not depend on the values). With `comm` (parallel.Comm): this rank's shard, split as the runtime
+    splits them (the family's shard_mtp; embeddings and head by vocabulary)."""
     from torch import nn
+
+    from glm5mtp_cli.engine.parallel import VocabParallelEmbedding, VocabParallelHead
 
     family = family_of(cfg)
     reader = RandomReader(cfg, seed)
-    mtp = build_loaded(lambda: family.build_mtp(cfg), reader, family.mtp_prefix(cfg), dtype, device,
-                       family.keeps_fp32, what="MTP layer")
-    embed = build_loaded(lambda: nn.Embedding(cfg.vocab_size, cfg.hidden_size), reader,
-                         _top_level(reader, "embed_tokens.weight"), dtype, device)
-    head = build_loaded(lambda: nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False), reader,
-                        _top_level(reader, "lm_head.weight"), dtype, device)
+    prefix = family.mtp_prefix(cfg)
+    shard = (lambda m: family.shard_mtp(m, comm, prefix)) if _sharded(comm) else None
+    mtp = build_loaded(lambda: family.build_mtp(cfg), reader, prefix, dtype, device, family.keeps_fp32, shard,
+                       what="MTP layer")
+    embed = _vocab_module(lambda: nn.Embedding(cfg.vocab_size, cfg.hidden_size), reader, "embed_tokens.weight",
+                          dtype, device, comm, VocabParallelEmbedding)
+    head = _vocab_module(lambda: nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False), reader, "lm_head.weight",
+                         dtype, device, comm, VocabParallelHead)
     return mtp.eval(), embed, head
 
 
@@ -294,13 +319,16 @@ def _against_floor(step_s: float, nbytes: dict, bw: float | None, kernels: dict 
 
 
 def target_step(cfg, layers: int, dev: torch.device, dt: torch.dtype, context: int, bw: float | None,
-                graphs: bool, kernels: bool = False, compile: tuple[str, str] = ("off", "default")) -> dict:
+                graphs: bool, kernels: bool = False, compile: tuple[str, str] = ("off", "default"),
+                comm=None) -> dict:
     """One decode step of a random target truncated to `layers`, timed and set against its memory floor
-    (with `kernels`: and its kernel breakdown; with `compile`: compiled first, engine/compiled.py)."""
-    target = random_target(cfg, layers, dev, dt)
+    (with `kernels`: and its kernel breakdown; with `compile`: compiled first, engine/compiled.py).
+    With `comm`: this rank's shard, every rank stepping in lockstep; the floor counts this rank's bytes."""
+    tp = comm.world if comm is not None else 1
+    target = random_target(cfg, layers, dev, dt, comm=comm)
     step_s, prof, compile_s = time_target_step(target, dev, dt, context, graphs=graphs, kernels=kernels,
-                                               compile=compile)
-    nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=dt).element_size(), context)
+                                               compile=compile, tp=tp)
+    nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=dt).element_size(), context, tp)
     del target
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -310,17 +338,19 @@ def target_step(cfg, layers: int, dev: torch.device, dt: torch.dtype, context: i
 
 def draft_step(mtp, embed, head, cfg, dev: torch.device, dt: torch.dtype, context: int, k: int,
                folder, bw: float | None, graphs: bool, counts_file=None, kernels: bool = False,
-               compile: tuple[str, str] = ("off", "default")) -> dict:
+               compile: tuple[str, str] = ("off", "default"), tp: int = 1) -> dict:
     """One chained draft step over a vocabulary of k tokens (0: all), timed and set against its memory floor
     (with `kernels`: and its kernel breakdown).
-    folder/counts_file: where the token counts for k come from (random weights: the first k ids)."""
+    folder/counts_file: where the token counts for k come from (random weights: the first k ids).
+    tp: the ranks mtp, embed and head are sharded over (every rank steps in lockstep; the floor
+    counts this rank's bytes); a draft vocabulary (k > 0) needs tp 1."""
     ids = None
     if k:
         # a checkpoint drafts over its most frequent tokens; random weights have no counts: first k ids
         ids = (load_draft_ids(folder, k, cfg.vocab_size, dev, path=counts_file) if folder is not None
                else torch.arange(min(k, cfg.vocab_size), device=dev))
     step_s, prof, compile_s = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs, kernels=kernels,
-                                              compile=compile)
-    nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=dt).element_size(), context, k or None)
+                                              compile=compile, tp=tp)
+    nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=dt).element_size(), context, k or None, tp)
     return {"draft_vocab": k or None, "context": context, **_timing(dev, graphs, compile),
             **_against_floor(step_s, nbytes, bw, prof, compile_s)}

@@ -68,6 +68,16 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
+def rank_device(name: str, comm=None) -> torch.device:
+    """pick_device, but a rank of --tp (comm, parallel.Comm) on CUDA takes its own GPU, cuda:local_rank,
+    made current (its NCCL collectives run there)."""
+    dev = pick_device(name)
+    if comm is not None and dev.type == "cuda":
+        dev = torch.device("cuda", comm.local_rank)
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 on the CPU is slow and rounds differently from the GPU; fp32 keeps CPU runs exact.
@@ -233,10 +243,7 @@ def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: 
     GLM-5-FP8 stores them (models/fp8.fp8_config)."""
     if fp8 and not random_weights:
         raise ValueError("fp8 describes random weights (the commands refuse --fp8 alone: options.check_fp8)")
-    dev = pick_device(device)
-    if comm is not None and dev.type == "cuda":
-        dev = torch.device("cuda", comm.local_rank)
-        torch.cuda.set_device(dev)
+    dev = rank_device(device, comm)
     dt = pick_dtype(dtype, dev)
     resolved = resolve_model(model, revision=revision, need="all" if with_mtp else "target", layers=layers,
                              progress=progress)
