@@ -192,3 +192,20 @@ def test_paged_kernel_path_equals_the_torch_path(rt, gamma, monkeypatch):
     assert [r.acceptance.accepted for r in got] == [r.acceptance.accepted for r in want]
     static = _run(rt, gamma, "static", 3)
     assert [r.tokens for r in static] == [r.tokens for r in want]
+
+
+def test_rows_base_reads_row_views_back_as_one_tensor():
+    from glm5mtp_cli.engine.graphs import load_rows, rows_base
+
+    feed = torch.arange(24).view(4, 6).clone()  # a tensor of its own, as the engine's batched outputs are
+    views = [feed[j, : j + 1] for j in range(3)]  # each sequence's first a_j + 1 rows, in order
+    assert rows_base(views).data_ptr() == feed.data_ptr() and rows_base(views).shape == (3, 6)
+    assert rows_base([feed[1, :2], feed[0, :1]]) is None  # not rows 0..n-1 in order
+    assert rows_base([feed[0, :2], torch.arange(6)[:2]]) is None  # not one tensor
+    assert rows_base([feed.view(-1)[0:12]]) is None  # spans two rows
+    buf = torch.full((4, 8), -1)
+    load_rows(buf, views)
+    for j, v in enumerate(views):
+        assert torch.equal(buf[j, : v.shape[0]], v)
+    assert (buf[3] == -1).all()
+    assert rows_base([feed.view(4, 6)[0, :1]]) is not None and rows_base([torch.arange(6).view(2, 3)[0]]) is None

@@ -508,7 +508,9 @@ class ForwardRunner:
 
 
 def rows_base(views: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor B whose rows 0..n-1 the n views are (views[j] == B[j, :k_j]), or None.
+    """The tensor B whose rows 0..n-1 the n views are (views[j] == B[j, :k_j]), or None. B is the
+    tensor the views' storage belongs to (`_base`); views of a reshaped view of it (a root of
+    another shape) are not recognised, and the caller copies row by row.
 
     At batch 64 the engine's per-sequence tensors (drafts, drafter feeds) are such views of one
     step's batched outputs; reading them back as one tensor saves a launch (and its host cost) per
