@@ -76,7 +76,6 @@ def test_latency_table_shows_setup_only_where_it_happened():
     (["--prompt-ids", "1,99999"], "outside the vocabulary"),
     (["--prompt", "hello"], "tokenizer"),
     (["--prompts", "/nonexistent/p.jsonl"], "p.jsonl"),
-    (["--draft-vocab", "64", "--tp", "2"], "--draft-vocab with --tp"),
 ])
 def test_bad_input_is_one_line(spec_ckpt, args, needle):
     folder, _ = spec_ckpt

@@ -388,6 +388,18 @@ def test_cli_generate_tp2_equals_tp1(spec_ckpt):
     assert d2["memory"]["weights_bytes"]["lm_head"] * 2 == d1["memory"]["weights_bytes"]["lm_head"]
 
 
+def test_cli_generate_draft_vocab_tp2_equals_tp1():
+    """--draft-vocab under --tp: each rank scores the draft ids it holds, gathered back in tp 1's
+    order, so the drafts, the acceptance and the tokens are tp 1's (glm5-nano: trained, so drafts
+    are accepted; its 3000 most frequent tokens lie on both halves of the vocabulary, 1591 and 1409)."""
+    args = ["generate", "--model", "glm5-nano", "--prompt", "def binary_search(items, target):", "--gamma", "3",
+            "--max-new-tokens", "16", "--ignore-eos", "--draft-vocab", "3000", "--json", "--device", "cpu",
+            "--dtype", "fp32"]
+    one, two = _generate_tp1_and_tp2(args)
+    assert two["requests"][0]["tokens"] == one["requests"][0]["tokens"]
+    assert two["acceptance"] == one["acceptance"] and one["acceptance"]["accepted"] > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cli_generate_tp2_cuda_graphs_equal_tp1_graphs(tmp_path):
     """On 2 GPUs: --tp 2 captures its NCCL collectives inside the decode, verify and draft-chain

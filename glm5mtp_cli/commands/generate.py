@@ -149,9 +149,6 @@ def generate_cmd(
         raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
     if draft_vocab_file is not None and draft_vocab is None:
         raise UserError("--draft-vocab-file needs --draft-vocab K")
-    if draft_vocab is not None and tp > 1:
-        # the draft head is a subset of the whole head's rows; under --tp each rank holds a slice of them
-        raise UserError("--draft-vocab with --tp: not supported yet (each rank holds a slice of the vocabulary)")
     if draft_vocab_file is not None and not draft_vocab_file.is_file():
         raise UserError(f"--draft-vocab-file {draft_vocab_file}: no such file")
     check_output(trace, "--trace")

@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from glm5mtp_cli.engine.parallel import vocab_range
 from glm5mtp_cli.errors import UserError
 
 COUNTS_FILE = "token_counts.json"
@@ -63,15 +64,37 @@ def _ranked_ids(path: Path, k: int, vocab_size: int, device) -> torch.Tensor:
 
 
 class SubsetHead(nn.Module):
-    """lm_head restricted to `ids`: logits over K tokens; `ids[j]` is the token of logit j."""
+    """lm_head restricted to `ids`: logits over K tokens; `ids[j]` is the token of logit j.
 
-    def __init__(self, head: nn.Linear, ids: torch.Tensor):
+    Under --tp the head holds a slice of the vocabulary (parallel.VocabParallelHead): each rank
+    keeps the rows of the ids it holds, padded to the most any rank holds, the ranks' logits are
+    gathered, and `order` puts them back in the order of `ids`, so drafts (greedy or sampled from
+    the same stream) are tp 1's."""
+
+    def __init__(self, head: nn.Module, ids: torch.Tensor):
         super().__init__()
         self.ids = ids
-        self.weight = nn.Parameter(head.weight.detach().index_select(0, ids).clone(), requires_grad=False)
+        self.comm = getattr(head, "comm", None)
+        if self.comm is None:
+            rows, self.order = ids, None
+        else:
+            ranges = [vocab_range(head.vocab_size, r, self.comm.world) for r in range(self.comm.world)]
+            held = [ids[(ids >= a) & (ids < b)] for a, b in ranges]
+            width = max(h.numel() for h in held)
+            # where each id's logit lands in the gathered [world * width] row: rank r, column j
+            at = torch.full((head.vocab_size,), -1, dtype=torch.long, device=ids.device)
+            for r, h in enumerate(held):
+                at[h] = r * width + torch.arange(h.numel(), device=ids.device)
+            self.order = at[ids]
+            mine = held[self.comm.rank] - head.start
+            rows = torch.cat([mine, mine.new_zeros(width - mine.numel())])  # padding rows: never read back
+        self.weight = nn.Parameter(head.weight.detach().index_select(0, rows).clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.t()
+        out = x @ self.weight.t()
+        if self.comm is None:
+            return out
+        return self.comm.all_gather(out, dim=-1).index_select(-1, self.order)
 
     def to_full(self, local: torch.Tensor) -> torch.Tensor:
         return self.ids[local]
