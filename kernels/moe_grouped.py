@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import as_op, interpreting, jit, next_pow2, tl, triton, use_triton
-from .fp8_block import fp8_block_dequant_ref
-from .moe import _round, moe_experts_ref
+from .moe import _round, moe_experts_fp8_ref, moe_experts_ref
 
 BLOCK_N = 64  # output columns per program and reduction columns per step (divides the 128-wide FP8 scale block)
 NUM_WARPS = 4
@@ -213,7 +212,7 @@ def moe_experts_grouped_fp8(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.T
                             ids: torch.Tensor, block: int = 128, limit: float | None = None,
                             force_triton: bool = False) -> torch.Tensor:
     """:func:`moe_experts_grouped` over FP8 stacks with their fp32 scale grids (kernels/moe.py's
-    layout). The reference dequantizes every expert (fp32 products, then x.dtype)."""
+    layout). The reference dequantizes the chosen experts (fp32 products, then x.dtype)."""
     if as_op():
         return moe_experts_grouped_fp8_op(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, limit)
     if use_triton(x, gate, up, down, weights, ids, force=force_triton):
@@ -222,10 +221,10 @@ def moe_experts_grouped_fp8(x: torch.Tensor, gate: torch.Tensor, gate_s: torch.T
 
 
 def _grouped_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights, ids, block, limit):
-    def deq(w, s):
-        return fp8_block_dequant_ref(w, s, block, torch.float32).to(x.dtype)
-
-    return moe_experts_grouped_ref(x, deq(gate, gate_s), deq(up, up_s), deq(down, down_s), weights, ids, limit)
+    """kernels/moe.moe_experts_fp8_ref (the chosen experts dequantized), id E contributing zero."""
+    e_count = gate.shape[0]
+    return moe_experts_fp8_ref(x, gate, gate_s, up, up_s, down, down_s, weights * (ids < e_count),
+                               ids.clamp(max=e_count - 1), block, limit)
 
 # The dispatchers as custom ops for compiled forwards (kernels/_triton.py's docstring).
 @torch.library.custom_op("glm5mtp::moe_experts_grouped", mutates_args=())

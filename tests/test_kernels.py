@@ -435,9 +435,10 @@ def check_close(got, want, rel=None) -> None:
 _OLD_INTERPRETER_ERROR = "only 0-dimensional arrays can be converted to Python scalars"
 
 
-def run_cases(device: str, big: bool) -> dict:
+def run_cases(device: str, big: bool, cases: dict | None = None) -> dict:
+    """Each case's verdict (cases: default this file's CASES; test_moe_grouped.py brings its own)."""
     results = {}
-    for name, fn in CASES.items():
+    for name, fn in (CASES if cases is None else cases).items():
         torch.manual_seed(zlib.crc32(name.encode()))
         try:
             check_close(*fn(device, big))
@@ -453,16 +454,21 @@ def run_cases(device: str, big: bool) -> dict:
 # Triton vs reference
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
+def interpret(script: str) -> dict:
+    """Run `script` (a test file whose __main__ prints run_cases' JSON) in a fresh interpreter-mode
+    process; its per-case verdicts."""
     if not _triton.HAVE_TRITON:
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1", KERNELS_POISON_OUTPUTS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return interpret(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -3,10 +3,7 @@ against kernels/moe.py's reference (Triton's interpreter in a fresh subprocess, 
 compiled on a CUDA machine), and the MoE layer's choice of path."""
 
 import json
-import os
-import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ from kernels import _triton  # noqa: E402
 from kernels.moe import moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.moe_grouped import (moe_experts_grouped, moe_experts_grouped_fp8, moe_experts_grouped_ref,  # noqa: E402
                                  plan_blocks)
-from test_kernels import BF16, _moe_fp8_inputs, _moe_inputs, check_close  # noqa: E402
+from test_kernels import BF16, _moe_fp8_inputs, _moe_inputs, check_close, interpret, run_cases  # noqa: E402
 
 
 def _skewed(args, e):
@@ -75,28 +72,9 @@ def case_grouped_fp8_fp32_block32(device, big):
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-def run_cases(device: str, big: bool) -> dict:
-    results = {}
-    for name, fn in CASES.items():
-        torch.manual_seed(zlib.crc32(name.encode()))
-        try:
-            check_close(*fn(device, big))
-            results[name] = "ok"
-        except Exception as exc:  # reported, per case, to the parent test
-            results[name] = f"{type(exc).__name__}: {exc}"
-    return results
-
-
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if not _triton.HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", KERNELS_POISON_OUTPUTS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpret(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -146,4 +124,4 @@ def test_reference_equals_moe_reference_and_zeroes_other_ranks():
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_cases("cpu", big=False)))
+    print(json.dumps(run_cases("cpu", False, CASES)))

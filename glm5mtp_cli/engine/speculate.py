@@ -416,12 +416,13 @@ class SpecEngine:
                 raise e
         out = self.runner.verify(self.target, ids, [s.cache for s in active])
         counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
-        accepted, nxt, draft_ids, nxt_dev = self._accept(drafts, chains, out.logits, counts, [s.gen for s in active])
+        accepted, nxt, draft_ids, nxt_dev, acc_dev = self._accept(drafts, chains, out.logits, counts,
+                                                                  [s.gen for s in active])
         v1 = self.clock.now()
         if self.policy.adaptive:
             self.policy.record_acceptance(counts, accepted)
         times = StepTimes(p0, v0, v1)
-        feed = self._drafter_feed(drafts, accepted, nxt_dev) if chains and self.head is not None else None
+        feed = self._drafter_feed(drafts, acc_dev, nxt_dev) if chains and self.head is not None else None
         for i, s in enumerate(active):
             a = accepted[i]
             new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
@@ -459,23 +460,21 @@ class SpecEngine:
         return torch.cat([s.last_dev for s in active])
 
     @staticmethod
-    def _drafter_feed(drafts: torch.Tensor, accepted: list[int], nxt: torch.Tensor) -> torch.Tensor:
+    def _drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
         """[A, g + 1] device rows whose first a_i + 1 are sequence i's next drafter tokens: its a_i
         accepted drafts, then the target's token (built once for the batch: no host copy of tokens,
         and the proposer reads the rows back as one tensor, graphs.rows_base)."""
-        g = drafts.shape[1]
-        pos = torch.arange(g + 1, device=drafts.device)
-        acc = torch.tensor(accepted, device=drafts.device)
+        pos = torch.arange(drafts.shape[1] + 1, device=drafts.device)
         return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
 
     def _accept(self, drafts, chains, logits, counts, gens):
-        """(accepted, next token, draft ids) per sequence on the host, and the next tokens on the
-        device; greedy reads the device once per step."""
+        """(accepted, next token, draft ids) per sequence on the host, and the next tokens and the
+        accepted counts (None without drafts) on the device; greedy reads the device once per step."""
         if self.sampling.greedy:
             target_tokens = logits.argmax(-1)  # [B, g+1]
             if drafts is None:
                 nxt = target_tokens[:, 0]
-                return [0] * logits.shape[0], nxt.tolist(), None, nxt
+                return [0] * logits.shape[0], nxt.tolist(), None, nxt, None
             match = (target_tokens[:, :-1] == drafts).int()
             if min(counts) < drafts.shape[1]:  # a confidence stop proposed fewer drafts somewhere
                 n = torch.tensor(counts, device=logits.device)
@@ -483,7 +482,7 @@ class SpecEngine:
             acc = match.cumprod(1).sum(1)
             nxt = target_tokens.gather(1, acc[:, None])[:, 0]
             host = torch.cat([acc[:, None], nxt[:, None], drafts], dim=1).tolist()  # the one sync
-            return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt
+            return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt, acc
         acc, nxt = [], []
         for i in range(logits.shape[0]):
             if drafts is None:
@@ -493,8 +492,8 @@ class SpecEngine:
                 a, t = accept_rejection(drafts[i], chains[i].probs, logits[i], counts[i], self.sampling, gens[i])
             acc.append(a)
             nxt.append(t)
-        nxt_dev = torch.tensor(nxt, dtype=torch.long, device=logits.device)
-        return acc, nxt, None if drafts is None else drafts.tolist(), nxt_dev
+        both = torch.tensor([acc, nxt], dtype=torch.long, device=logits.device)  # one copy for both
+        return acc, nxt, None if drafts is None else drafts.tolist(), both[1], both[0]
 
     def _maybe_finish(self, s: LiveSequence, fresh_from: int = 0) -> None:
         """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""
