@@ -124,7 +124,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[], graphs="static")
     seq = engine.start(Request(_work(rt)[0][0], 20))
     try:
-        engine._open_graphs([seq], 1)
+        engine._open_graphs([seq], 1, 128 // 4)  # tables of the --max-seq-len ceiling
         g = engine.runner.graphs
         (bucket,) = g.buckets.values()
         held = bucket.idx.nbytes

@@ -56,6 +56,30 @@ def test_static_sampling_and_ceiling_equal_eager(rt):
     assert [r.tokens for r in static] == [r.tokens for r in eager]
 
 
+def test_tables_are_as_wide_as_the_run_needs_and_grow_by_rebuilding(rt):
+    """The graphs' tables span the longest reservation of the call (blocks, rounded up to a power of
+    two), not --max-seq-len: a whole-table read then costs what the sequences need. A later call
+    with a longer sequence rebuilds them wider; its tokens equal the eager engine's."""
+    pools = rt.make_pools(128, 1, block_size=4)
+    short, long = Request([3, 17, 99, 4, 250], 6), Request(list(range(10, 40)), 40)
+
+    def engine_for(mode):
+        return make_engine(rt, pools, gamma=2, max_seq_len=128, eos_ids=[], graphs=mode)
+
+    static, eager = engine_for("static"), engine_for("eager")
+    try:
+        assert static.generate([short])[0].tokens == eager.generate([short])[0].tokens
+        need = -(-static.reserve_tokens(short) // 4)
+        assert static.runner.graphs.max_blocks == 1 << (need - 1).bit_length() < 128 // 4
+        first = static.runner.graphs
+        assert static.generate([long])[0].tokens == eager.generate([long])[0].tokens
+        assert static.runner.graphs is not first
+        assert static.runner.graphs.max_blocks >= -(-static.reserve_tokens(long) // 4)
+    finally:
+        static.close()
+    assert not any(pools.blocks_held().values())
+
+
 def test_sequences_finishing_early_are_retired_to_scratch(rt):
     """A sequence that ends (EOS) while others run: its table rows point at the scratch block
     before its blocks are freed, and the other sequences' tokens do not change."""
@@ -137,7 +161,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     req = Request(list(range(10, 40)), 20)
     seq = engine.start(req)
     try:
-        engine._open_graphs([seq], 1)
+        engine._open_graphs([seq], 1, 128 // 4)  # tables of the --max-seq-len ceiling
         g = engine.runner.graphs
         (bucket,) = g.buckets.values()
         held = bucket.idx.nbytes

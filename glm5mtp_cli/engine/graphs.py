@@ -214,6 +214,7 @@ class EngineGraphs:
     def __init__(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
                  hidden: tuple[int, torch.dtype] | None, device: torch.device, capture: bool, greedy: bool):
         self.slots = slots
+        self.max_blocks = max_blocks  # the tables' width: the longest sequence they can name
         self.device = device
         self.capture = capture
         self.pools = pools

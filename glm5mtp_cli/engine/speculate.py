@@ -125,8 +125,10 @@ class SpecEngine:
         batch_size = min(batch_size, max(len(requests), 1))  # no slot (nor graph bucket) that nothing could fill
         for r in requests:
             self.check_request(r)  # refuse before anything is allocated
-        if self.runner.graphs is not None and self.runner.graphs.slots < batch_size:
-            self.runner.close()  # built for fewer slots: built again below
+        width = self._table_blocks(requests)
+        built = self.runner.graphs
+        if built is not None and (built.slots < batch_size or built.max_blocks < width):
+            self.runner.close()  # built for fewer slots or shorter sequences: built again below
         waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
         results: list[SeqResult | None] = [None] * len(requests)
         slots: list[LiveSequence | None] = [None] * batch_size
@@ -152,7 +154,7 @@ class SpecEngine:
                     continue
                 if self.runner.mode != "eager" and self.runner.graphs is None:
                     c0 = self._wall()
-                    self._open_graphs(active, batch_size)
+                    self._open_graphs(active, batch_size, width)
                     capture += self._wall() - c0
                 s0 = time.perf_counter()  # the step ends in a host read of its tokens: no sync needed
                 self._step(active)
@@ -207,13 +209,23 @@ class SpecEngine:
             caches["drafter"] = seq.state.cache
         return caches
 
-    def _open_graphs(self, active: list[LiveSequence], slots: int) -> None:
+    def _table_blocks(self, requests: list[Request]) -> int:
+        """The graphs' table width in blocks: the longest reservation among `requests`, rounded up
+        to a power of two (a later call rarely outgrows it; never over twice the need), at most
+        --max-seq-len's. Not the ceiling itself: the paths that read whole tables (the DSA
+        indexer's scores and top-k, the pure-torch attention) cost in proportion to the width, and
+        GLM-5's limit of 202752 rows made a 4-layer real-dimension step 2.3x slower on the H200."""
+        block = min(p.block_size for p in self.pools.pools.values() if hasattr(p, "block_size"))
+        need = max((-(-self.reserve_tokens(r) // block) for r in requests), default=1)
+        return min(1 << (need - 1).bit_length(), -(-self.max_seq_len // block))
+
+    def _open_graphs(self, active: list[LiveSequence], slots: int, width: int) -> None:
         """Build (CUDA: capture) the static forwards once per engine, for every bucket up to
-        `slots`, then write the seated sequences' table rows. A later call with more slots rebuilds."""
+        `slots` and tables `width` blocks wide, then write the seated sequences' table rows. A later
+        call with more slots or longer sequences rebuilds."""
         live = active[0]
         hidden = (live.pend_hidden.shape[-1], live.pend_hidden.dtype) if live.pend_hidden is not None else None
-        block = min(p.block_size for p in self.pools.pools.values() if hasattr(p, "block_size"))
-        self.runner.open(self.target, self.head, self.pools, slots, -(-self.max_seq_len // block), self.policy.gammas(),
+        self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
                          hidden, greedy=self.head is not None and self.head.greedy_fusable())
         for s in active:
             self.runner.occupy(s.slot, self._slot_caches(s))
