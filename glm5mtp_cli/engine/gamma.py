@@ -21,8 +21,9 @@ switch generalised from on/off to 0..gamma with measured costs.
 What a cost holds, and why. A step without drafts leaves its row pending for the drafter; the next
 drafting step must first feed the drafter every row it missed. That catch-up is not the price of
 the gamma the step drafts with (it is the deferred price of the steps that did not draft), so the
-engine runs it, in shared forwards, BEFORE the step's clock starts. Charging it to the step (as the
-first version did, and eagerly, one forward per sequence) made a probe after 32 steps off look many
+engine runs it, in shared forwards, BEFORE the step's clock starts, and waits for the device to
+finish it (otherwise the step's closing host read waits for its kernels, and the probe's measured
+cost holds it after all). Charging it to the step (as the first version did, and eagerly, one forward per sequence) made a probe after 32 steps off look many
 times as costly as drafting is, so drafting stayed off for good: at batch 1 the run kept a mean
 acceptance length of 1.08 where fixed gamma 3 reached 3.46, and at batch 64 those catch-ups made
 the steps 6x slower than gamma 0's. The median (rather than an average seeded by the first

@@ -378,7 +378,9 @@ class SpecEngine:
     def _catch_up_backlog(self, active: list[LiveSequence]) -> None:
         """Before a drafting step's clock starts: the rows left pending by steps without drafts,
         beyond what one draft forward takes (gamma + 1), go into the drafters in shared forwards.
-        Outside the step's measured cost on purpose (engine/gamma.py: what a cost holds)."""
+        Outside the step's measured cost on purpose (engine/gamma.py: what a cost holds), so the
+        device finishes it before the clock starts: a step ends in a host read, which would otherwise
+        wait for the catch-up's kernels too (a probe after 128 steps off at batch 64 feeds 8192 rows)."""
         late = []
         for s in active:
             self._join_backlog(s)
@@ -389,6 +391,7 @@ class SpecEngine:
                                     [s.state for s, _ in late], self.prefill_chunk, self.prefill_tokens)
             for s, e in late:
                 s.pend_tokens, s.pend_hidden = s.pend_tokens[e:], s.pend_hidden[e:]
+            self._wall()
 
     @staticmethod
     def _join_backlog(s: LiveSequence) -> None:  # rows of steps without drafts: views, no copy per step
