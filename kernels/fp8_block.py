@@ -152,6 +152,11 @@ def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, NUMEL, BLOCK: tl.constexpr):
 
 
 _TARGET_PROGRAMS = 264  # two per H200 multiprocessor (132)
+# Decode widths (up to 4 rows: a step's verify) on the H200, swept over programs x BLOCK_N x stages
+# at the GLM-5 MTP layer's eight FP8 shapes (python -m kernels.sweep_fp8; raw:
+# profiles/glm5/fp8_h200/decode_sweep.json): 4 programs per multiprocessor, 32-wide tiles and 4 stages
+# took their summed time at one row from 137 to 123 us (o_proj 58 -> 46).
+_DECODE_ROWS, _DECODE_PROGRAMS, _DECODE_BLOCK_N, _DECODE_STAGES = 4, 528, 32, 4
 _SUM_BLOCK = 1024
 
 
@@ -175,10 +180,11 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
     out = alloc((t, n), dtype=x.dtype, device=x.device)
     if t and n:
         block_t = 16 if t <= 16 else (32 if t <= 32 else 64)
-        block_n = min(64, block)
+        decode = t <= _DECODE_ROWS
+        block_n = min(_DECODE_BLOCK_N if decode else 64, block)
         tiles = triton.cdiv(t, block_t) * triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block)
-        split = split_k or max(1, min(k_tiles, _TARGET_PROGRAMS // tiles))
+        split = split_k or max(1, min(k_tiles, (_DECODE_PROGRAMS if decode else _TARGET_PROGRAMS) // tiles))
         per_split = triton.cdiv(k_tiles, split)
         split = triton.cdiv(k_tiles, per_split)  # no empty splits
         dest = out if split == 1 else alloc((split, t, n), dtype=torch.float32, device=x.device)
@@ -186,7 +192,7 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
         _matmul_kernel[grid](x2, w, scale_inv, dest, t, n, k, x2.stride(0), scale_inv.shape[1], per_split,
                              BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block,
                              DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(),
-                             num_warps=4, num_stages=3)
+                             num_warps=4, num_stages=_DECODE_STAGES if decode else 3)
         if split > 1:
             _sum_splits_kernel[(triton.cdiv(t * n, _SUM_BLOCK),)](dest, out, split, t * n, BLOCK=_SUM_BLOCK,
                                                                  num_warps=4)
