@@ -72,7 +72,8 @@ def main(out_path: str) -> None:
             ref = fp8_block_matmul_ref(x.float(), w, s)
             floor_us = (n * k + s.numel() * 4 + t * k * 2 + t * n * 2) / 4.2e12 * 1e6
             best = None
-            for target, block_n, stages, warps in itertools.product((264, 528, 1056, 2112), (32, 64, 128), (3, 4, 6), (4,)):
+            for target, block_n, stages, warps in itertools.product((264, 528, 1056, 2112), (32, 64, 128), (3, 4, 6),
+                                                                    (4,)):
                 try:
                     out = launch(x, w, s, target, block_n, stages, warps)
                     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -85,9 +86,11 @@ def main(out_path: str) -> None:
                 rows.append(r)
                 if best is None or us < best["us"]:
                     best = r
-            cur = next(r for r in rows if r["shape"] == name and r["t"] == t and (r["target"], r["block_n"], r["stages"]) == CURRENT)
-            print(f"{name:15s} t={t} current {cur['us']:7.1f} us ({cur['ratio']:.2f}x)  best {best['us']:7.1f} us ({best['ratio']:.2f}x) "
-                  f"target={best['target']} block_n={best['block_n']} stages={best['stages']} floor {floor_us:.1f}", flush=True)
+            cur = next(r for r in rows if r["shape"] == name and r["t"] == t
+                       and (r["target"], r["block_n"], r["stages"]) == CURRENT)
+            print(f"{name:15s} t={t} current {cur['us']:7.1f} us ({cur['ratio']:.2f}x)  "
+                  f"best {best['us']:7.1f} us ({best['ratio']:.2f}x) target={best['target']} "
+                  f"block_n={best['block_n']} stages={best['stages']} floor {floor_us:.1f}", flush=True)
     json.dump(rows, open(out_path, "w"), indent=0)
     # one config for all shapes: the sum over the draft step's shapes at t=1
     by = {}

@@ -281,10 +281,10 @@ def _glm5_scratch(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
 def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int) -> int:
     """What a one-slot engine's CUDA graphs keep allocated between replays (graphs.EngineGraphs, one
     bucket, one gamma): the static inputs (ids, lengths, row slots, drafter hiddens), the block
-    tables of each row component (`tokens` wide: at most the engine's --max-seq-len, which this
-    counts; a run's tables span its longest reservation, rounded up to a power of two of blocks;
-    the slot's row and the all-scratch row), the slot indices of each slot component (the same two entries) and the
-    outputs the graphs own (the verify's logits and hiddens, GLM-5-Next's KDA commit records; the
+    tables of each row component (`tokens` rows wide, 8 bytes a block; the engine's tables span a
+    run's longest reservation rounded up to a power of two of blocks, at most --max-seq-len, so up
+    to twice this width; the slot's row and the all-scratch row), the slot indices of each slot
+    component (the same two entries) and the outputs the graphs own (the verify's logits and hiddens, GLM-5-Next's KDA commit records; the
     greedy chain's drafts). Their intermediates live in the graphs' private pool, the same peak as
     `scratch`."""
     d, t = dtype_bytes(dtype), gamma + 1

@@ -23,11 +23,12 @@ drafting step must first feed the drafter every row it missed. That catch-up is 
 the gamma the step drafts with (it is the deferred price of the steps that did not draft), so the
 engine runs it, in shared forwards, BEFORE the step's clock starts, and waits for the device to
 finish it (otherwise the step's closing host read waits for its kernels, and the probe's measured
-cost holds it after all). Charging it to the step (as the first version did, and eagerly, one forward per sequence) made a probe after 32 steps off look many
-times as costly as drafting is, so drafting stayed off for good: at batch 1 the run kept a mean
-acceptance length of 1.08 where fixed gamma 3 reached 3.46, and at batch 64 those catch-ups made
-the steps 6x slower than gamma 0's. The median (rather than an average seeded by the first
-measurement) keeps one slow step, such as a first replay, from deciding the same way.
+cost holds it after all). Charging it to the step (as the first version did, and eagerly, one
+forward per sequence) made a probe after 32 steps off look many times as costly as drafting is,
+so drafting stayed off for good: at batch 1 the run kept a mean acceptance length of 1.08 where
+fixed gamma 3 reached 3.46, and at batch 64 those catch-ups made the steps 6x slower than gamma 0's.
+The median (rather than an average seeded by the first measurement) keeps one slow step, such as a
+first replay, from deciding the same way.
 
 A step's cost is its host wall time, from after any catch-up to the end of its bookkeeping: every
 step ends in a host read of its tokens, so that is its device time plus the per-sequence host work,
