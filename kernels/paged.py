@@ -83,7 +83,7 @@ def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T,
                          DOT_BF16: tl.constexpr):
     # Grid (key blocks, sequences): a program reads its block of keys once (through the slot
     # table), then loops over the sequence's T queries and over head blocks. A block wholly past
-    # the sequence's last query (the engine's tables are --max-seq-len wide) reads nothing.
+    # the sequence's last query (the engine's tables span its longest sequence) reads nothing.
     pid_l = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
