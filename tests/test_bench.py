@@ -33,6 +33,11 @@ def test_bench_json_rows_and_ratios(spec_ckpt):
         b = row["batch"]
         assert row["speedup_vs_gamma0"] == pytest.approx(row["e2e_tokens_per_s"] / rate[(b, 0)], rel=1e-9)
         assert row["speedup_vs_transformers"] == pytest.approx(row["e2e_tokens_per_s"] / rate[(b, None)], rel=1e-9)
+        if row["system"] != "transformers":  # end to end = admissions (prefill) + decode steps (one repeat)
+            tokens = row["prompts"] * 6
+            assert row["wall_prefill_s"] > 0 and row["wall_decode_s"] > 0
+            assert tokens / (row["wall_prefill_s"] + row["wall_decode_s"]) == pytest.approx(row["e2e_tokens_per_s"])
+            assert (tokens - row["prompts"]) / row["wall_decode_s"] == pytest.approx(row["decode_tokens_per_s"])
     assert doc["draft_step"]["step_ms"] > 0 and doc["draft_step"]["floor_ms"] is None  # no floor on the CPU
     # the gamma recommendation: gammas 0..2 predicted per batch size, beside each measured glm5mtp row
     assert [rec["batch"] for rec in doc["recommendation"]] == [1, 2]

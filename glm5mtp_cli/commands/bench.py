@@ -49,6 +49,12 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _split(row: dict) -> str:
+    """The run's wall time in admissions and in all (transformers' rows have no such split)."""
+    p, d = row.get("wall_prefill_s"), row.get("wall_decode_s")
+    return "-" if p is None or d is None else f"{p:.2f}/{p + d:.2f}"
+
+
 def _floor(step: dict) -> str:
     if step["floor_ms"] is None:
         return "no floor on the CPU"
@@ -252,15 +258,16 @@ def bench_cmd(
 
     t = fit_table(out, f"bench on {doc['device']} ({doc['dtype']}), {max_new_tokens} new tokens, medians of {repeats}",
                   caption="acc len: mean acceptance length; pred.: decode tok/s predicted from the per-position "
-                          "acceptance and the step cost line; vs g0, vs HF: e2e speedup against gamma 0 and "
-                          "transformers' generate")
-    for col in ("batch", "prompts", "system", "e2e tok/s", "dec tok/s", "pred.", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                "acc len", "vs g0", "vs HF"):
+                          "acceptance and the step cost line; prefill/run s: the run's wall time in admissions "
+                          "(prefill) and in all; vs g0, vs HF: e2e speedup against gamma 0 and transformers' "
+                          "generate")
+    for col in ("batch", "prompts", "system", "e2e tok/s", "dec tok/s", "pred.", "prefill/run s", "TTFT p50/p99 ms",
+                "TPOT p50/p99 ms", "acc len", "vs g0", "vs HF"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["batch"]), str(r["prompts"]), r["system"], _fmt(r["e2e_tokens_per_s"], ".1f"),
                   _fmt(r["decode_tokens_per_s"], ".1f"), _fmt(r.get("predicted_decode_tokens_per_s"), ".1f"),
-                  f"{_fmt(r['ttft_ms_p50'], '.1f')}/{_fmt(r['ttft_ms_p99'], '.1f')}",
+                  _split(r), f"{_fmt(r['ttft_ms_p50'], '.1f')}/{_fmt(r['ttft_ms_p99'], '.1f')}",
                   f"{_fmt(r['tpot_ms_p50'], '.2f')}/{_fmt(r['tpot_ms_p99'], '.2f')}",
                   _fmt(r["mean_acceptance_length"], ".2f"),
                   _fmt(r["speedup_vs_gamma0"], ".2f"), _fmt(r["speedup_vs_transformers"], ".2f"))

@@ -70,6 +70,7 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
     return {"system": system, "gamma": gamma, "batch": batch, "graphs": c.graphs, "schedule": c.schedule,
             "gamma_policy": c.gamma_policy,
             "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
+            "wall_prefill_s": med("wall_prefill_s"), "wall_decode_s": med("wall_decode_s"),
             "tpot_ms_p50": med("tpot_ms_p50"), "tpot_ms_p99": med("tpot_ms_p99"),
             "ttft_ms_p50": med("ttft_ms_p50"), "ttft_ms_p99": med("ttft_ms_p99"),
             "prompts": len(work), "graph_capture_ms": med("graph_capture_ms"),

@@ -45,7 +45,8 @@ def latency_table(lat: dict) -> Table:
     rows = [("TTFT", "ttft_ms", "ms"), ("prefill", "prefill_ms", "ms"), ("propose per draft", "propose_ms_per_draft", "ms"),
             ("verify (gamma+1 tokens)", "verify_ms", "ms"), ("TPOT p50", "tpot_ms_p50", "ms"),
             ("TPOT p99", "tpot_ms_p99", "ms"), ("tokens/s, decode only", "decode_tokens_per_s", ""),
-            ("tokens/s, end to end", "e2e_tokens_per_s", "")]
+            ("tokens/s, end to end", "e2e_tokens_per_s", ""), ("run: prefill (admissions)", "wall_prefill_s", "s"),
+            ("run: decode steps", "wall_decode_s", "s")]
     # one-time setup, outside end to end; only present where it happened (generate drops the others)
     rows += [(label, key, unit) for label, key, unit in (("setup: compiling the forwards", "compile_s", "s"),
                                                          ("setup: CUDA-graph capture", "graph_capture_ms", "ms"))

@@ -104,6 +104,9 @@ class Latency:
             "tpot_ms_p99": ms(percentile(self.tpot, 99)),
             "decode_tokens_per_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else None,
             "e2e_tokens_per_s": self.total_tokens / self.total_seconds if self.total_seconds else None,
+            # where end to end goes: the admission phases (prefill) and the decode steps, whole run
+            "wall_prefill_s": self.total_seconds - self.decode_seconds,
+            "wall_decode_s": self.decode_seconds,
             "graph_capture_ms": self.capture_seconds * 1e3,
             "compile_s": self.compile_seconds,
         }
