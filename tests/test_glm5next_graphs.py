@@ -167,3 +167,13 @@ def test_sequence_forward_reads_the_sequences_state_slots(rt):
     other = rt.target(torch.tensor([[42]]), [pools.target_cache()], rows="last").logits[0, -1]
     assert not torch.allclose(static, other, atol=1e-3)  # the state read mattered
     cache.release()
+
+
+def test_prefill_graphs_are_refused_for_fixed_size_state(rt):
+    """--prefill-graphs pads rows into shared forwards, which a KDA state would absorb: one line."""
+    from glm5mtp_cli.errors import UserError
+
+    pools = rt.make_pools(128, 1, block_size=4)
+    with pytest.raises(UserError, match="--prefill-graphs: .*fixed-size state"):
+        make_engine(rt, pools, gamma=0, max_seq_len=128, eos_ids=[], graphs="static", prefill_graphs=True)
+    assert not any(pools.blocks_held().values())

@@ -13,8 +13,9 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
-                                          Fp8Opt, GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, PrefillTokensOpt,
-                                          ScheduleOpt, ThreadsOpt, TpOpt, check_fp8)
+                                          Fp8Opt, GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
+                                          PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt, check_fp8,
+                                          check_prefill_graphs)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
@@ -128,6 +129,7 @@ def bench_cmd(
     schedule: ScheduleOpt = "continuous",
     gamma_policy: GammaPolicyOpt = "fixed",
     prefill_tokens: PrefillTokensOpt = 8192,
+    prefill_graphs: PrefillGraphsOpt = False,
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -157,7 +159,7 @@ def bench_cmd(
 
     c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
                     transformers, schedule=schedule, gamma_policy=gamma_policy, num_prompts=num_prompts,
-                    prefill_tokens=prefill_tokens, compile_mode=compile_mode)
+                    prefill_tokens=prefill_tokens, prefill_graphs=prefill_graphs, compile_mode=compile_mode)
     if num_prompts is not None and num_prompts < 1:
         raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
     if schedule not in SCHEDULES:
@@ -221,6 +223,7 @@ def bench_cmd(
         rt = load_runtime(model, device, dtype, layers, progress=not json_out, comm=comm)
         fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
         c.graphs, c.compile = fwd["graphs"], fwd["compile"]
+        check_prefill_graphs(prefill_graphs, c.graphs)
         cfg, dev, dt, folder = rt.cfg, rt.device, rt.dtype, rt.resolved.folder
         mtp, embed, head = rt.mtp, rt.target.model.embed_tokens, rt.target.lm_head
         ids = _prompts(rt, items, max(c.batch_sizes + [num_prompts or 0]))

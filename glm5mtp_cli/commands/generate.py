@@ -18,8 +18,9 @@ from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
                                           Fp8Opt, GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, MtpIndexShareOpt,
-                                          PrefillTokensOpt, PromptIdsOpt, PromptOpt, RandomWeightsOpt, ScheduleOpt,
-                                          ThreadsOpt, TpOpt, apply_mtp_index_share, check_fp8)
+                                          PrefillGraphsOpt, PrefillTokensOpt, PromptIdsOpt, PromptOpt, RandomWeightsOpt,
+                                          ScheduleOpt, ThreadsOpt, TpOpt, apply_mtp_index_share, check_fp8,
+                                          check_prefill_graphs)
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import read_prompts
 
@@ -41,6 +42,7 @@ CONVERSATION_REFUSES = {
     "batch_size": "--batch-size: --conversation runs one turn at a time (each turn's prompt needs the previous reply)",
     "compare": "--compare: --conversation compares against running without carried caches instead "
                "(same_tokens_as_no_carry); run the turns with --gamma 0 for the baseline",
+    "prefill_graphs": "--prefill-graphs: --conversation prefills one turn at a time; the graphs are for prompt sets",
 }
 
 
@@ -94,6 +96,7 @@ def generate_cmd(
     batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = 1,
     schedule: ScheduleOpt = "continuous",
     prefill_tokens: PrefillTokensOpt = 8192,
+    prefill_graphs: PrefillGraphsOpt = False,
     max_seq_len: Annotated[Optional[int], typer.Option("--max-seq-len",
         metavar="N", help="Ceiling on prompt + new tokens (default: the model's max_position_embeddings).")] = None,
     alloc: Annotated[str, typer.Option("--alloc", metavar="budget|ceiling",
@@ -158,7 +161,7 @@ def generate_cmd(
     if conversation is not None:
         if any(x is not None for x in (prompt, prompt_ids, prompts)):
             raise UserError("--conversation replaces --prompt, --prompt-ids and --prompts: give one of them")
-        for flag, given in (("batch_size", batch_size != 1), ("compare", compare)):
+        for flag, given in (("batch_size", batch_size != 1), ("compare", compare), ("prefill_graphs", prefill_graphs)):
             if given:
                 raise UserError(f"{CONVERSATION_REFUSES[flag]}")
         from glm5mtp_cli.engine.conversation import check_carry_flags, read_conversations
@@ -191,6 +194,7 @@ def generate_cmd(
     limit_name = "--max-seq-len" if max_seq_len is not None else "the model's limit (max_position_embeddings)"
     sampling = SamplingParams(temperature, top_p, seed)
     fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
+    check_prefill_graphs(prefill_graphs, fwd["graphs"])
     if conversation is not None:
         _conversation(rt, out, convs, json_out, trace, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
                       max_seq_len=seq_cap, alloc=alloc, carry=carry, carry_budget=carry_budget,
@@ -202,7 +206,8 @@ def generate_cmd(
             batch_size=batch_size, seq_cap=seq_cap, limit_name=limit_name, alloc=alloc,
             draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos, draft_vocab=draft_vocab,
             draft_vocab_file=draft_vocab_file, **fwd, chat=chat, compare=compare, trace=trace,
-            json_out=json_out, schedule=schedule, gamma_policy=gamma_policy, prefill_tokens=prefill_tokens)
+            json_out=json_out, schedule=schedule, gamma_policy=gamma_policy, prefill_tokens=prefill_tokens,
+            prefill_graphs=prefill_graphs)
 
 
 generate_cmd.__doc__ += EXAMPLES

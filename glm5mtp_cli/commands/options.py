@@ -64,6 +64,19 @@ ScheduleOpt = Annotated[str, typer.Option("--schedule", metavar="continuous|stat
 PrefillTokensOpt = Annotated[int, typer.Option("--prefill-tokens", metavar="N",
                                                help="Prompt tokens admitted together, whose prompts share prefill "
                                                     "forwards (also the most rows one prefill forward holds).")]
+PrefillGraphsOpt = Annotated[bool, typer.Option("--prefill-graphs", metavar="",
+                                                help="Run the admission prefill's forwards (target and drafter) from "
+                                                     "CUDA graphs, one per (sequences, rows) bucket, built at its "
+                                                     "second use; GLM-5 family (paged caches); needs CUDA graphs.")]
+
+
+def check_prefill_graphs(prefill_graphs: bool, graphs: str) -> None:
+    """--prefill-graphs replays CUDA graphs: refused in one line before any work where there are none."""
+    if prefill_graphs and graphs != "cuda":
+        raise UserError("--prefill-graphs replays the prefill from CUDA graphs: it needs --device cuda with CUDA "
+                        "graphs on")
+
+
 GammaPolicyOpt = Annotated[str, typer.Option("--gamma-policy", metavar="fixed|adaptive",
                                               help="fixed: every step drafts --gamma; adaptive: each step drafts "
                                                    "0..--gamma, whatever the rolling acceptance and the measured "

@@ -35,6 +35,7 @@ class BenchConfig:
     gamma_policy: str = "fixed"  # gamma.POLICIES
     num_prompts: int | None = None  # None: one prompt per slot; else this many through the batch's slots
     prefill_tokens: int = 8192  # prompt tokens admitted together (speculate.SpecEngine)
+    prefill_graphs: bool = False  # --prefill-graphs (engine/prefill_graphs.py)
 
 
 def _sync(device: torch.device) -> None:
@@ -58,7 +59,8 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c
                                          max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
                                          draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
                                          schedule=c.schedule, gamma_policy=c.gamma_policy,
-                                         prefill_tokens=c.prefill_tokens, compile=c.compile,
+                                         prefill_tokens=c.prefill_tokens, prefill_graphs=c.prefill_graphs,
+                                         compile=c.compile,
                                          compile_mode=c.compile_mode)
         if i:
             runs.append((acc, lat))

@@ -85,9 +85,10 @@ class MtpHead:
             self._mark_real(state, tokens)
 
     def catchup_batch(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], states: list[ProposerState],
-                      chunk: int, budget: int) -> None:
+                      chunk: int, budget: int, static=None) -> None:
         """Append each state's real rows tokens[b] (with hiddens[b]) from its current length, in
-        forwards shared by several sequences where their caches take padding (engine/prefill.py)."""
+        forwards shared by several sequences where their caches take padding (engine/prefill.py);
+        `static` (engine/prefill_graphs.PrefillForwards) runs the forwards it has a bucket for."""
         for st in states:
             self._check_aligned(st.cache.length if st.cache is not None else -1, st)
         caches = [st.cache for st in states]
@@ -98,11 +99,13 @@ class MtpHead:
             toks = [tokens[i][done[i]:done[i] + k] for i, k in members]
             ids, hid = padded_feed(toks, [hiddens[i][done[i]:done[i] + k] for i, k in members], t)
             group = [caches[i] for i, _ in members]
-            starts = [c.length for c in group]
-            self.layer(ids, hid, group, self.embed, self.head, rows="last")
+            if static is None or not static.drafter(ids, hid, group, [k for _, k in members]):
+                starts = [c.length for c in group]
+                self.layer(ids, hid, group, self.embed, self.head, rows="last")
+                for j, (_, k) in enumerate(members):
+                    if k < t:
+                        group[j].truncate(starts[j] + k)  # padding rows: overwritten by the next append
             for j, (i, k) in enumerate(members):
-                if k < t:
-                    group[j].truncate(starts[j] + k)  # padding rows: overwritten by the next append
                 self._mark_real(states[i], toks[j])
                 done[i] += k
 

@@ -53,9 +53,11 @@ def takes_padding(caches: list) -> bool:
     return all(c is not None and c.takes_padding for c in caches)
 
 
-def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, budget: int, device):
+def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, budget: int, device,
+                    static=None):
     """Append prompts[i] (host ids) to caches[i] in shared forwards. Returns (the logits at each
-    prompt's last row [N, V], each prompt's normed hiddens [len(prompts[i]), H])."""
+    prompt's last row [N, V], each prompt's normed hiddens [len(prompts[i]), H]). `static`
+    (engine/prefill_graphs.PrefillForwards, --prefill-graphs) runs the forwards it has a bucket for."""
     n = len(caches)
     done = [0] * n
     hiddens: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -67,12 +69,15 @@ def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, 
         for j, (i, k) in enumerate(members):
             ids[j, :k] = torch.tensor(prompts[i][done[i]:done[i] + k], dtype=torch.long)
         group = [caches[i] for i, _ in members]
-        starts = [c.length for c in group]
-        last = torch.tensor([k - 1 for _, k in members], dtype=torch.long).to(device)
-        out = target(ids.to(device), group, rows=last)
+        out = static.target(ids, group, [k for _, k in members]) if static is not None else None
+        if out is None:
+            starts = [c.length for c in group]
+            last = torch.tensor([k - 1 for _, k in members], dtype=torch.long).to(device)
+            out = target(ids.to(device), group, rows=last)
+            for j, (_, k) in enumerate(members):
+                if k < t:
+                    group[j].truncate(starts[j] + k)  # the padding rows are dead: the next append overwrites them
         for j, (i, k) in enumerate(members):
-            if k < t:
-                group[j].truncate(starts[j] + k)  # the padding rows are dead: the next append overwrites them
             hiddens[i].append(out.hidden_all[j, :k])
             logits[i] = out.logits[j, 0]
             done[i] += k

@@ -67,7 +67,8 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
                  batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
                  on_tokens=None, draft_vocab: int | None = None, graphs: str = "eager",
                  draft_vocab_file: Path | None = None, schedule: str = "continuous", gamma_policy: str = "fixed",
-                 prefill_tokens: int = 8192, compile: str = "off", compile_mode: str = "default"):
+                 prefill_tokens: int = 8192, compile: str = "off", compile_mode: str = "default",
+                 prefill_graphs: bool = False):
     """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes).
 
     draft_vocab_file: the token counts for --draft-vocab (default: token_counts.json beside the checkpoint)."""
@@ -82,7 +83,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
                         device=rt.device, draft_ids=draft_ids, graphs=graphs, schedule=schedule,
                         gamma_policy=gamma_policy, prefill_tokens=prefill_tokens, compile=compile,
-                        compile_mode=compile_mode)
+                        compile_mode=compile_mode, prefill_graphs=prefill_graphs)
     engine.on_tokens = on_tokens
     try:
         results = engine.generate(requests, batch_size=batch_size)

@@ -40,6 +40,7 @@ from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import ForwardRunner, rows_base
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
+from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs
 from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import (InjectedFailure, LiveSequence, Request, SeqResult, budget_tokens,
@@ -47,6 +48,9 @@ from glm5mtp_cli.engine.sequence import (InjectedFailure, LiveSequence, Request,
 from glm5mtp_cli.errors import UserError
 
 SCHEDULES = ("continuous", "static")
+# --prefill-graphs: prefill forwards of at most this many rows (sequences x rows, bucketed) run
+# from graphs; larger ones stay eager (GPU-bound already, and a graph keeps its activations)
+PREFILL_GRAPH_ROWS = 2048
 
 
 class SpecEngine:
@@ -59,7 +63,7 @@ class SpecEngine:
                  eos_ids: list[int] | None = None, prefill_chunk: int = 1024, prefill_tokens: int = 8192,
                  device: torch.device | str = "cpu", check_invariants: bool = False, inject_leak: str | None = None,
                  graphs: str = "eager", compile: str = "off", compile_mode: str = "default",
-                 schedule: str = "continuous", gamma_policy: str = "fixed", comm=None):
+                 schedule: str = "continuous", gamma_policy: str = "fixed", comm=None, prefill_graphs: bool = False):
         if gamma < 0:
             raise UserError(f"--gamma must be >= 0, got {gamma}")
         if gamma > 0 and proposer is None:
@@ -89,6 +93,12 @@ class SpecEngine:
         self._admission_s = 0.0  # wall time of the last admission (the rent-or-buy rule's price)
         self._idle_s = 0.0  # free-slot seconds since then
         self.runner = ForwardRunner(graphs, self.device, compile, compile_mode)
+        if prefill_graphs and graphs == "eager":
+            raise UserError("--prefill-graphs runs the prefill as static forwards: it needs CUDA graphs (--device cuda)")
+        if prefill_graphs:
+            check_prefill_graphs(pools, ["target"] + (["drafter"] if proposer is not None and gamma > 0 else []))
+        self.prefill_graphs = prefill_graphs
+        self._prefill: PrefillForwards | None = None  # built by generate, with the tables' width
         self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
         self.wall_decode_s = 0.0
@@ -129,6 +139,10 @@ class SpecEngine:
         built = self.runner.graphs
         if built is not None and (built.slots < batch_size or built.max_blocks < width):
             self.runner.close()  # built for fewer slots or shorter sequences: built again below
+        if self.prefill_graphs and (self._prefill is None or self._prefill.width < width):
+            self._close_prefill()
+            self._prefill = PrefillForwards(self.target, self.head, self.pools, width, self.device,
+                                            capture=self.runner.mode == "cuda", max_rows=PREFILL_GRAPH_ROWS)
         waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
         results: list[SeqResult | None] = [None] * len(requests)
         slots: list[LiveSequence | None] = [None] * batch_size
@@ -146,9 +160,11 @@ class SpecEngine:
                             results[i] = seq.res
                             if seq.done is None:
                                 self._seat(seq, free.pop(0), slots)
-                    self._admission_s = self._wall() - a0
+                    built = self._prefill.take_capture_s() if self._prefill else 0.0
+                    self._admission_s = self._wall() - a0 - built
                     self._idle_s = 0.0
                     prefill += self._admission_s
+                    capture += built
                 active = [s for s in slots if s is not None]
                 if not active:
                     continue
@@ -159,6 +175,7 @@ class SpecEngine:
                 s0 = time.perf_counter()  # the step ends in a host read of its tokens: no sync needed
                 self._step(active)
                 self._idle_s += (batch_size - len(active)) * (time.perf_counter() - s0)
+                capture += self._prefill.take_capture_s() if self._prefill else 0.0  # a catch-up's bucket
                 for s in active:
                     if s.done is not None:
                         slots[s.slot] = None
@@ -234,6 +251,12 @@ class SpecEngine:
         """Drop the engine's graphs and give their scratch blocks back (the pools' ledger is then
         what the sequences hold); generate builds them again if called after."""
         self.runner.close()
+        self._close_prefill()
+
+    def _close_prefill(self) -> None:
+        if self._prefill is not None:
+            self._prefill.close()
+            self._prefill = None
 
     def _wall(self) -> float:
         """Host time after the device caught up: read around admissions and captures, never inside a step."""
@@ -279,7 +302,7 @@ class SpecEngine:
         state_bytes = [self._state_bytes(s) for s in seqs]
         logits, hiddens = prefill_targets(self.target, [s.cache for s in seqs],
                                           [s.req.prompt[pl.target_start:] for s, pl in zip(seqs, plans)],
-                                          self.prefill_chunk, self.prefill_tokens, self.device)
+                                          self.prefill_chunk, self.prefill_tokens, self.device, self._prefill)
         if self.sampling.greedy:
             first = logits.argmax(-1)
         else:
@@ -297,7 +320,7 @@ class SpecEngine:
                 feeds.append((prompts[at + d + 1: at + p], hiddens[i][d - pl.target_start: p - 1 - pl.target_start]))
                 at += p
             self.head.catchup_batch([f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
-                                    self.prefill_chunk, self.prefill_tokens)
+                                    self.prefill_chunk, self.prefill_tokens, self._prefill)
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             req, p, d = seq.req, len(seq.req.prompt), drafted[i]
             seq.last = firsts[i]
@@ -388,7 +411,7 @@ class SpecEngine:
                 late.append((s, s.pend_tokens.shape[0] - (self.gamma + 1)))
         if late:
             self.head.catchup_batch([s.pend_tokens[:e] for s, e in late], [s.pend_hidden[:e] for s, e in late],
-                                    [s.state for s, _ in late], self.prefill_chunk, self.prefill_tokens)
+                                    [s.state for s, _ in late], self.prefill_chunk, self.prefill_tokens, self._prefill)
             for s, e in late:
                 s.pend_tokens, s.pend_hidden = s.pend_tokens[e:], s.pend_hidden[e:]
             self._wall()

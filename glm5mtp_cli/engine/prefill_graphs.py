@@ -1,0 +1,178 @@
+"""--prefill-graphs: the admission prefill's forwards (engine/prefill.py: the targets' shared
+forwards and the drafters' catch-ups) as static forwards, captured as CUDA graphs on CUDA, for
+models whose caches are paged rows only (GLM-5).
+
+Why: an eager prefill forward is host-bound at small sizes. On the H200 a glm5-nano admission
+forward cost ~10 ms of host time against ~2 ms of GPU work per HumanEval prompt (device runs 5-6),
+and with speculation the admissions come more often and each has one more (the drafter's): at
+HumanEval batch 8 they took 0.99 s of a 3.23 s adaptive run against 0.48 s of gamma 0's (run 12).
+A replayed graph is one launch.
+
+Shapes. The forwards a prefill plans vary, (m sequences, t rows), so each runs as its bucket's
+static forward: m up to the next power of two (the padding sequences read and write only a scratch
+block), t up to the next power of two >= 16 (padding rows land past each sequence's length, inside
+its reservation, where the next append overwrites them, or past it, in the scratch block; as in the
+eager path, real rows never see them: attention is causal and each sequence's logits come from its
+last real row). Buckets stop at `max_rows` rows (m x t): larger forwards are GPU-bound already, and
+a graph's activations stay allocated. A bucket is built the second time a forward needs it (rent
+or buy: a capture costs a few forwards, and a one-off shape never pays it back).
+
+The members of a forward are not in the engine's slots yet (they are being admitted), so the
+forwards read their blocks through tables of their own ([rows + 1, NB] per component, NB the
+engine's table width, the last row all scratch), written before each run. Not for fixed-size state
+(GLM-5-Next's KDA state would absorb the padding rows): `check` refuses those models.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from glm5mtp_cli.engine.cache import BlockPool, to_device
+from glm5mtp_cli.engine.graphs import StaticForward, _Table
+from glm5mtp_cli.errors import UserError
+
+MIN_ROWS = 16  # the shortest bucket: shorter forwards pad up to it
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """The next power of two >= max(n, least)."""
+    return 1 << (max(n, least) - 1).bit_length()
+
+
+def check(pools, owners: list[str]) -> None:
+    """One line when a cache component is not paged rows (padding rows would change its state)."""
+    for owner in owners:
+        for name in pools.owners.get(owner, ()):
+            if not isinstance(pools.pools[name], BlockPool):
+                raise UserError(f"--prefill-graphs: {name} is fixed-size state, which the padding rows of a "
+                                "shared forward would change (GLM-5-Next): run without it")
+
+
+class PrefillForwards:
+    """The static prefill forwards of one engine, for the target and (with a drafter) the drafter."""
+
+    def __init__(self, target, proposer, pools, width: int, device: torch.device, capture: bool,
+                 max_rows: int):
+        owners = ["target"] + (["drafter"] if proposer is not None else [])
+        check(pools, owners)
+        self.models = {"target": target, "drafter": proposer}
+        self.pools = pools
+        self.width = width
+        self.device = device
+        self.capture = capture
+        self.max_rows = max_rows
+        self.rows = max_rows // MIN_ROWS  # the most sequences a bucket holds
+        self.scratch: dict[str, list[int]] = {}
+        self.tables: dict[str, dict[str, _Table]] = {}
+        self.forwards: dict[tuple, StaticForward] = {}
+        self.uses: dict[tuple, int] = {}
+        self.mempool = None
+        self.replays = 0  # forwards run from a bucket (tests; a count, not a timing)
+        self.capture_s = 0.0  # capturing since the engine last took it (one-time setup, apart from e2e)
+        try:
+            for owner in owners:
+                self.tables[owner] = {}
+                for name in pools.owners[owner]:
+                    self.scratch[name] = pools.pools[name].take(1)
+                    table = torch.full((self.rows + 1, width), self.scratch[name][0], dtype=torch.long, device=device)
+                    self.tables[owner][name[len(owner) + 1:]] = _Table(pools.pools[name], table, self.scratch[name][0])
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the two kinds of forward ---------------------------------------------------------------
+    def target(self, ids: torch.Tensor, caches: list, real: list[int]):
+        """Append ids [m, t] (host; row j's first real[j] are real) to caches; -> the logits at each
+        row's last real row [m, 1, V] and the hiddens [m, t, H] (copies), or None: run it eagerly."""
+        m, t = ids.shape
+        f = self._forward("target", m, t, None, self._target_fn)
+        if f is None:
+            return None
+        f.ids[:m, :t].copy_(ids.to(self.device, non_blocking=True))
+        out = self._run(f, caches, real)
+        return type(out)(out.logits[:m].clone(), None, hidden_all=out.hidden_all[:m, :t].clone())
+
+    def drafter(self, ids: torch.Tensor, hidden: torch.Tensor, caches: list, real: list[int]) -> bool:
+        """Append drafter rows ids [m, t] with hiddens [m, t, H] (device) to caches; False: run it
+        eagerly instead (nothing was done)."""
+        m, t = ids.shape
+        f = self._forward("drafter", m, t, (hidden.shape[-1], hidden.dtype), self._drafter_fn)
+        if f is None:
+            return False
+        f.ids[:m, :t].copy_(ids)
+        f.hidden[:m, :t].copy_(hidden)
+        self._run(f, caches, real)
+        return True
+
+    @staticmethod
+    def _target_fn(target):
+        return lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t), f.rows)
+
+    @staticmethod
+    def _drafter_fn(proposer):
+        return lambda f: proposer.drafter_forward(f.ids, f.hidden, f.context(f.starts, f.t), f.rows)
+
+    # ---- buckets --------------------------------------------------------------------------------
+    def _forward(self, owner: str, m: int, t: int, hidden, fn_of) -> StaticForward | None:
+        """The bucket's forward, built at its second use; None: eager this time (first use, or too big)."""
+        b, bt = bucket(m), bucket(t, MIN_ROWS)
+        if b * bt > self.max_rows:
+            return None
+        key = (owner, b, bt)
+        self.uses[key] = self.uses.get(key, 0) + 1
+        f = self.forwards.get(key)
+        if f is None and self.uses[key] >= 2:
+            model = self.models[owner]
+            idx = torch.full((b,), self.rows, dtype=torch.long, device=self.device)  # all scratch while built
+            f = StaticForward(model.context, fn_of(model), b, bt, self.tables[owner], self.device, hidden,
+                              pick_row=True, idx=idx)
+            if self.capture:
+                if self.mempool is None:
+                    self.mempool = torch.cuda.graph_pool_handle()
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                f.capture(self.mempool)
+                torch.cuda.synchronize(self.device)
+                self.capture_s += time.perf_counter() - t0
+            self.forwards[key] = f
+        return f
+
+    def _run(self, f: StaticForward, caches: list, real: list[int]):
+        """Point rows 0..m-1 at the caches' blocks, run, and grow each cache by its real rows."""
+        m = len(caches)
+        for name, tab in f.tables.items():
+            for j, c in enumerate(caches):
+                blocks = c.rows[name].blocks
+                if len(blocks) > self.width:
+                    raise RuntimeError(f"{name}: {len(blocks)} blocks, over the tables' {self.width}")
+                tab.table[j].copy_(to_device(list(blocks) + [tab.scratch] * (self.width - len(blocks)), self.device),
+                                   non_blocking=True)
+        f.idx.copy_(to_device(list(range(m)) + [self.rows] * (f.b - m), self.device), non_blocking=True)
+        for c, k in zip(caches, real):
+            c.prepare(k)
+        f.set_starts([c.length for c in caches] + [0] * (f.b - m))
+        f.set_rows([k - 1 for k in real] + [0] * (f.b - m))
+        out = f.run()
+        for c, k in zip(caches, real):
+            c.length += k
+        self.replays += 1
+        return out
+
+    def take_capture_s(self) -> float:
+        """Seconds spent capturing since the last call: one-time setup, which the engine reports with
+        the decode graphs' capture, outside end to end as theirs is."""
+        built, self.capture_s = self.capture_s, 0.0
+        return built
+
+    def close(self) -> None:
+        """Drop the forwards (and graphs), then give the scratch blocks back."""
+        for f in self.forwards.values():
+            f.close()
+        self.forwards = {}
+        self.mempool = None
+        for name, blocks in self.scratch.items():
+            self.pools.pools[name].give(blocks)
+        self.scratch = {}
+        self.tables = {}
