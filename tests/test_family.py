@@ -116,7 +116,7 @@ class SpoilingProposer:
     def catchup_drafter(self, tokens, hiddens, row_base, state) -> None:
         state.real_rows += tokens.shape[0]
 
-    def catchup_batch(self, tokens, hiddens, states, chunk, budget) -> None:
+    def catchup_batch(self, tokens, hiddens, states, chunk, budget, static=None) -> None:
         for tok, st in zip(tokens, states):
             st.real_rows += tok.shape[0]
 

@@ -166,21 +166,24 @@ def _section_sampling(comm, c):
 STATIC_REQUESTS = [([3, 17, 99, 4, 250], 14), (list(range(10, 40)), 9), ([7, 7, 7] + list(range(60, 72)), 16)]
 
 
-def _modes_run(rt, gamma, mode, sampling=None):
+def _modes_run(rt, gamma, mode, sampling=None, prefill_graphs=False, chunk=1024):
     """STATIC_REQUESTS through 2 slots (the third request re-occupies a slot) in a forward mode;
-    -> tokens, (proposed, accepted) per request, and whether the static forwards were built."""
+    -> tokens, (proposed, accepted) per request, whether the static forwards were built, and how
+    many prefill forwards ran from --prefill-graphs' buckets."""
     from glm5mtp_cli.engine.sampling import SamplingParams
     from glm5mtp_cli.engine.runtime import make_engine
     from glm5mtp_cli.engine.sequence import Request
 
     pools = rt.make_pools(128, 2, block_size=4)
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling or SamplingParams(), max_seq_len=128,
-                         eos_ids=[], check_invariants=True, graphs=mode)
+                         eos_ids=[], check_invariants=True, graphs=mode, prefill_graphs=prefill_graphs,
+                         prefill_chunk=chunk)
     res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(STATIC_REQUESTS)], batch_size=2)
     built = engine.runner.graphs is not None
+    replays = engine._prefill.replays if engine._prefill is not None else 0
     engine.close()
     return {"tokens": [r.tokens for r in res], "counts": [[r.acceptance.proposed, r.acceptance.accepted] for r in res],
-            "built": built}
+            "built": built, "prefill_replays": replays}
 
 
 def _section_static(comm, c):
@@ -197,6 +200,9 @@ def _section_static(comm, c):
     flat = torch.tensor([t for seq in static["tokens"] for t in seq])
     out["sampled"] = {"eager": _modes_run(c["rt2"], 3, "eager", samp)["tokens"], "static": static["tokens"],
                       "per_rank": comm.all_gather(flat[None], dim=0).tolist()}
+    # --prefill-graphs: prompts in chunks of 8 rows, so buckets are met twice and run (collectives inside)
+    out["prefill_graphs"] = {"tp1_eager": _modes_run(c["rt1"], 3, "eager", chunk=8),
+                             "tp2": _modes_run(c["rt2"], 3, "static", prefill_graphs=True, chunk=8)}
     return out
 
 
@@ -338,6 +344,8 @@ def test_tp2_static_forwards_equal_tp1_eager(tp_group):
     assert 0 < acc < sum(p for p, _ in d["gamma3"]["tp1_eager"]["counts"])  # accepted and rejected paths ran
     s = d["sampled"]
     assert s["static"] == s["eager"] and s["per_rank"][0] == s["per_rank"][1]
+    one, two = d["prefill_graphs"]["tp1_eager"], d["prefill_graphs"]["tp2"]
+    assert two["prefill_replays"] > 0 and two["tokens"] == one["tokens"] and two["counts"] == one["counts"]
 
 
 def test_tp2_drafter_without_all_reduce_stays_lossless(tp_group):
