@@ -184,3 +184,14 @@ def test_bench_over_a_prompt_set(spec_ckpt, extra):
         assert row["ttft_ms_p99"] >= row["ttft_ms_p50"] > 0 and row["tpot_ms_p99"] >= row["tpot_ms_p50"] > 0
     assert rows[1]["system"] == "gamma 2" + {"": "", "static": ", static", "adaptive": " adaptive"}[
         extra[1] if extra else ""]
+
+
+def test_host_time_diagnostic_runs():
+    """diagnostics/host_time (the step loop's host time, forwards excluded): a number, and the
+    forwards' timing hook taken off again."""
+    from glm5mtp_cli.diagnostics.host_time import host_us_per_step
+    from glm5mtp_cli.engine import graphs
+
+    run = graphs.StaticForward.run
+    assert host_us_per_step(gamma=2, batch=2, requests=4, new_tokens=4, repeats=1) > 0
+    assert graphs.StaticForward.run is run

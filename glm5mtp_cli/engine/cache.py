@@ -293,9 +293,15 @@ class SequenceCache:
         self.released = False
         self.pending = None  # set by a model's forward over slot components: pending(kept_length)
         self.pending_from = 0  # the length before that forward
+        self._capacity = self._least_capacity()
 
     @property
     def capacity(self) -> int:
+        """Rows the reservation holds. Kept, not recomputed: blocks change only in reserve and
+        release, and the engine reads it several times per sequence per step."""
+        return self._capacity
+
+    def _least_capacity(self) -> int:
         return min(r.capacity for r in self.rows.values()) if self.rows else 1 << 62
 
     @property
@@ -307,6 +313,7 @@ class SequenceCache:
     def reserve(self, tokens: int) -> None:
         for part in (*self.rows.values(), *self.slots.values()):
             part.reserve(tokens)
+        self._capacity = self._least_capacity()
 
     def prepare(self, num_new: int) -> None:
         """Room for num_new more rows; grows the reservation only if the budget was exceeded.
@@ -346,6 +353,7 @@ class SequenceCache:
         self.pending = None
         self.length = 0
         self.released = True
+        self._capacity = self._least_capacity()
 
     def bytes_held(self) -> dict[str, int]:
         out = {name: len(r.blocks) * r.pool.bytes_per_block for name, r in self.rows.items()}
