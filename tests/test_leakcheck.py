@@ -63,3 +63,24 @@ def test_slot_reuse_is_clean_and_a_leak_is_still_caught(tiny):
              "--inject-leak", "target_indexer", "--json")
     assert r.exit_code == 1
     assert set(json.loads(r.stdout)["leaked_bytes_per_sequence"]) == {"target_indexer"}
+
+
+def test_graph_tables_are_as_wide_at_the_warm_up_as_ever(tiny, monkeypatch):
+    """The engine's graphs are as wide as the longest request they have met; the warm-up is the
+    longest, so no sequence after the baseline rebuilds them wider (on CUDA that would show as
+    allocator growth)."""
+    from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, run_leakcheck
+    from glm5mtp_cli.engine import graphs
+    from glm5mtp_cli.engine.runtime import load_runtime
+
+    built = []
+    init = graphs.EngineGraphs.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(args[4])  # max_blocks: the tables' width
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(graphs.EngineGraphs, "__init__", counting)
+    rt = load_runtime(tiny, "cpu", "fp32", progress=False)
+    doc = run_leakcheck(rt, LeakCheckConfig(sequences=8, graphs="static", batch_size=2, seed=1))
+    assert doc["verdict"] == "clean" and len(set(built)) == 1, built

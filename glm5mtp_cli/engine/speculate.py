@@ -135,8 +135,8 @@ class SpecEngine:
         batch_size = min(batch_size, max(len(requests), 1))  # no slot (nor graph bucket) that nothing could fill
         for r in requests:
             self.check_request(r)  # refuse before anything is allocated
-        width = self._table_blocks(requests)
-        built = self.runner.graphs
+        built = self.runner.graphs  # a rebuild for more slots keeps the width (it never narrows)
+        width = max(self._table_blocks(requests), built.max_blocks if built is not None else 0)
         if built is not None and (built.slots < batch_size or built.max_blocks < width):
             self.runner.close()  # built for fewer slots or shorter sequences: built again below
         if self.prefill_graphs and (self._prefill is None or self._prefill.width < width):
