@@ -93,9 +93,9 @@ class SpecEngine:
         self._admission_s = 0.0  # wall time of the last admission (the rent-or-buy rule's price)
         self._idle_s = 0.0  # free-slot seconds since then
         self.runner = ForwardRunner(graphs, self.device, compile, compile_mode)
-        if prefill_graphs and graphs == "eager":
-            raise UserError("--prefill-graphs runs the prefill as static forwards: it needs CUDA graphs (--device cuda)")
         if prefill_graphs:
+            if graphs == "eager":
+                raise UserError("--prefill-graphs runs the prefill as static forwards: it needs CUDA graphs")
             check_prefill_graphs(pools, ["target"] + (["drafter"] if proposer is not None and gamma > 0 else []))
         self.prefill_graphs = prefill_graphs
         self._prefill: PrefillForwards | None = None  # built by generate, with the tables' width
@@ -160,11 +160,11 @@ class SpecEngine:
                             results[i] = seq.res
                             if seq.done is None:
                                 self._seat(seq, free.pop(0), slots)
-                    built = self._prefill.take_capture_s() if self._prefill else 0.0
-                    self._admission_s = self._wall() - a0 - built
+                    captured = self._prefill.take_capture_s() if self._prefill else 0.0
+                    self._admission_s = self._wall() - a0 - captured
                     self._idle_s = 0.0
                     prefill += self._admission_s
-                    capture += built
+                    capture += captured
                 active = [s for s in slots if s is not None]
                 if not active:
                     continue
@@ -231,7 +231,7 @@ class SpecEngine:
         to a power of two (a later call rarely outgrows it; never over twice the need), at most
         --max-seq-len's. Not the ceiling itself: the paths that read whole tables (the DSA
         indexer's scores and top-k, the pure-torch attention) cost in proportion to the width, and
-        GLM-5's limit of 202752 rows made a 4-layer real-dimension step 2.3x slower on the H200."""
+        GLM-5's limit of 202752 rows made a 4-layer real-dimension step 2.6x slower on the H200."""
         block = min(p.block_size for p in self.pools.pools.values() if hasattr(p, "block_size"))
         need = max((-(-self.reserve_tokens(r) // block) for r in requests), default=1)
         return min(1 << (need - 1).bit_length(), -(-self.max_seq_len // block))
