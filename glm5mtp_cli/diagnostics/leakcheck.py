@@ -7,7 +7,9 @@ generate call of B slots, so slots are re-occupied within a round; an injected f
 its whole round (every live sequence is released by the engine), and each round ends with one
 snapshot shared by its rows.
 
-The verdict rests on the pools' ledger (blocks held per component). On CUDA the allocator's
+The baseline is taken after a warm-up that fills every slot with the longest prompt, so the
+engine's CUDA graphs (built for its slots and its longest request) exist before it and are never
+rebuilt after it. The verdict rests on the pools' ledger (blocks held per component). On CUDA the allocator's
 `memory_allocated` is checked as well; on the CPU the process RSS is reported but not judged
 (it is noisy: the allocator keeps freed pages, the pools are committed lazily).
 """
@@ -132,10 +134,11 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
                     else (r.finish_reason, len(r.tokens)) for q, r in zip(reqs, e.results)]
 
     with torch.no_grad():
-        # the warm-up's prompt is the longest: the engine's graphs are as wide as the longest request
-        # they have met (speculate._table_blocks), so a later, longer one would rebuild them after
-        # the baseline and show as allocator growth
-        run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], c.max_new_tokens, request_id=-1)], set())
+        # the warm-up fills every slot with the longest prompt: the engine's graphs are built for the
+        # slots and the longest request they have met (speculate._table_blocks), so a later round
+        # with more or longer ones would rebuild them after the baseline (allocator growth on CUDA)
+        run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], c.max_new_tokens, request_id=-1 - j)
+                   for j in range(c.batch_size)], set())
         base = _snapshot(pools, rt.device)
         lives = []
         for i in range(c.sequences):
