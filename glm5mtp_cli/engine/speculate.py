@@ -49,7 +49,7 @@ from glm5mtp_cli.errors import UserError
 
 SCHEDULES = ("continuous", "static")
 # --prefill-graphs: prefill forwards of at most this many rows (sequences x rows, bucketed) run
-# from graphs; larger ones stay eager (GPU-bound already, and a graph keeps its activations)
+# from graphs; larger ones stay eager (engine/prefill_graphs.py says why)
 PREFILL_GRAPH_ROWS = 2048
 
 
