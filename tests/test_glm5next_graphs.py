@@ -122,9 +122,10 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
 
     pools = rt.make_pools(128, 1, block_size=4)
     engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[], graphs="static")
-    seq = engine.start(Request(_work(rt)[0][0], 20))
+    req = Request(_work(rt)[0][0], 20)
+    seq = engine.start(req)
     try:
-        engine._open_graphs([seq], 1, 128 // 4)  # tables of the --max-seq-len ceiling
+        engine._open_graphs([seq], 1, engine._table_blocks([req]))
         g = engine.runner.graphs
         (bucket,) = g.buckets.values()
         held = bucket.idx.nbytes
@@ -138,7 +139,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         held += out.pending.extended.nbytes + sum(t.nbytes for t in (x.q, x.k, x.v, x.g, x.beta))
         if gamma:
             held += bucket.draft[gamma].run().nbytes
-        assert held == graph_bytes(rt.cfg, torch.float32, 128, 4, gamma)
+        assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma, 128)
     finally:
         engine.close()
         engine.release(seq)

@@ -152,8 +152,8 @@ def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
 @pytest.mark.parametrize("gamma", [0, 3])
 def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     """profile's cuda_graphs component: what a one-slot engine's graphs keep allocated (static
-    inputs, tables of the --max-seq-len ceiling and the outputs a capture owns), predicted from the
-    config, equals the buffers EngineGraphs builds."""
+    inputs, tables as wide as the engine makes them for the request, and the outputs a capture
+    owns), predicted from the config, equals the buffers EngineGraphs builds."""
     from glm5mtp_cli.diagnostics.sizing import graph_bytes
 
     pools = rt.make_pools(128, 1, block_size=4)
@@ -161,7 +161,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     req = Request(list(range(10, 40)), 20)
     seq = engine.start(req)
     try:
-        engine._open_graphs([seq], 1, 128 // 4)  # tables of the --max-seq-len ceiling
+        engine._open_graphs([seq], 1, engine._table_blocks([req]))
         g = engine.runner.graphs
         (bucket,) = g.buckets.values()
         held = bucket.idx.nbytes
@@ -172,7 +172,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
         if gamma:
             held += bucket.draft[gamma].run().nbytes
-        assert held == graph_bytes(rt.cfg, torch.float32, 128, 4, gamma)
+        assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma, 128)
     finally:
         engine.close()
         engine.release(seq)

@@ -210,7 +210,7 @@ def run_profile(cfg: ModelConfig, dtype: torch.dtype, c: ProfileConfig, rt: Runt
             tokens = policy_tokens(c, policy, L)
             # scratch at the longest context the sequence can reach under its own policy
             pred = predicted_bytes(cfg, dtype, tokens, c.block_size, c.gamma if with_mtp else 0,
-                                   min(tokens, L) - c.gamma - 1, tp=rt.tp if rt is not None else 1)
+                                   min(tokens, L) - c.gamma - 1, L, tp=rt.tp if rt is not None else 1)
             meas = measure_state(rt, c, policy, L) if rt is not None else None
             per_seq = pred["total"]
             free = c.gpu_mem - weights

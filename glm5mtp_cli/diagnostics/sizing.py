@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from glm5mtp_cli.engine.graphs import table_blocks
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.family import ROWS
@@ -278,17 +279,16 @@ def _glm5_scratch(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
     return attn + t * cfg.vocab_size * max(d, 4) + 4 * t * cfg.hidden_size * d
 
 
-def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int) -> int:
+def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int, max_seq_len: int) -> int:
     """What a one-slot engine's CUDA graphs keep allocated between replays (graphs.EngineGraphs, one
-    bucket, one gamma): the static inputs (ids, lengths, row slots, drafter hiddens), the block
-    tables of each row component (`tokens` rows wide, 8 bytes a block; the engine's tables span a
-    run's longest reservation rounded up to a power of two of blocks, at most --max-seq-len, so up
-    to twice this width; the slot's row and the all-scratch row), the slot indices of each slot
-    component (the same two entries) and the outputs the graphs own (the verify's logits and hiddens, GLM-5-Next's KDA commit records; the
-    greedy chain's drafts). Their intermediates live in the graphs' private pool, the same peak as
-    `scratch`."""
+    bucket, one gamma) for a sequence of `tokens` reserved rows: the static inputs (ids, lengths, row
+    slots, drafter hiddens), the block tables of each row component (table_blocks wide, 8 bytes a
+    block; the slot's row and the all-scratch row), the slot indices of each slot component (the
+    same two entries) and the outputs the graphs own (the verify's logits and hiddens, GLM-5-Next's
+    KDA commit records; the greedy chain's drafts). Their intermediates live in the graphs' private
+    pool, the same peak as `scratch`."""
     d, t = dtype_bytes(dtype), gamma + 1
-    tables = 2 * 8 * math.ceil(tokens / block_size)
+    tables = 2 * 8 * table_blocks(tokens, block_size, max_seq_len)
     comps = family_of(cfg).state_components(cfg, dtype)
 
     def indices(owner: str) -> int:
@@ -307,12 +307,13 @@ def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: in
 
 
 def predicted_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int,
-                    scratch_context: int, tp: int = 1) -> dict[str, int]:
+                    scratch_context: int, max_seq_len: int, tp: int = 1) -> dict[str, int]:
     """One sequence's predicted bytes by component at `tokens` reserved rows (on one of `tp` ranks),
-    plus the verify scratch at `scratch_context` cached rows and the CUDA graphs' buffers, and their total."""
+    plus the verify scratch at `scratch_context` cached rows and the CUDA graphs' buffers (under
+    --max-seq-len max_seq_len), and their total."""
     out = state_bytes(cfg, dtype, tokens, block_size, with_drafter=gamma > 0, tp=tp)
     out["scratch"] = scratch_bytes(cfg, dtype, scratch_context, gamma)
-    out["cuda_graphs"] = graph_bytes(cfg, dtype, tokens, block_size, gamma)
+    out["cuda_graphs"] = graph_bytes(cfg, dtype, tokens, block_size, gamma, max_seq_len)
     out["total"] = sum(out.values())
     return out
 

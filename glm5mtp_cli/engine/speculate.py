@@ -37,7 +37,7 @@ from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.gamma import GammaPolicy
-from glm5mtp_cli.engine.graphs import ForwardRunner, rows_base
+from glm5mtp_cli.engine.graphs import ForwardRunner, rows_base, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs
@@ -227,14 +227,10 @@ class SpecEngine:
         return caches
 
     def _table_blocks(self, requests: list[Request]) -> int:
-        """The graphs' table width in blocks: the longest reservation among `requests`, rounded up
-        to a power of two (a later call rarely outgrows it; never over twice the need), at most
-        --max-seq-len's. Not the ceiling itself: the paths that read whole tables (the DSA
-        indexer's scores and top-k, the pure-torch attention) cost in proportion to the width, and
-        GLM-5's limit of 202752 rows made a 4-layer real-dimension step 2.6x slower on the H200."""
+        """The graphs' table width in blocks: for the longest reservation among `requests`
+        (graphs.table_blocks)."""
         block = min(p.block_size for p in self.pools.pools.values() if hasattr(p, "block_size"))
-        need = max((-(-self.reserve_tokens(r) // block) for r in requests), default=1)
-        return min(1 << (need - 1).bit_length(), -(-self.max_seq_len // block))
+        return table_blocks(max((self.reserve_tokens(r) for r in requests), default=1), block, self.max_seq_len)
 
     def _open_graphs(self, active: list[LiveSequence], slots: int, width: int) -> None:
         """Build (CUDA: capture) the static forwards once per engine, for every bucket up to
