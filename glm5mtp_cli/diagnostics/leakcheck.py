@@ -135,7 +135,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
 
     with torch.no_grad():
         # the warm-up fills every slot with the longest prompt: the engine's graphs are built for the
-        # slots and the longest request they have met (speculate._table_blocks), so a later round
+        # slots and the longest request they have met (graphs.table_blocks), so a later round
         # with more or longer ones would rebuild them after the baseline (allocator growth on CUDA)
         run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], c.max_new_tokens, request_id=-1 - j)
                    for j in range(c.batch_size)], set())

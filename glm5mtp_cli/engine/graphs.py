@@ -14,7 +14,7 @@ rows A.. are padding that reads and writes only the scratch block.
 Each static forward is a function of its buffers alone: token ids (and drafter hiddens), each row's
 cached length, and each row's slot (`idx`): which row of the engine's block tables it reads. The
 tables ([slots + 1, NB] per row component, NB blocks: the longest reservation of the engine's
-call, rounded up to a power of two, at most --max-seq-len / block_size (SpecEngine._table_blocks);
+call, rounded up to a power of two, at most --max-seq-len / block_size (table_blocks);
 the last row is all scratch) are gathered by `idx` inside the forward, so a replay reads whatever
 the buffers hold and the host only copies a step's inputs in (asynchronously, from pinned memory).
 The paged attention kernel stops at each row's cached length (kernels/paged.py), but the indexer's
