@@ -161,12 +161,13 @@ _SUM_BLOCK = 1024
 
 
 def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
-                            split_k: int | None = None) -> torch.Tensor:
+                            split_k: int | None = None, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton version of :func:`fp8_block_matmul_ref`: a tiled GEMM dequantising `w` on the fly.
 
     Decode GEMMs (few rows) have too few output tiles to fill the GPU, so K is split until there
-    are about `_TARGET_PROGRAMS` programs (`split_k` overrides); a second kernel adds the fp32 partial
-    sums in a fixed order (deterministic, unlike atomics) and writes x.dtype.
+    are about `_TARGET_PROGRAMS` programs (`_DECODE_PROGRAMS` at decode widths; `split_k` overrides);
+    a second kernel adds the fp32 partial sums in a fixed order (deterministic, unlike atomics) and
+    writes x.dtype. `launch` (programs, BLOCK_N, stages) replaces the tuned choice (kernels/sweep_fp8.py).
     """
     assert w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
     assert block >= 16 and block & (block - 1) == 0, "block must be a power of two >= 16"
@@ -181,10 +182,12 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
     if t and n:
         block_t = 16 if t <= 16 else (32 if t <= 32 else 64)
         decode = t <= _DECODE_ROWS
-        block_n = min(_DECODE_BLOCK_N if decode else 64, block)
+        programs, block_n, stages = launch or ((_DECODE_PROGRAMS, _DECODE_BLOCK_N, _DECODE_STAGES) if decode
+                                               else (_TARGET_PROGRAMS, 64, 3))
+        block_n = min(block_n, block)
         tiles = triton.cdiv(t, block_t) * triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block)
-        split = split_k or max(1, min(k_tiles, (_DECODE_PROGRAMS if decode else _TARGET_PROGRAMS) // tiles))
+        split = split_k or max(1, min(k_tiles, programs // tiles))
         per_split = triton.cdiv(k_tiles, split)
         split = triton.cdiv(k_tiles, per_split)  # no empty splits
         dest = out if split == 1 else alloc((split, t, n), dtype=torch.float32, device=x.device)
@@ -192,7 +195,7 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
         _matmul_kernel[grid](x2, w, scale_inv, dest, t, n, k, x2.stride(0), scale_inv.shape[1], per_split,
                              BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block,
                              DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(),
-                             num_warps=4, num_stages=_DECODE_STAGES if decode else 3)
+                             num_warps=4, num_stages=stages)
         if split > 1:
             _sum_splits_kernel[(triton.cdiv(t * n, _SUM_BLOCK),)](dest, out, split, t * n, BLOCK=_SUM_BLOCK,
                                                                  num_warps=4)

@@ -11,34 +11,13 @@ import json
 import sys
 
 import torch
-import triton
 
-from .fp8_block import _SUM_BLOCK, _matmul_kernel, _sum_splits_kernel, fp8_block_matmul_ref, fp8_block_quantize
+from .fp8_block import fp8_block_matmul_ref, fp8_block_matmul_triton, fp8_block_quantize
 
 DEV = torch.device("cuda")
 CURRENT = (528, 32, 4)  # fp8_block's _DECODE_PROGRAMS, _DECODE_BLOCK_N, _DECODE_STAGES (before the sweep: 264, 64, 3)
 SHAPES = {"q_a": (2048, 6144), "q_b": (16384, 2048), "kv_a": (576, 6144), "o_proj": (6144, 16384),
           "wq_b": (4096, 2048), "wk": (128, 6144), "shared_gate_up": (4096, 6144), "shared_down": (6144, 2048)}
-
-
-def launch(x2, w, s, target, block_n, stages, warps, block=128):
-    """fp8_block_matmul_triton's launch with the swept parameters in place of its own."""
-    t, k = x2.shape
-    n = w.shape[0]
-    out = torch.empty(t, n, dtype=x2.dtype, device=DEV)
-    block_t = 16
-    tiles = triton.cdiv(t, block_t) * triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block)
-    split = max(1, min(k_tiles, target // tiles))
-    per = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, per)
-    dest = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=DEV)
-    _matmul_kernel[(triton.cdiv(t, block_t), triton.cdiv(n, block_n), split)](
-        x2, w, s, dest, t, n, k, x2.stride(0), s.shape[1], per, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block,
-        DOT_BF16=True, num_warps=warps, num_stages=stages)
-    if split > 1:
-        _sum_splits_kernel[(triton.cdiv(t * n, _SUM_BLOCK),)](dest, out, split, t * n, BLOCK=_SUM_BLOCK, num_warps=4)
-    return out
 
 
 def time_us(fn, per_replay=20, replays=10):
@@ -72,12 +51,13 @@ def main(out_path: str) -> None:
             ref = fp8_block_matmul_ref(x.float(), w, s)
             floor_us = (n * k + s.numel() * 4 + t * k * 2 + t * n * 2) / 4.2e12 * 1e6
             best = None
-            for target, block_n, stages, warps in itertools.product((264, 528, 1056, 2112), (32, 64, 128), (3, 4, 6),
-                                                                    (4,)):
+            for target, block_n, stages in itertools.product((264, 528, 1056, 2112), (32, 64, 128), (3, 4, 6)):
+                def run():
+                    return fp8_block_matmul_triton(x, w, s, launch=(target, block_n, stages))
+
                 try:
-                    out = launch(x, w, s, target, block_n, stages, warps)
-                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                    us = time_us(lambda: launch(x, w, s, target, block_n, stages, warps))
+                    err = ((run().float() - ref).abs().max() / ref.abs().max()).item()
+                    us = time_us(run)
                 except Exception as e:  # a configuration that does not compile (shared memory) is skipped
                     print(name, t, target, block_n, stages, "failed", type(e).__name__, file=sys.stderr)
                     continue

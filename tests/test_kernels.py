@@ -152,6 +152,13 @@ def case_fp8_matmul_uneven_splits(device, big):
     return fp8_block_matmul_triton(x, w, s, split_k=split), fp8_block_matmul_ref(x, w, s)
 
 
+def case_fp8_matmul_launch_override(device, big):
+    # the sweep's launch (kernels/sweep_fp8.py): programs, BLOCK_N, stages other than the tuned ones
+    n, k = (2048, 6144) if big else (160, 384)
+    x, (w, s) = _rand(1, k, device=device, dtype=BF16), _fp8(n, k, device)
+    return fp8_block_matmul_triton(x, w, s, launch=(264, 64, 3)), fp8_block_matmul_ref(x, w, s)
+
+
 def _kv_b_cases(device, big, dtype, t):  # MLA's kv_b, absorb and value; glm5-nano's: heads straddle scale blocks
     heads, nope, v, c = (64, 192, 256, 512) if big else (6, 32, 64, 128)
     w, s = _fp8(heads * (nope + v), c, device)

@@ -100,6 +100,14 @@ class _Table:
         new, all_ = table_slots(self.table.index_select(0, idx), self.pool.block_size, starts, t, self.scratch)
         return CachedRows(self.pool.data, new, all_)
 
+    def name_blocks(self, row: int, blocks: list[int], what: str) -> None:
+        """Row `row` names `blocks` (the scratch block past them), copied asynchronously."""
+        width = self.table.shape[1]
+        if len(blocks) > width:
+            raise RuntimeError(f"{what}: {len(blocks)} blocks, over the tables' {width}")
+        self.table[row].copy_(to_device(list(blocks) + [self.scratch] * (width - len(blocks)), self.table.device),
+                              non_blocking=True)
+
 
 @dataclass
 class _SlotIndex:
@@ -316,11 +324,7 @@ class EngineGraphs:
         indices its state slots."""
         for owner, cache in caches.items():
             for name, t in self.tables.get(owner, {}).items():
-                blocks = cache.rows[name].blocks
-                if len(blocks) > t.table.shape[1]:
-                    raise RuntimeError(f"{owner} {name}: {len(blocks)} blocks, over the tables' {t.table.shape[1]}")
-                row = list(blocks) + [t.scratch] * (t.table.shape[1] - len(blocks))
-                t.table[slot].copy_(to_device(row, self.device), non_blocking=True)
+                t.name_blocks(slot, cache.rows[name].blocks, f"{owner} {name}")
             for name, s in self.slot_index.get(owner, {}).items():
                 s.index[slot] = cache.slots[name].slot
 

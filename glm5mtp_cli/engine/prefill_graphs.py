@@ -21,7 +21,8 @@ or buy: a capture costs a few forwards, and a one-off shape never pays it back).
 The members of a forward are not in the engine's slots yet (they are being admitted), so the
 forwards read their blocks through tables of their own ([rows + 1, NB] per component, NB the
 engine's table width, the last row all scratch), written before each run. Not for fixed-size state
-(GLM-5-Next's KDA state would absorb the padding rows): `check` refuses those models.
+(GLM-5-Next's KDA state would absorb the padding rows): `check`, at the engine's start, refuses
+those models.
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ class PrefillForwards:
 
     def __init__(self, target, proposer, pools, width: int, device: torch.device, capture: bool,
                  max_rows: int):
-        owners = ["target"] + (["drafter"] if proposer is not None else [])
-        check(pools, owners)
+        owners = ["target"] + (["drafter"] if proposer is not None else [])  # `check`ed by the engine
         self.models = {"target": target, "drafter": proposer}
         self.pools = pools
         self.width = width
@@ -145,11 +145,7 @@ class PrefillForwards:
         m = len(caches)
         for name, tab in f.tables.items():
             for j, c in enumerate(caches):
-                blocks = c.rows[name].blocks
-                if len(blocks) > self.width:
-                    raise RuntimeError(f"{name}: {len(blocks)} blocks, over the tables' {self.width}")
-                tab.table[j].copy_(to_device(list(blocks) + [tab.scratch] * (self.width - len(blocks)), self.device),
-                                   non_blocking=True)
+                tab.name_blocks(j, c.rows[name].blocks, name)
         f.idx.copy_(to_device(list(range(m)) + [self.rows] * (f.b - m), self.device), non_blocking=True)
         for c, k in zip(caches, real):
             c.prepare(k)
