@@ -68,21 +68,65 @@ def test_middle_gamma_wins_when_later_drafts_rarely_pass():
 
 
 def test_both_ends_are_measured_before_judging_and_probing_resumes_drafting():
-    p = GammaPolicy(3, "adaptive", probe_every=4, probe_max=8, warm=2)
-    assert p.choose(2) == 3  # no cost at gamma yet
+    p = GammaPolicy(3, "adaptive", probe_every=4, probe_max=8, warm=2, warm_judged=6)
+    for _ in range(3):
+        p.record_cost(2, 3, 3.0)
+        p.record_cost(2, 0, 1.0)
+    p.record_acceptance([3, 3], [0, 3])  # draft 1 judged twice, drafts 2 and 3 once
+    assert p.choose(2) == 3  # costs known, but not the rates: every position needs 6 judgements
+    p.record_acceptance([3, 3], [3, 3])
+    p.record_acceptance([3, 3], [3, 3])
+    assert p.rates_warm is False and p.choose(2) == 3 and p.rates_warm is False
+    p.record_acceptance([3, 3], [3, 3])
+    p.costs.clear()
+    assert p.choose(2) == 3  # rates warm now (for good); no cost at gamma yet
+    assert p.rates_warm
     p.record_cost(2, 3, 3.0)
     assert p.choose(2) == 3  # one measurement is not enough
     p.record_cost(2, 3, 3.0)
     assert p.choose(2) == 0  # no cost at 0 yet
     p.record_cost(2, 0, 1.0)
     p.record_cost(2, 0, 1.0)
-    p.record_acceptance([3, 3], [0, 0])  # nothing accepted: drafting cannot pay
+    p.kept = [0.0, 0.0, 0.0]  # nothing accepted lately: drafting cannot pay
     picks = [p.choose(2) for _ in range(28)]
     # after 4 choices at 0 a probe at gamma; each failed probe doubles the gap, up to 8
     assert [i for i, g in enumerate(picks) if g] == [3, 11, 19, 27] and set(picks) == {0, 3}
-    p.record_acceptance([3, 3], [3, 3])  # drafts pass again: drafting back on, the gap back to 4
-    p.record_acceptance([3, 3], [3, 3])
+    p.kept = list(p.tried)  # drafts pass again: drafting back on, the gap back to 4
     assert p.choose(2) == 3 and p.probe_gap[2] == 4
+
+
+def test_a_smaller_bucket_is_judged_on_a_larger_ones_line_until_its_own_is_measured():
+    """A continuous run's tail shrinks through smaller buckets: they take the verdict of the
+    smallest larger bucket whose line is measured instead of running gamma 0 again to measure it."""
+    p = _policy(0.9, {0: 1.0, 3: 2.0}, active=64, gamma=3)
+    assert p.choose(20) == 3 and p.choose(1) == 3  # no warm-up at 0 in buckets 32 and 1
+    assert p.line(20) is p.costs[64]
+    for _ in range(p.warm):
+        p.record_cost(8, 0, 1.0)
+        p.record_cost(8, 3, 9.0)  # bucket 8 measured drafting as a loss: its own line now decides
+    assert p.choose(8) == 0 and p.choose(5) == 0 and p.choose(2) == 0  # ... and is the nearest lender below
+    assert p.choose(128) == 3 and p.line(128) is None  # nothing larger was measured: measure first
+    # a verdict of 0 lent to a smaller bucket is checked by its probes, which measure its own line
+    q = _policy(0.9, {0: 1.0, 3: 9.0}, active=64, gamma=3)
+    picks = [q.choose(4) for _ in range(q.probe_every)]
+    assert picks[:-1] == [0] * (q.probe_every - 1) and picks[-1] == 3
+
+
+def test_steps_below_gamma_probe_it_so_stale_rates_of_undrafted_positions_refresh():
+    """H200, HumanEval batch 8: the first steps' low acceptance put drafts 2 and 3 at ~0.4, gamma 1
+    won, and as gamma-1 steps never judge draft 2 its rate stayed 0.4 for 63 steps. A probe at
+    --gamma after `probe_every` steps below it judges every position again."""
+    p = _policy(0.9, {0: 0.9, 1: 1.7, 3: 2.3}, active=8, gamma=3)  # batch 8's measured step costs, ms
+    p.tried, p.kept = [500.0, 40.0, 40.0], [450.0, 16.0, 16.0]  # a = 0.9, 0.4, 0.4 from the first steps
+    picks = []
+    for _ in range(2 * p.probe_every):
+        g = p.choose(8)
+        picks.append(g)
+        p.record_acceptance([g] * 8, [g] * 8)  # the text is predictable now: every draft passes
+    first = picks.index(3)
+    # gamma 2 wins and its steps refresh draft 2's rate, never draft 3's: a probe ends the run at 2
+    assert first == p.probe_every - 1 and set(picks[:first]) == {2}
+    assert set(picks[first:]) == {3} and p.probe_gap[8] == p.probe_every  # its judgements turned gamma 3 on
 
 
 def test_h200_batch_1_drafts_despite_one_slow_step():
@@ -115,12 +159,17 @@ def test_acceptance_rates_are_conditional_and_roll():
 
 
 def test_costs_interpolate_between_measured_gammas_per_bucket():
-    p = GammaPolicy(4, "adaptive")
-    p.record_cost(3, 0, 1.0)
-    p.record_cost(4, 4, 3.0)  # 3 and 4 active share bucket 4
+    p = GammaPolicy(4, "adaptive", warm=2)
+    for _ in range(2):
+        p.record_cost(3, 0, 1.0)
+        p.record_cost(4, 4, 3.0)  # 3 and 4 active share bucket 4
     assert bucket_of(3) == bucket_of(4) == 4 and bucket_of(1) == 1 and bucket_of(5) == 8
     assert p.cost(3, 2) == pytest.approx(2.0)
     assert p.cost(8, 2) is None
+    p.record_cost(4, 1, 9.0)  # one step at gamma 1 (its graphs' first replay) is not its cost yet
+    assert p.cost(4, 1) == pytest.approx(1.5) and p.cost(4, 2) == pytest.approx(2.0)
+    p.record_cost(4, 1, 1.2)
+    assert p.cost(4, 1) == pytest.approx(5.1) and p.cost(4, 2) == pytest.approx(4.4)  # now measured
 
 
 def test_bad_policy_is_refused():
@@ -142,7 +191,7 @@ def _adaptive(engine, probe_every: int = 3):
     """An adaptive policy that finds gamma 0 nearly free (so it turns drafting off) and probes gamma 3
     every `probe_every`-th step: steps run with and without drafts. Its costs stay the seeded ones;
     the engine's measurements are collected in `measured` as (gamma, seconds)."""
-    engine.policy = policy = GammaPolicy(3, "adaptive", probe_every=probe_every)
+    engine.policy = policy = GammaPolicy(3, "adaptive", probe_every=probe_every, warm_judged=0)
     for active in (1, 2):
         for _ in range(policy.warm):
             policy.record_cost(active, 0, 1e-9)

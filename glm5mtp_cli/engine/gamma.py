@@ -10,13 +10,27 @@ second: E(g) / C(b, g), where
   next power of two >= the active sequences) with g drafts: the median of its last `cost_window`
   measurements, linearly interpolated between measured gammas of that bucket for the others.
 
-Drafting is measured before it is judged: a bucket's first steps run at --gamma and at 0 until each
-has `warm` measurements, so both ends of the cost line are known. When g = 0 wins (drafting does
-not pay, e.g. at large batches where verifying g + 1 rows costs g + 1 times one row), a step at
---gamma is still run after `probe_every` steps at 0 so a change in acceptance or cost can turn
-drafting back on; each probe that does not, doubles that gap (up to `probe_max`), since a probe
-costs a drafter catch-up of every row since the last one. This is TensorRT-LLM's rolling-acceptance
-switch generalised from on/off to 0..gamma with measured costs.
+Drafting is measured before it is judged. The rates: every step runs at --gamma until each draft
+position has been judged `warm_judged` times (once per run). The costs: a bucket's first steps run
+at --gamma and at 0 until each has `warm` measurements, so both ends of its cost line are known,
+unless a larger bucket's line already is: then the bucket is judged on that line (relative costs
+are what the choice compares) until its own has both ends. A continuous run starts at its largest
+bucket and shrinks through the smaller ones in its tail, which otherwise spent `warm` steps without
+drafts in each. Only larger buckets lend their line: verifying g + 1 rows per sequence weighs more
+the larger the batch, so a larger bucket's verdict on drafting is the cautious one for a smaller
+one, and a verdict below --gamma is checked by the probes below, which measure the smaller
+bucket's own line. A gamma measured fewer than `warm` times is interpolated, not judged on its
+first step (which replays its graphs for the first time).
+
+Probes. While the choice stays below --gamma (drafting off, e.g. at large batches where verifying
+g + 1 rows costs g + 1 times one row, or fewer drafts), a step at --gamma is still run after
+`probe_every` such steps: it re-measures the cost of drafting and, as important, the acceptance of
+the positions the shorter steps never judge (their counters decay alike, so their rates would stay
+what they were when those positions were last drafted: on the H200 the first steps' low acceptance,
+HumanEval's completions starting less predictably, kept batch 8 at gamma 1 for 63 steps). Each
+probe that does not change the choice doubles that gap (up to `probe_max`), since a probe after
+steps without drafts costs a drafter catch-up of every row since the last one. This is
+TensorRT-LLM's rolling-acceptance switch generalised from on/off to 0..gamma with measured costs.
 
 What a cost holds, and why. A step without drafts leaves its row pending for the drafter; the next
 drafting step must first feed the drafter every row it missed. That catch-up is not the price of
@@ -62,7 +76,7 @@ def bucket_of(active: int) -> int:
 
 class GammaPolicy:
     def __init__(self, max_gamma: int, policy: str = "fixed", window: int = 64, probe_every: int = 32,
-                 probe_max: int = 128, cost_window: int = 9, warm: int = 3):
+                 probe_max: int = 128, cost_window: int = 9, warm: int = 3, warm_judged: int = 32):
         if policy not in POLICIES:
             from glm5mtp_cli.errors import UserError
 
@@ -74,11 +88,14 @@ class GammaPolicy:
         self.probe_max = probe_max
         self.cost_window = cost_window
         self.warm = warm
+        self.warm_judged = warm_judged
+        self.rates_warm = False  # every position judged warm_judged times (then stays true)
         self.tried = [0.0] * max_gamma  # [k-1]: decayed count of drafts k that were verified
         self.kept = [0.0] * max_gamma  # [k-1]: of those, accepted
         self.costs: dict[int, dict[int, deque]] = {}  # bucket -> gamma -> recent seconds per step
-        self.off_steps: dict[int, int] = {}  # bucket -> steps chosen at 0 since the last probe
-        self.probe_gap: dict[int, int] = {}  # bucket -> steps at 0 before the next probe
+        self.steps: dict[int, int] = {}  # gamma -> steps run at it (what a run's rows report)
+        self.short_steps: dict[int, int] = {}  # bucket -> steps chosen below gamma since the last probe
+        self.probe_gap: dict[int, int] = {}  # bucket -> steps below gamma before the next probe
 
     def gammas(self) -> list[int]:
         """Every gamma a step may use (the static forwards are built for each)."""
@@ -98,6 +115,7 @@ class GammaPolicy:
                 self.kept[k] += k < a
 
     def record_cost(self, active: int, gamma: int, seconds: float) -> None:
+        self.steps[gamma] = self.steps.get(gamma, 0) + 1
         if not self.adaptive:
             return
         costs = self.costs.setdefault(bucket_of(active), {})
@@ -119,35 +137,58 @@ class GammaPolicy:
 
     def cost(self, active: int, g: int) -> float | None:
         """Seconds per step at this batch and gamma: measured, else interpolated (None: unknown)."""
-        costs = self.costs.get(bucket_of(active), {})
-        if g in costs:
-            return statistics.median(costs[g])
-        lo = max((x for x in costs if x < g), default=None)
-        hi = min((x for x in costs if x > g), default=None)
-        if lo is None or hi is None:
-            return None
-        c_lo, c_hi = statistics.median(costs[lo]), statistics.median(costs[hi])
-        return c_lo + (c_hi - c_lo) * (g - lo) / (hi - lo)
+        return _cost(self.costs.get(bucket_of(active), {}), g, self.warm)
+
+    def _warm(self, costs: dict) -> bool:
+        return all(len(costs.get(g, ())) >= self.warm for g in (0, self.max_gamma))
+
+    def line(self, active: int) -> dict | None:
+        """The costs this batch is judged on: its bucket's once both ends are warm, else the
+        smallest larger bucket's that are (module docstring), else None (measure first)."""
+        b = bucket_of(active)
+        own = self.costs.get(b, {})
+        if self._warm(own):
+            return own
+        lenders = [x for x, c in self.costs.items() if x > b and self._warm(c)]
+        return self.costs[min(lenders)] if lenders else None
 
     # ---- the decision -----------------------------------------------------------------------
     def choose(self, active: int) -> int:
         if not self.adaptive:
             return self.max_gamma
         b = bucket_of(active)
-        costs = self.costs.get(b, {})
-        if len(costs.get(self.max_gamma, ())) < self.warm:
+        self.rates_warm = self.rates_warm or min(self.tried) >= self.warm_judged
+        if not self.rates_warm:
             return self.max_gamma
-        if len(costs.get(0, ())) < self.warm:
-            return 0
-        best = max(range(self.max_gamma + 1), key=lambda g: self.expected_tokens(g) / self.cost(active, g))
-        if best > 0:
-            self.off_steps[b] = 0
+        line = self.line(active)
+        if line is None:
+            own = self.costs.get(b, {})
+            return self.max_gamma if len(own.get(self.max_gamma, ())) < self.warm else 0
+        best = max(range(self.max_gamma + 1), key=lambda g: self.expected_tokens(g) / _cost(line, g, self.warm))
+        if best == self.max_gamma:
+            self.short_steps[b] = 0
             self.probe_gap[b] = self.probe_every
             return best
-        self.off_steps[b] = self.off_steps.get(b, 0) + 1
+        self.short_steps[b] = self.short_steps.get(b, 0) + 1
         gap = self.probe_gap.get(b, self.probe_every)
-        if self.off_steps[b] >= gap:
-            self.off_steps[b] = 0
+        if self.short_steps[b] >= gap:
+            self.short_steps[b] = 0
             self.probe_gap[b] = min(2 * gap, self.probe_max)
-            return self.max_gamma  # re-measure acceptance and the cost of drafting now and then
-        return 0
+            return self.max_gamma  # re-measure every position's acceptance and the cost of drafting
+        return best
+
+
+def _cost(costs: dict[int, deque], g: int, warm: int) -> float | None:
+    """A cost line's seconds per step at gamma g: the median of its measurements once it has `warm`
+    of them, else linear between the nearest gammas that have (None: outside them). A gamma tried
+    once is not judged on that step alone: its first step replays its graphs for the first time,
+    which on the H200 made gamma 1 look dearer than gamma 3 and turned drafting off for 32 steps."""
+    known = {x: d for x, d in costs.items() if len(d) >= warm}
+    if g in known:
+        return statistics.median(known[g])
+    lo = max((x for x in known if x < g), default=None)
+    hi = min((x for x in known if x > g), default=None)
+    if lo is None or hi is None:
+        return None
+    c_lo, c_hi = statistics.median(known[lo]), statistics.median(known[hi])
+    return c_lo + (c_hi - c_lo) * (g - lo) / (hi - lo)
