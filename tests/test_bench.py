@@ -186,6 +186,40 @@ def test_bench_over_a_prompt_set(spec_ckpt, extra):
         extra[1] if extra else ""]
 
 
+def test_bench_runs_both_policies_in_turns(spec_ckpt, monkeypatch):
+    """--gamma-policy fixed,adaptive: gamma 0 once, each gamma > 0 under each policy; every round
+    runs each configuration once (warm-up round first), so a drifting machine reaches all alike."""
+    from glm5mtp_cli.diagnostics import bench
+
+    order = []
+    real = bench.run_generate
+
+    def spy(rt, work, **kw):
+        order.append((kw["gamma"], kw["gamma_policy"]))
+        return real(rt, work, **kw)
+
+    monkeypatch.setattr(bench, "run_generate", spy)
+    folder, _ = spec_ckpt
+    r = CliRunner().invoke(app, ["bench", "--model", str(folder), "--gammas", "0,2", "--batch-sizes", "2",
+                                 "--num-prompts", "3", "--max-new-tokens", "4", "--repeats", "2", "--no-transformers",
+                                 "--draft-context", "16", "--device", "cpu", "--json",
+                                 "--gamma-policy", "fixed,adaptive"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["rows"]
+    assert [(x["system"], x["gamma_policy"]) for x in rows] == [
+        ("gamma 0", "fixed"), ("gamma 2", "fixed"), ("gamma 2 adaptive", "adaptive")]
+    assert order == [(0, "fixed"), (2, "fixed"), (2, "adaptive")] * 3
+    assert rows[2]["speedup_vs_gamma0"] == rows[2]["e2e_tokens_per_s"] / rows[0]["e2e_tokens_per_s"]
+    assert sum(rows[1]["gamma_steps"].values()) > 0 and set(rows[1]["gamma_steps"]) == {"2"}
+
+
+def test_bench_refuses_an_unknown_policy_in_one_line(spec_ckpt):
+    folder, _ = spec_ckpt
+    r = CliRunner().invoke(app, ["bench", "--model", str(folder), "--gamma-policy", "fixed,sometimes",
+                                 "--device", "cpu"])
+    assert r.exit_code == 2 and "--gamma-policy takes fixed, adaptive" in r.output
+
+
 def test_host_time_diagnostic_runs():
     """diagnostics/host_time (the step loop's host time, forwards excluded): a number, and the
     forwards' timing hook taken off again."""

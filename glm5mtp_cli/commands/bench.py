@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
-                                          Fp8Opt, GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
+                                          Fp8Opt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
                                           PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt, check_fp8,
                                           check_prefill_graphs)
 from glm5mtp_cli.errors import UserError
@@ -127,7 +127,9 @@ def bench_cmd(
     compile: CompileOpt = None,
     compile_mode: CompileModeOpt = "default",
     schedule: ScheduleOpt = "continuous",
-    gamma_policy: GammaPolicyOpt = "fixed",
+    gamma_policy: Annotated[str, typer.Option(
+        "--gamma-policy", metavar="LIST",
+        help="fixed, adaptive, or fixed,adaptive: each gamma > 0 runs under each, in turns with the others.")] = "fixed",
     prefill_tokens: PrefillTokensOpt = 8192,
     prefill_graphs: PrefillGraphsOpt = False,
     tp: TpOpt = 1,
@@ -139,7 +141,7 @@ def bench_cmd(
 
       glm5mtp bench --gammas 0,3 --batch-sizes 1 --max-new-tokens 64
 
-      glm5mtp bench --prompts humaneval.jsonl --num-prompts 164 --batch-sizes 1,8,32,64 --gammas 0,3 --gamma-policy adaptive
+      glm5mtp bench --prompts humaneval.jsonl --num-prompts 164 --batch-sizes 1,8,32,64 --gammas 0,3 --gamma-policy fixed,adaptive
 
       glm5mtp bench --model glm5 --random-weights --device cuda --draft-vocab-sizes 0,32768 --json
 
@@ -157,15 +159,16 @@ def bench_cmd(
     from glm5mtp_cli.engine.gamma import POLICIES
     from glm5mtp_cli.engine.speculate import SCHEDULES
 
+    policies = tuple(dict.fromkeys(p.strip() for p in gamma_policy.split(",")))
     c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
-                    transformers, schedule=schedule, gamma_policy=gamma_policy, num_prompts=num_prompts,
+                    transformers, schedule=schedule, gamma_policies=policies, num_prompts=num_prompts,
                     prefill_tokens=prefill_tokens, prefill_graphs=prefill_graphs, compile_mode=compile_mode)
     if num_prompts is not None and num_prompts < 1:
         raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
     if schedule not in SCHEDULES:
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if gamma_policy not in POLICIES:
-        raise UserError(f"--gamma-policy must be one of {', '.join(POLICIES)}, got {gamma_policy!r}")
+    if not set(policies) <= set(POLICIES):
+        raise UserError(f"--gamma-policy takes {', '.join(POLICIES)} or both (comma-separated), got {gamma_policy!r}")
     if max_new_tokens < 2 or repeats < 1 or draft_context < 1:
         raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
@@ -185,7 +188,7 @@ def bench_cmd(
     check_compile(compile or "off", compile_mode)
 
     from glm5mtp_cli.checkpoint.resolve import resolve_config
-    from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers
+    from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers, systems_of
     from glm5mtp_cli.diagnostics.recommend import recommend
     from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step, random_drafter,
                                                     target_step)
@@ -231,9 +234,9 @@ def bench_cmd(
         if c.with_transformers:
             out.print(f"[dim]transformers generate, batch {batch}[/dim]")
             rows.append(run_transformers(rt, ids, batch, c))
-        for g in c.gammas:
-            out.print(f"[dim]glm5mtp gamma {g}, batch {batch}[/dim]")
-            rows.append(run_glm5mtp(rt, ids, g, batch, c))
+        systems = systems_of(c)
+        out.print(f"[dim]glm5mtp, batch {batch}: {', '.join(f'gamma {g} {p}' for g, p in systems)}, in turns[/dim]")
+        rows += run_glm5mtp(rt, ids, systems, batch, c)
     add_ratios(rows)
     recs = recommend(rows)
     bw = copy_bandwidth(dev)
@@ -276,6 +279,10 @@ def bench_cmd(
                   _fmt(r["speedup_vs_gamma0"], ".2f"), _fmt(r["speedup_vs_transformers"], ".2f"))
     if rows:
         out.print(t)
+        for r in rows:
+            if r["gamma"] and r.get("gamma_policy") == "adaptive" and r.get("gamma_steps"):
+                mix = ", ".join(f"{n} at gamma {g}" for g, n in r["gamma_steps"].items())
+                out.print(f"[dim]{r['system']} at batch {r['batch']} (first timed run): steps {mix}[/dim]")
         _print_recommendations(out, recs)
     rank = f" on rank 0 of {world}, its shard's bytes" if world > 1 else ""
     for d in drafts:

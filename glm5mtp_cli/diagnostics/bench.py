@@ -2,7 +2,10 @@
 
 Every glm5mtp configuration warms up with one whole run of its workload (excluded: Triton compiles
 a kernel variant the first time a prefill shape needs it, ~1 s per b8 HumanEval run on the H200
-when only one batch warmed up), then runs it `repeats` times; the tables report medians.
+when only one batch warmed up), then runs it `repeats` times; the tables report medians. The
+configurations of one batch size take turns (each round runs every one once): on the lent H200s one
+configuration's end to end varied 1.4x between calls (gamma 0 at batch 64 decoded 24.5k to 42k
+tokens/s), so a drift of the machine must reach all of a batch's rows alike, not only the last ones.
 transformers warms up on one batch. The single draft and target steps against their memory floors are step_bench.py's.
 """
 
@@ -32,7 +35,7 @@ class BenchConfig:
     compile: str = "off"  # --compile (engine/compiled.py)
     compile_mode: str = "default"
     schedule: str = "continuous"  # speculate.SCHEDULES
-    gamma_policy: str = "fixed"  # gamma.POLICIES
+    gamma_policies: tuple[str, ...] = ("fixed",)  # gamma.POLICIES: each gamma > 0 runs under each
     num_prompts: int | None = None  # None: one prompt per slot; else this many through the batch's slots
     prefill_tokens: int = 8192  # prompt tokens admitted together (speculate.SpecEngine)
     prefill_graphs: bool = False  # --prefill-graphs (engine/prefill_graphs.py)
@@ -48,35 +51,49 @@ def _workload(prompts: list[list[int]], batch: int, c: BenchConfig) -> list[list
     return prompts[: c.num_prompts] if c.num_prompts else prompts[:batch]
 
 
-def run_glm5mtp(rt: Runtime, prompts: list[list[int]], gamma: int, batch: int, c: BenchConfig) -> dict:
-    """End to end over the workload (continuous batching through `batch` slots); medians of the
-    timed runs, TTFT (queue + prefill) and TPOT percentiles over the requests of the median run."""
-    runs = []
+def systems_of(c: BenchConfig) -> list[tuple[int, str]]:
+    """The (gamma, policy) configurations a batch size runs: gamma 0 once (no drafts: no policy)."""
+    return [(g, p) for g in c.gammas for p in (("fixed",) if g == 0 else c.gamma_policies)]
+
+
+def run_glm5mtp(rt: Runtime, prompts: list[list[int]], systems: list[tuple[int, str]], batch: int,
+                c: BenchConfig) -> list[dict]:
+    """End to end over the workload (continuous batching through `batch` slots) for each (gamma,
+    policy), in turns (module docstring); per configuration the medians of its timed runs, TTFT
+    (queue + prefill) and TPOT percentiles over the requests of its median run."""
     work = _workload(prompts, batch, c)
+    runs: dict[tuple[int, str], list] = {s: [] for s in systems}
+    compile_s = {}
     for i in range(c.repeats + 1):
-        _, acc, lat, _, _ = run_generate(rt, work, gamma=gamma, max_new_tokens=c.max_new_tokens,
-                                         sampling=SamplingParams(), batch_size=batch,
-                                         max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
-                                         draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
-                                         schedule=c.schedule, gamma_policy=c.gamma_policy,
-                                         prefill_tokens=c.prefill_tokens, prefill_graphs=c.prefill_graphs,
-                                         compile=c.compile,
-                                         compile_mode=c.compile_mode)
-        if i:
-            runs.append((acc, lat))
-        else:
-            compile_s = lat["compile_s"]  # the first engine's compile: inductor's caches were the coldest
+        for gamma, policy in systems:
+            _, acc, lat, _, _ = run_generate(rt, work, gamma=gamma, max_new_tokens=c.max_new_tokens,
+                                             sampling=SamplingParams(), batch_size=batch,
+                                             max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
+                                             draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
+                                             schedule=c.schedule, gamma_policy=policy,
+                                             prefill_tokens=c.prefill_tokens, prefill_graphs=c.prefill_graphs,
+                                             compile=c.compile, compile_mode=c.compile_mode)
+            if i:
+                runs[(gamma, policy)].append((acc, lat))
+            else:
+                compile_s[(gamma, policy)] = lat["compile_s"]  # the first engine's: inductor's caches were the coldest
+    return [_row(gamma, policy, runs[(gamma, policy)], compile_s[(gamma, policy)], batch, len(work), c)
+            for gamma, policy in systems]
+
+
+def _row(gamma: int, policy: str, runs: list, compile_s: float, batch: int, prompts: int, c: BenchConfig) -> dict:
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
-    system = f"gamma {gamma}" + (" adaptive" if gamma and c.gamma_policy == "adaptive" else "") + \
+    system = f"gamma {gamma}" + (" adaptive" if policy == "adaptive" else "") + \
         (f", {c.schedule}" if c.schedule != "continuous" else "")
     return {"system": system, "gamma": gamma, "batch": batch, "graphs": c.graphs, "schedule": c.schedule,
-            "gamma_policy": c.gamma_policy,
+            "gamma_policy": policy,
             "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
             "wall_prefill_s": med("wall_prefill_s"), "wall_decode_s": med("wall_decode_s"),
             "tpot_ms_p50": med("tpot_ms_p50"), "tpot_ms_p99": med("tpot_ms_p99"),
             "ttft_ms_p50": med("ttft_ms_p50"), "ttft_ms_p99": med("ttft_ms_p99"),
-            "prompts": len(work), "graph_capture_ms": med("graph_capture_ms"),
+            "prompts": prompts, "graph_capture_ms": med("graph_capture_ms"),
             "compile": c.compile, "compile_mode": c.compile_mode, "compile_s": compile_s,
+            "admissions": med("admissions"), "gamma_steps": runs[0][1]["gamma_steps"],
             "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,
             "per_position": runs[0][0].per_position}
 

@@ -54,6 +54,10 @@ def latency_table(lat: dict) -> Table:
     for label, key, unit in rows:
         v = lat.get(key)
         t.add_row(label, "-" if v is None else f"{v:.2f} {unit}".strip())
+    if "admissions" in lat:
+        t.add_row("run: admission phases", str(lat["admissions"]))
+    if len(lat.get("gamma_steps", {})) > 1:  # --gamma-policy adaptive changed gamma along the run
+        t.add_row("run: decode steps by gamma", ", ".join(f"{n} at {g}" for g, n in lat["gamma_steps"].items()))
     return t
 
 

@@ -89,6 +89,8 @@ class Latency:
     total_tokens: int = 0
     capture_seconds: float = 0.0  # CUDA-graph capture, outside total_seconds
     compile_seconds: float = 0.0  # compiling the static forwards (--compile), outside both
+    admissions: int = 0  # admission phases (each prefills the requests that took free slots together)
+    gamma_steps: dict[int, int] = field(default_factory=dict)  # batch steps run at each gamma
 
     def to_json(self) -> dict:
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
@@ -109,4 +111,6 @@ class Latency:
             "wall_decode_s": self.decode_seconds,
             "graph_capture_ms": self.capture_seconds * 1e3,
             "compile_s": self.compile_seconds,
+            "admissions": self.admissions,
+            "gamma_steps": {str(g): n for g, n in self.gamma_steps.items()},
         }

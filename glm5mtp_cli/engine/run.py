@@ -25,14 +25,13 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
 
 
-def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_decode_s: float,
-              wall_capture_s: float = 0.0, compile_s: float = 0.0) -> tuple[Acceptance, Latency]:
+def summarize(results: list[SeqResult], gamma: int, engine) -> tuple[Acceptance, Latency]:
     """End to end = prefill + decode; CUDA-graph capture is one-time setup (as in vLLM and SGLang,
     which capture at start-up), reported on its own, and so is compiling the static forwards
-    (--compile; wall_capture_s includes it, compile_s is its part). With continuous batching prefills interleave
-    with decode steps: prefill is the wall time of the admission phases between steps, decode the
-    rest of the run (SpecEngine's docstring), so decode tokens/s is over the steps' wall time alone.
-    TTFT counts each request's wait for a slot."""
+    (--compile; the engine's wall_capture_s includes it, its runner's compile_s is its part). With
+    continuous batching prefills interleave with decode steps: prefill is the wall time of the
+    admission phases between steps, decode the rest of the run (SpecEngine's docstring), so decode
+    tokens/s is over the steps' wall time alone. TTFT counts each request's wait for a slot."""
     acc = Acceptance(gamma)
     lat = Latency()
     for r in results:
@@ -46,10 +45,12 @@ def summarize(results: list[SeqResult], gamma: int, wall_prefill_s: float, wall_
     lat.total_tokens = sum(len(r.tokens) for r in results)
     # the first token of each request comes from the prefill; the rest are decode tokens
     lat.decode_tokens = lat.total_tokens - len(results)
-    lat.decode_seconds = wall_decode_s
-    lat.total_seconds = wall_prefill_s + wall_decode_s
-    lat.capture_seconds = wall_capture_s - compile_s
-    lat.compile_seconds = compile_s
+    lat.decode_seconds = engine.wall_decode_s
+    lat.total_seconds = engine.wall_prefill_s + engine.wall_decode_s
+    lat.capture_seconds = engine.wall_capture_s - engine.runner.compile_s
+    lat.compile_seconds = engine.runner.compile_s
+    lat.admissions = engine.admissions
+    lat.gamma_steps = dict(sorted(engine.policy.steps.items()))
     return acc, lat
 
 
@@ -89,8 +90,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
         results = engine.generate(requests, batch_size=batch_size)
     finally:
         engine.close()
-    acc, lat = summarize(results, gamma, engine.wall_prefill_s, engine.wall_decode_s, engine.wall_capture_s,
-                         engine.runner.compile_s)
+    acc, lat = summarize(results, gamma, engine)
     leftover = pools.blocks_held()
     if any(leftover.values()):
         raise RuntimeError(f"cache blocks still held after generate: {leftover}")

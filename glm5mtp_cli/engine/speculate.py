@@ -101,6 +101,7 @@ class SpecEngine:
         self._prefill: PrefillForwards | None = None  # built by generate, with the tables' width
         self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
+        self.admissions = 0
         self.wall_decode_s = 0.0
         self.wall_capture_s = 0.0  # building (compiling: runner.compile_s) and capturing the graphs (one-time setup)
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
@@ -164,6 +165,7 @@ class SpecEngine:
                     self._admission_s = self._wall() - a0 - captured
                     self._idle_s = 0.0
                     prefill += self._admission_s
+                    self.admissions += 1
                     capture += captured
                 active = [s for s in slots if s is not None]
                 if not active:
