@@ -35,6 +35,19 @@ def _calls(engine, batch):
     return [[r.tokens for r in engine.generate(reqs, batch_size=batch)] for _ in range(2)]
 
 
+def test_a_full_batch_fits_beside_both_scratch_blocks(rt):
+    """run_generate sizes the pools for its batch: with --prefill-graphs they also hold the prefill
+    forwards' scratch block (the H200's first batch-1 run with it found the pool one block short)."""
+    from glm5mtp_cli.engine.run import run_generate
+    from glm5mtp_cli.engine.sampling import SamplingParams
+
+    prompts = [p for p, _ in REQUESTS]
+    runs = [run_generate(rt, prompts, gamma=3, max_new_tokens=8, sampling=SamplingParams(), batch_size=1,
+                         max_seq_len=128, alloc="budget", draft_conf_tau=None, ignore_eos=True, graphs="static",
+                         prefill_graphs=pg)[0] for pg in (False, True)]
+    assert [r.tokens for r in runs[1]] == [r.tokens for r in runs[0]]
+
+
 def test_bucket_rounds_up_to_a_power_of_two():
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     assert bucket(3, 16) == 16 and bucket(17, 16) == 32

@@ -79,7 +79,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_t
                                    path=draft_vocab_file)
     requests = [Request(p, max_new_tokens, i) for i, p in enumerate(prompts)]
     per_seq = max(reserve_tokens(len(r.prompt), r.max_new_tokens, gamma, alloc, max_seq_len) for r in requests)
-    pools = rt.make_pools(per_seq, min(batch_size, len(requests)))
+    pools = rt.make_pools(per_seq, min(batch_size, len(requests)), prefill_graphs=prefill_graphs)
     engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
                         alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
                         device=rt.device, draft_ids=draft_ids, graphs=graphs, schedule=schedule,

@@ -172,9 +172,11 @@ class Runtime:
         """Ranks the weights are sharded over (1: one device)."""
         return self.comm.world if self.comm is not None else 1
 
-    def make_pools(self, tokens_per_seq: int, concurrent: int, block_size: int = 16) -> CachePools:
-        # + 1: the scratch block a batch's static forwards send padding and retired rows to (graphs.py)
-        blocks = concurrent * math.ceil(tokens_per_seq / block_size) + 1
+    def make_pools(self, tokens_per_seq: int, concurrent: int, block_size: int = 16,
+                   prefill_graphs: bool = False) -> CachePools:
+        # + 1: the scratch block a batch's static forwards send padding and retired rows to (graphs.py);
+        # + 1 more for the prefill forwards' own (prefill_graphs.py), or a full batch would not fit
+        blocks = concurrent * math.ceil(tokens_per_seq / block_size) + 1 + int(prefill_graphs)
         return CachePools.create(self.cfg, blocks, block_size, self.dtype, self.device,
                                  with_drafter=self.mtp is not None, tp=self.tp)
 
