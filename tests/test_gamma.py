@@ -218,6 +218,20 @@ def test_adaptive_greedy_equals_gamma_0(family, models):
     assert 0 in used and 3 in used, used
 
 
+def test_a_run_reports_its_steps_per_gamma_and_its_admissions(glm5):
+    """generate's and bench's `gamma_steps` and `admissions`: at batch 1 every verify step is one
+    batch step, and each of the 3 requests is admitted in a phase of its own."""
+    from glm5mtp_cli.engine.run import run_generate
+    from glm5mtp_cli.engine.sampling import SamplingParams
+
+    for policy in ("fixed", "adaptive"):
+        _, acc, lat, _, _ = run_generate(glm5, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], gamma=3, max_new_tokens=10,
+                                         sampling=SamplingParams(), batch_size=1, max_seq_len=64, alloc="budget",
+                                         draft_conf_tau=None, ignore_eos=True, gamma_policy=policy)
+        assert sum(lat["gamma_steps"].values()) == acc.steps > 0 and lat["admissions"] == 3
+        assert policy == "adaptive" or lat["gamma_steps"] == {"3": acc.steps}
+
+
 def test_adaptive_in_static_mode_equals_gamma_0(glm5):
     """The static forwards (CUDA graphs' path) for every gamma, and the backlog a run of steps
     without drafts leaves for the drafter's next catch-up."""

@@ -8,7 +8,7 @@ second: E(g) / C(b, g), where
   decay by 1 / window per recorded step, so the rate follows the text being generated);
 - C(b, g) is the measured wall time of a step (draft + verify + bookkeeping) at batch bucket b (the
   next power of two >= the active sequences) with g drafts: the median of its last `cost_window`
-  measurements, linearly interpolated between measured gammas of that bucket for the others.
+  measurements once it has `warm` of them, else linear between the nearest gammas that have.
 
 Drafting is measured before it is judged. The rates: every step runs at --gamma until each draft
 position has been judged `warm_judged` times (once per run). The costs: a bucket's first steps run
