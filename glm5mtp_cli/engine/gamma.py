@@ -181,8 +181,8 @@ class GammaPolicy:
 def _cost(costs: dict[int, deque], g: int, warm: int) -> float | None:
     """A cost line's seconds per step at gamma g: the median of its measurements once it has `warm`
     of them, else linear between the nearest gammas that have (None: outside them). A gamma tried
-    once is not judged on that step alone: its first step replays its graphs for the first time,
-    which on the H200 made gamma 1 look dearer than gamma 3 and turned drafting off for 32 steps."""
+    once is not judged on that step alone: its first step replays its graphs for the first time
+    (on the H200 gamma 1's first step at batch 64 took 3.39 ms, its median over the next 2.6 ms)."""
     known = {x: d for x, d in costs.items() if len(d) >= warm}
     if g in known:
         return statistics.median(known[g])
