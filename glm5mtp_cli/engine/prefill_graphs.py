@@ -6,7 +6,8 @@ Why: an eager prefill forward is host-bound at small sizes. On the H200 a glm5-n
 forward cost ~10 ms of host time against ~2 ms of GPU work per HumanEval prompt (device runs 5-6),
 and with speculation the admissions come more often and each has one more (the drafter's): at
 HumanEval batch 8 they took 0.99 s of a 3.23 s adaptive run against 0.48 s of gamma 0's (run 12).
-A replayed graph is one launch.
+A replayed graph is one launch: in device run 13 the batch-8 prefill fell 0.91 -> 0.42 s at gamma 3
+and 0.61 -> 0.26 s at gamma 0 (batches 32 and 64 unchanged: their forwards are mostly over the cap).
 
 Shapes. The forwards a prefill plans vary, (m sequences, t rows), so each runs as its bucket's
 static forward: m up to the next power of two (the padding sequences read and write only a scratch
