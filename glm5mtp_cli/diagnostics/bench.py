@@ -4,7 +4,7 @@ Every glm5mtp configuration warms up with one whole run of its workload (exclude
 a kernel variant the first time a prefill shape needs it, ~1 s per b8 HumanEval run on the H200
 when only one batch warmed up), then runs it `repeats` times; the tables report medians. The
 configurations of one batch size take turns (each round runs every one once): on the lent H200s one
-configuration's end to end varied 1.4x between calls (gamma 0 at batch 64 decoded 24.5k to 42k
+configuration's speed varied 1.7x between calls (gamma 0 at batch 64 decoded 24.5k to 42k
 tokens/s), so a drift of the machine must reach all of a batch's rows alike, not only the last ones.
 transformers warms up on one batch. The single draft and target steps against their memory floors are step_bench.py's.
 """
