@@ -233,3 +233,37 @@ def test_rows_base_reads_row_views_back_as_one_tensor():
         assert torch.equal(buf[j, : v.shape[0]], v)
     assert (buf[3] == -1).all()
     assert rows_base([feed.view(4, 6)[0, :1]]) is not None and rows_base([torch.arange(6).view(2, 3)[0]]) is None
+
+
+def test_batch_rows_stand_for_the_list_of_row_views():
+    from glm5mtp_cli.engine.graphs import BatchRows, load_rows, row_counts
+
+    feed = torch.arange(24).view(4, 6).clone()
+    rows = BatchRows(feed[:3], [1, 3, 2])
+    assert len(rows) == 3 and row_counts(rows) == [1, 3, 2] and row_counts([feed[0, :4]]) == [4]
+    assert [r.tolist() for r in rows] == [[0], [6, 7, 8], [12, 13]] and torch.equal(rows[1], feed[1, :3])
+    buf = torch.full((4, 8), -1)
+    load_rows(buf, rows)
+    for j, n in enumerate(rows.lengths):
+        assert torch.equal(buf[j, :n], feed[j, :n])
+    assert (buf[3] == -1).all()
+
+
+def test_an_unchanged_batch_feeds_the_drafter_its_last_step_as_one_tensor(rt, monkeypatch):
+    """After a drafting step the batch's pending rows stay one tensor (graphs.BatchRows) into the
+    next draft; once the batch changes (a sequence finished, one was admitted) they go as tensors of
+    their own. Both paths run here, and the tokens are eager's (test_static_forwards_equal_eager)."""
+    from glm5mtp_cli.engine.graphs import BatchRows
+    from glm5mtp_cli.engine.mtp_head import MtpHead
+
+    kinds, real = [], MtpHead.propose_batch
+
+    def spy(self, tokens, *args):
+        kinds.append(isinstance(tokens, BatchRows))
+        return real(self, tokens, *args)
+
+    monkeypatch.setattr(MtpHead, "propose_batch", spy)
+    static = _run(rt, 3, "static", 2)
+    assert True in kinds and False in kinds, kinds
+    monkeypatch.undo()
+    assert [r.tokens for r in static] == [r.tokens for r in _run(rt, 3, "eager", 2)]

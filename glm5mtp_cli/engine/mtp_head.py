@@ -19,7 +19,7 @@ from torch import nn
 
 from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
-from glm5mtp_cli.engine.graphs import ForwardRunner
+from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner
 from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards, takes_padding
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftChain, DrafterKV, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, choose
@@ -82,7 +82,7 @@ class MtpHead:
         self._check_aligned(row_base, state)
         if tokens.shape[0]:
             self.layer(tokens[None], hiddens[None], [state.cache], self.embed, self.head, rows="last")
-            self._mark_real(state, tokens)
+            self._mark_real(state, tokens.shape[0], tokens)
 
     def catchup_batch(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], states: list[ProposerState],
                       chunk: int, budget: int, static=None) -> None:
@@ -106,7 +106,7 @@ class MtpHead:
                     if k < t:
                         group[j].truncate(starts[j] + k)  # padding rows: overwritten by the next append
             for j, (i, k) in enumerate(members):
-                self._mark_real(states[i], toks[j])
+                self._mark_real(states[i], k, toks[j])
                 done[i] += k
 
     def _check_aligned(self, row_base: int, state: ProposerState) -> None:
@@ -118,9 +118,20 @@ class MtpHead:
                 f"({state.real_rows} real): call after_verify first and feed from drafter_rows()")
 
     @staticmethod
-    def _mark_real(state: ProposerState, tokens: torch.Tensor) -> None:
-        state.real_rows += tokens.shape[0]
-        state.row_tokens.append(tokens)  # kept on the device: reading them back would sync every step
+    def _mark_real(state: ProposerState, n: int, tokens) -> None:
+        """n real rows went in; tokens: their ids on the device (reading them back would sync every
+        step), or (BatchRows, j), made a tensor only if read (a carry's take_drafter_kv)."""
+        state.real_rows += n
+        state.row_tokens.append(tokens)
+
+    def _mark_fed(self, states: list[ProposerState], tokens) -> None:
+        """Each state's pending rows went into the drafter (tokens: a list of tensors, or BatchRows)."""
+        if isinstance(tokens, BatchRows):
+            for j, (st, n) in enumerate(zip(states, tokens.lengths)):
+                self._mark_real(st, n, (tokens, j))
+        else:
+            for st, tok in zip(states, tokens):
+                self._mark_real(st, tok.shape[0], tok)
 
     # ---- the drafting math, as functions of device tensors (eager, static and captured alike) ----
     def context(self, starts: torch.Tensor, t: int, rows: dict):
@@ -161,12 +172,13 @@ class MtpHead:
     def propose_batch_max(self) -> int:
         return self.batch_max
 
-    def propose_batch(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], positions: list[int],
+    def propose_batch(self, tokens, hiddens, positions: list[int],
                       num_drafts: int, states: list[ProposerState], runner: ForwardRunner) -> list[DraftChain]:
-        """Drafts for many sequences. tokens[b]/hiddens[b]: the pending real rows of sequence b
-        (at least one: the newest accepted token and the target hidden before it), starting at
-        drafter row positions[b]. Chain steps run batched, so each weight is read once per draft
-        position for the whole batch; `runner` runs the forwards (eager, static or captured)."""
+        """Drafts for many sequences. tokens[b]/hiddens[b] (lists, or graphs.BatchRows): the pending
+        real rows of sequence b (at least one: the newest accepted token and the target hidden
+        before it), starting at drafter row positions[b]. Chain steps run batched, so each weight is
+        read once per draft position for the whole batch; `runner` runs the forwards (eager, static
+        or captured)."""
         if len(states) > self.batch_max:
             raise ValueError(f"propose_batch takes at most {self.batch_max} sequences")
         for pos, st in zip(positions, states):
@@ -174,12 +186,10 @@ class MtpHead:
         caches = [st.cache for st in states]
         fused = runner.fused_chain(tokens, hiddens, caches, num_drafts) if num_drafts else None
         if fused is not None:
-            for st, tok in zip(states, tokens):
-                self._mark_real(st, tok)
+            self._mark_fed(states, tokens)
             return [self._chain(st, DraftChain(fused[i], None, num_drafts, None)) for i, st in enumerate(states)]
         logits, carried = runner.catchup(self, tokens, hiddens, caches)
-        for st, tok in zip(states, tokens):
-            self._mark_real(st, tok)
+        self._mark_fed(states, tokens)
         b = len(states)
         gens = [st.gen or self.gen for st in states]  # each sequence's drafts from its request's stream
         drafts, probs, confs = [], [], []
@@ -279,4 +289,5 @@ class MtpHead:
 
 
 def _host_tokens(chunks: list) -> list[int]:
+    chunks = [c if isinstance(c, torch.Tensor) else c[0][c[1]] for c in chunks]  # (BatchRows, j): its view now
     return torch.cat(chunks).tolist() if chunks else []

@@ -41,7 +41,7 @@ class ProposerState:
     budget_tokens: int
     real_rows: int = 0  # rows built from target hiddens; rows past this are speculative
     last_chain: DraftChain | None = None
-    row_tokens: list[torch.Tensor] = field(default_factory=list)  # chunks of t[i+1], one per real row i
+    row_tokens: list = field(default_factory=list)  # chunks of t[i+1], one per real row i (MtpHead._mark_real)
     freed: bool = False
     gen: torch.Generator | None = None  # the request's random stream (sampled drafts); None: the proposer's
 
@@ -66,7 +66,9 @@ class DraftProposer(Protocol):
     def after_verify(self, num_accepted: int, state: ProposerState) -> None: ...
     # drafting; `runner` is the engine's ForwardRunner
     def propose(self, last_token, hidden, position: int, num_drafts: int, state: ProposerState) -> DraftChain: ...
-    def propose_batch(self, tokens: list, hiddens: list, positions: list[int], num_drafts: int,
+    # tokens/hiddens: one tensor per sequence, as a list or as graphs.BatchRows (rows of one batched
+    # tensor, a view made only when an entry is read); both index and iterate like a list
+    def propose_batch(self, tokens, hiddens, positions: list[int], num_drafts: int,
                       states: list[ProposerState], runner) -> list[DraftChain]: ...
     def propose_batch_max(self) -> int: ...
     def greedy_fusable(self) -> bool: ...

@@ -67,8 +67,14 @@ class LiveSequence:
     # [A] tokens of the step that made it, so an unchanged batch feeds its next verify with no copy
     last_src: torch.Tensor | None = None
     last_i: int = 0
+    # the drafter's pending rows (tokens [n], hiddens [n, H]); after a drafting step, row pend_i of
+    # that step's batched feed (tokens [A, g + 1], hiddens [A, g + 1, H]) instead, first pend_n
+    # entries, until something needs them as tensors of their own (`pend`)
     pend_tokens: torch.Tensor | None = None
     pend_hidden: torch.Tensor | None = None
+    pend_src: tuple | None = None
+    pend_i: int = 0
+    pend_n: int = 0
     backlog: list = field(default_factory=list)  # (token [1], hidden [1, H]) per step without drafts since the last drafting one
     done: str | None = None
     steps: int = 0
@@ -81,6 +87,21 @@ class LiveSequence:
     @property
     def last_dev(self) -> torch.Tensor:
         return self.last_src[self.last_i:self.last_i + 1]
+
+    def pend(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pending rows as tensors of their own (views of the step's feed)."""
+        if self.pend_src is not None:
+            tokens, hiddens = self.pend_src
+            self.pend_tokens, self.pend_hidden = tokens[self.pend_i, : self.pend_n], hiddens[self.pend_i, : self.pend_n]
+            self.pend_src = None
+        return self.pend_tokens, self.pend_hidden
+
+    def set_pend(self, tokens: torch.Tensor, hiddens: torch.Tensor) -> None:
+        self.pend_tokens, self.pend_hidden, self.pend_src = tokens, hiddens, None
+
+    @property
+    def pending_rows(self) -> int:
+        return self.pend_n if self.pend_src is not None else self.pend_tokens.shape[0]
 
 
 def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:

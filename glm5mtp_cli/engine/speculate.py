@@ -37,7 +37,7 @@ from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.gamma import GammaPolicy
-from glm5mtp_cli.engine.graphs import ForwardRunner, rows_base, table_blocks
+from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, rows_base, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs
@@ -238,8 +238,8 @@ class SpecEngine:
         """Build (CUDA: capture) the static forwards once per engine, for every bucket up to
         `slots` and tables `width` blocks wide, then write the seated sequences' table rows. A later
         call with more slots or longer sequences rebuilds."""
-        live = active[0]
-        hidden = (live.pend_hidden.shape[-1], live.pend_hidden.dtype) if live.pend_hidden is not None else None
+        h = active[0].pend()[1]  # the hiddens the drafter takes (None: no drafter)
+        hidden = (h.shape[-1], h.dtype) if h is not None else None
         self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
                          hidden, greedy=self.head is not None and self.head.greedy_fusable())
         for s in active:
@@ -324,8 +324,7 @@ class SpecEngine:
             seq.last = firsts[i]
             seq.last_src, seq.last_i = first, i
             if seq.state is not None:
-                seq.pend_tokens = seq.last_dev
-                seq.pend_hidden = hiddens[i][-1:]
+                seq.set_pend(seq.last_dev, hiddens[i][-1:])
             seq.out.append(seq.last)
             seq.all_tokens = list(req.prompt) + [seq.last]
             seq.res = SeqResult(req.request_id, p, seq.out, "", seq.acc, 0.0, 0.0, 0.0,
@@ -374,7 +373,7 @@ class SpecEngine:
         drafter = None
         if s.state is not None and s.state.cache is not None:
             self._join_backlog(s)
-            self.head.catchup_drafter(s.pend_tokens, s.pend_hidden, s.state.real_rows, s.state)
+            self.head.catchup_drafter(*s.pend(), s.state.real_rows, s.state)
             drafter = self.head.take_drafter_kv(s.state)
         target = None
         if mode == "all":
@@ -384,17 +383,21 @@ class SpecEngine:
         s.res.carry_out = Carry(target, tokens, drafter)
 
     def draft(self, active: list[LiveSequence], g: int):
-        """The proposer's drafts for the active sequences' next verify (g of them each)."""
-        return self.head.propose_batch([s.pend_tokens for s in active], [s.pend_hidden for s in active],
-                                       [s.state.real_rows for s in active], g, [s.state for s in active],
-                                       self.runner)
+        """The proposer's drafts for the active sequences' next verify (g of them each). An unchanged
+        batch passes the last step's feed as it is (graphs.BatchRows): no per-sequence views."""
+        src = active[0].pend_src
+        if src is not None and all(s.pend_src is src and s.pend_i == i for i, s in enumerate(active)):
+            n = [s.pend_n for s in active]
+            tokens, hiddens = BatchRows(src[0], n), BatchRows(src[1], n)
+        else:
+            tokens, hiddens = map(list, zip(*(s.pend() for s in active)))
+        return self.head.propose_batch(tokens, hiddens, [s.state.real_rows for s in active], g,
+                                       [s.state for s in active], self.runner)
 
     def _choose_gamma(self, active: int) -> int:
         """This step's gamma for the whole batch (engine/gamma.py); under --tp rank 0's, broadcast."""
         g = self.policy.choose(active)
-        if self.comm is not None and self.policy.adaptive:
-            g = self.comm.broadcast_int(g)
-        return g
+        return self.comm.broadcast_int(g) if self.comm is not None and self.policy.adaptive else g
 
     def _catch_up_backlog(self, active: list[LiveSequence]) -> None:
         """Before a drafting step's clock starts: the rows left pending by steps without drafts,
@@ -405,20 +408,21 @@ class SpecEngine:
         late = []
         for s in active:
             self._join_backlog(s)
-            if s.pend_tokens.shape[0] > self.gamma + 1:
-                late.append((s, s.pend_tokens.shape[0] - (self.gamma + 1)))
+            if s.pending_rows > self.gamma + 1:
+                late.append((s, s.pending_rows - (self.gamma + 1), *s.pend()))
         if late:
-            self.head.catchup_batch([s.pend_tokens[:e] for s, e in late], [s.pend_hidden[:e] for s, e in late],
-                                    [s.state for s, _ in late], self.prefill_chunk, self.prefill_tokens, self._prefill)
-            for s, e in late:
-                s.pend_tokens, s.pend_hidden = s.pend_tokens[e:], s.pend_hidden[e:]
+            self.head.catchup_batch([t[:e] for _, e, t, _ in late], [h[:e] for _, e, _, h in late],
+                                    [s.state for s, *_ in late], self.prefill_chunk, self.prefill_tokens, self._prefill)
+            for s, e, t, h in late:
+                s.set_pend(t[e:], h[e:])
             self._wall()
 
     @staticmethod
     def _join_backlog(s: LiveSequence) -> None:  # rows of steps without drafts: views, no copy per step
         if s.backlog:
-            s.pend_tokens = torch.cat([s.pend_tokens, *(t for t, _ in s.backlog)])
-            s.pend_hidden = torch.cat([s.pend_hidden, *(h for _, h in s.backlog)])
+            tokens, hiddens = s.pend()
+            s.set_pend(torch.cat([tokens, *(t for t, _ in s.backlog)]),
+                       torch.cat([hiddens, *(h for _, h in s.backlog)]))
             s.backlog = []
 
     def _step(self, active: list[LiveSequence]) -> None:
@@ -458,7 +462,7 @@ class SpecEngine:
         if self.policy.adaptive:
             self.policy.record_acceptance(counts, accepted)
         times = StepTimes(p0, v0, v1)
-        feed = self._drafter_feed(drafts, acc_dev, nxt_dev) if chains and self.head is not None else None
+        fed = (self._drafter_feed(drafts, acc_dev, nxt_dev), out.hidden_all) if chains else None  # chains: a drafter
         for i, s in enumerate(active):
             a = accepted[i]
             new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
@@ -466,8 +470,7 @@ class SpecEngine:
             s.last_src, s.last_i = nxt_dev, i
             if s.state is not None and chains:
                 self.head.after_verify(a, s.state)
-                s.pend_tokens = feed[i, : a + 1]
-                s.pend_hidden = out.hidden_all[i, : a + 1]
+                s.pend_src, s.pend_i, s.pend_n = fed, i, a + 1  # views of `fed` only if needed (draft)
             elif s.state is not None:  # a step without drafts: its row waits for the next drafting step
                 s.backlog.append((s.last_dev, out.hidden_all[i, :1]))
             s.acc.record(counts[i], a)
