@@ -67,11 +67,11 @@ class LiveSequence:
     # [A] tokens of the step that made it, so an unchanged batch feeds its next verify with no copy
     last_src: torch.Tensor | None = None
     last_i: int = 0
-    # the drafter's pending rows (tokens [n], hiddens [n, H]); after a drafting step, row pend_i of
-    # that step's batched feed (tokens [A, g + 1], hiddens [A, g + 1, H]) instead, first pend_n
-    # entries, until something needs them as tensors of their own (`pend`)
-    pend_tokens: torch.Tensor | None = None
-    pend_hidden: torch.Tensor | None = None
+    # the drafter's pending rows (tokens [n], hiddens [n, H]), read through `pend`; after a drafting
+    # step, row pend_i of that step's batched feed (pend_src: tokens [A, g + 1], hiddens [A, g + 1,
+    # H]) instead, first pend_n entries, until something needs them as tensors of their own
+    _pend_tokens: torch.Tensor | None = None
+    _pend_hidden: torch.Tensor | None = None
     pend_src: tuple | None = None
     pend_i: int = 0
     pend_n: int = 0
@@ -92,16 +92,16 @@ class LiveSequence:
         """The pending rows as tensors of their own (views of the step's feed)."""
         if self.pend_src is not None:
             tokens, hiddens = self.pend_src
-            self.pend_tokens, self.pend_hidden = tokens[self.pend_i, : self.pend_n], hiddens[self.pend_i, : self.pend_n]
+            self._pend_tokens, self._pend_hidden = tokens[self.pend_i, : self.pend_n], hiddens[self.pend_i, : self.pend_n]
             self.pend_src = None
-        return self.pend_tokens, self.pend_hidden
+        return self._pend_tokens, self._pend_hidden
 
     def set_pend(self, tokens: torch.Tensor, hiddens: torch.Tensor) -> None:
-        self.pend_tokens, self.pend_hidden, self.pend_src = tokens, hiddens, None
+        self._pend_tokens, self._pend_hidden, self.pend_src = tokens, hiddens, None
 
     @property
     def pending_rows(self) -> int:
-        return self.pend_n if self.pend_src is not None else self.pend_tokens.shape[0]
+        return self.pend_n if self.pend_src is not None else self._pend_tokens.shape[0]
 
 
 def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
