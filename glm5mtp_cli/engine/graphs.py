@@ -557,9 +557,10 @@ def rows_base(views: list[torch.Tensor]) -> torch.Tensor | None:
     tensor the views' storage belongs to (`_base`); views of a reshaped view of it (a root of
     another shape) are not recognised, and the caller copies row by row.
 
-    At batch 64 the engine's per-sequence tensors (drafts, drafter feeds) are such views of one
-    step's batched outputs; reading them back as one tensor saves a launch (and its host cost) per
-    sequence per step."""
+    The draft chains' per-sequence drafts are such views of the fused chain's output; reading them
+    back as one tensor saves a launch (and its host cost) per sequence per step. (The drafter's
+    feed no longer needs it: an unchanged batch passes it as BatchRows, and a changed one's rows are
+    not rows 0..n-1 of one tensor.)"""
     base = views[0]._base
     if base is None or base.dim() != views[0].dim() + 1 or base.shape[0] < len(views):
         return None
@@ -577,12 +578,8 @@ def load_rows(buf: torch.Tensor, values) -> None:
     whatever follows in the tensor the rows come from): those are the padding rows of a feed."""
     if isinstance(values, BatchRows):
         values = values.batch[: len(values), : buf.shape[1]]
-    elif not isinstance(values, torch.Tensor):
-        base = rows_base(values)
-        if base is not None:
-            values = base[:, : buf.shape[1]]
-        elif len({v.shape[0] for v in values}) == 1:
-            values = torch.stack(values)
+    elif not isinstance(values, torch.Tensor) and len({v.shape[0] for v in values}) == 1:
+        values = torch.stack(values)
     if isinstance(values, torch.Tensor):
         buf[: values.shape[0], : values.shape[1]].copy_(values)
         return

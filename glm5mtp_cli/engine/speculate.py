@@ -502,7 +502,7 @@ class SpecEngine:
     def _drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
         """[A, g + 1] device rows whose first a_i + 1 are sequence i's next drafter tokens: its a_i
         accepted drafts, then the target's token (built once for the batch: no host copy of tokens,
-        and the proposer reads the rows back as one tensor, graphs.rows_base)."""
+        and an unchanged batch's next draft reads it whole, graphs.BatchRows)."""
         pos = torch.arange(drafts.shape[1] + 1, device=drafts.device)
         return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
 
