@@ -218,21 +218,41 @@ def test_paged_kernel_path_equals_the_torch_path(rt, gamma, monkeypatch):
     assert [r.tokens for r in static] == [r.tokens for r in want]
 
 
-def test_rows_base_reads_row_views_back_as_one_tensor():
-    from glm5mtp_cli.engine.graphs import load_rows, rows_base
+def test_load_rows_writes_each_view_into_its_row():
+    from glm5mtp_cli.engine.graphs import load_rows
 
-    feed = torch.arange(24).view(4, 6).clone()  # a tensor of its own, as the engine's batched outputs are
+    feed = torch.arange(24).view(4, 6).clone()
     views = [feed[j, : j + 1] for j in range(3)]  # each sequence's first a_j + 1 rows, in order
-    assert rows_base(views).data_ptr() == feed.data_ptr() and rows_base(views).shape == (3, 6)
-    assert rows_base([feed[1, :2], feed[0, :1]]) is None  # not rows 0..n-1 in order
-    assert rows_base([feed[0, :2], torch.arange(6)[:2]]) is None  # not one tensor
-    assert rows_base([feed.view(-1)[0:12]]) is None  # spans two rows
     buf = torch.full((4, 8), -1)
     load_rows(buf, views)
     for j, v in enumerate(views):
         assert torch.equal(buf[j, : v.shape[0]], v)
     assert (buf[3] == -1).all()
-    assert rows_base([feed.view(4, 6)[0, :1]]) is not None and rows_base([torch.arange(6).view(2, 3)[0]]) is None
+
+
+def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
+    """Static forwards, greedy: propose_batch returns the fused chain's [A, g] output as a
+    DraftBatch (no per-sequence views), every state's last_chain is it, a row read from it is that
+    sequence's DraftChain, and the tokens are eager's."""
+    from glm5mtp_cli.engine.mtp_head import MtpHead
+    from glm5mtp_cli.engine.proposer import DraftBatch
+
+    seen, real = [], MtpHead.propose_batch
+
+    def spy(self, tokens, hiddens, positions, g, states, runner):
+        out = real(self, tokens, hiddens, positions, g, states, runner)
+        seen.append(out)
+        if isinstance(out, DraftBatch):
+            assert all(st.last_chain is out for st in states) and len(out) == len(states)
+            assert out.tokens.shape == (len(states), g) and torch.equal(out[len(states) - 1].tokens, out.tokens[-1])
+            assert out[0].num_drafts == g and out[0].probs is None
+        return out
+
+    monkeypatch.setattr(MtpHead, "propose_batch", spy)
+    static = _run(rt, 3, "static", 2)
+    assert seen and all(isinstance(c, DraftBatch) for c in seen)
+    monkeypatch.undo()
+    assert [r.tokens for r in static] == [r.tokens for r in _run(rt, 3, "eager", 2)]
 
 
 def test_batch_rows_stand_for_the_list_of_row_views():

@@ -147,8 +147,11 @@ class StaticForward:
         self.idx = idx if idx is not None else torch.arange(b, device=device)
         self.ids = torch.zeros(b, t, dtype=torch.long, device=device)
         self.hidden = torch.zeros(b, t, hidden[0], dtype=hidden[1], device=device) if hidden else None
-        self.starts = torch.zeros(b, dtype=torch.long, device=device)
-        self.rows = torch.zeros(b, dtype=torch.long, device=device) if pick_row else None
+        # each row's cached length, and (pick_row) the row whose logits it takes: one buffer, so
+        # that a step's host values for both go in one copy
+        self._host_in = torch.zeros(2 if pick_row else 1, b, dtype=torch.long, device=device)
+        self.starts = self._host_in[0]
+        self.rows = self._host_in[1] if pick_row else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out = None
         self.path: str | None = None  # the kernel path a compiled forward runs (None: as set outside)
@@ -197,8 +200,8 @@ class StaticForward:
     def set_starts(self, lengths: list[int]) -> None:
         self.starts.copy_(to_device(lengths, self.device), non_blocking=True)
 
-    def set_rows(self, rows: list[int]) -> None:
-        self.rows.copy_(to_device(rows, self.device), non_blocking=True)
+    def set_starts_rows(self, lengths: list[int], rows: list[int]) -> None:
+        self._host_in.copy_(to_device([lengths, rows], self.device), non_blocking=True)
 
     def run(self):
         if self.graph is not None:
@@ -509,8 +512,8 @@ class ForwardRunner:
         """A padded catch-up feed into f's rows 0..A-1; each cache grows by grow[b] rows."""
         load_rows(f.ids, tokens)
         load_rows(f.hidden, hiddens)
-        f.set_starts(self._starts(f, caches, grow, what))
-        f.set_rows([n - 1 for n in row_counts(tokens)] + [0] * (f.b - len(tokens)))
+        last = [n - 1 for n in row_counts(tokens)] + [0] * (f.b - len(tokens))
+        f.set_starts_rows(self._starts(f, caches, grow, what), last)
         for c, n in zip(caches, grow):
             c.length += n
 
@@ -550,26 +553,6 @@ class BatchRows:
 def row_counts(rows) -> list[int]:
     """Rows per sequence of a feed: a list of tensors, or BatchRows."""
     return rows.lengths if isinstance(rows, BatchRows) else [t.shape[0] for t in rows]
-
-
-def rows_base(views: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor B whose rows 0..n-1 the n views are (views[j] == B[j, :k_j]), or None. B is the
-    tensor the views' storage belongs to (`_base`); views of a reshaped view of it (a root of
-    another shape) are not recognised, and the caller copies row by row.
-
-    The draft chains' per-sequence drafts are such views of the fused chain's output; reading them
-    back as one tensor saves a launch (and its host cost) per sequence per step. (The drafter's
-    feed no longer needs it: an unchanged batch passes it as BatchRows, and a changed one's rows are
-    not rows 0..n-1 of one tensor.)"""
-    base = views[0]._base
-    if base is None or base.dim() != views[0].dim() + 1 or base.shape[0] < len(views):
-        return None
-    row, at, inner, width, tail = base.stride(0), base.storage_offset(), base.stride()[1:], base.shape[1], base.shape[2:]
-    for j, v in enumerate(views):
-        if (v._base is not base or v.storage_offset() != at + j * row or v.stride() != inner
-                or v.shape[0] > width or v.shape[1:] != tail):
-            return None
-    return base[: len(views)]
 
 
 def load_rows(buf: torch.Tensor, values) -> None:

@@ -21,7 +21,7 @@ from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner
 from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards, takes_padding
-from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftChain, DrafterKV, ProposerState
+from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftBatch, DraftChain, DrafterKV, ProposerState
 from glm5mtp_cli.engine.sampling import SamplingParams, choose
 from glm5mtp_cli.errors import UserError
 
@@ -173,12 +173,12 @@ class MtpHead:
         return self.batch_max
 
     def propose_batch(self, tokens, hiddens, positions: list[int],
-                      num_drafts: int, states: list[ProposerState], runner: ForwardRunner) -> list[DraftChain]:
+                      num_drafts: int, states: list[ProposerState], runner: ForwardRunner) -> list[DraftChain] | DraftBatch:
         """Drafts for many sequences. tokens[b]/hiddens[b] (lists, or graphs.BatchRows): the pending
         real rows of sequence b (at least one: the newest accepted token and the target hidden
         before it), starting at drafter row positions[b]. Chain steps run batched, so each weight is
         read once per draft position for the whole batch; `runner` runs the forwards (eager, static
-        or captured)."""
+        or captured). A runner's fused greedy chain returns its drafts as one DraftBatch."""
         if len(states) > self.batch_max:
             raise ValueError(f"propose_batch takes at most {self.batch_max} sequences")
         for pos, st in zip(positions, states):
@@ -187,7 +187,10 @@ class MtpHead:
         fused = runner.fused_chain(tokens, hiddens, caches, num_drafts) if num_drafts else None
         if fused is not None:
             self._mark_fed(states, tokens)
-            return [self._chain(st, DraftChain(fused[i], None, num_drafts, None)) for i, st in enumerate(states)]
+            batch = DraftBatch(fused, num_drafts)
+            for st in states:
+                st.last_chain = batch
+            return batch
         logits, carried = runner.catchup(self, tokens, hiddens, caches)
         self._mark_fed(states, tokens)
         b = len(states)

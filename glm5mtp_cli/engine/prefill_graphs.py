@@ -150,8 +150,7 @@ class PrefillForwards:
         f.idx.copy_(to_device(list(range(m)) + [self.rows] * (f.b - m), self.device), non_blocking=True)
         for c, k in zip(caches, real):
             c.prepare(k)
-        f.set_starts([c.length for c in caches] + [0] * (f.b - m))
-        f.set_rows([k - 1 for k in real] + [0] * (f.b - m))
+        f.set_starts_rows([c.length for c in caches] + [0] * (f.b - m), [k - 1 for k in real] + [0] * (f.b - m))
         out = f.run()
         for c, k in zip(caches, real):
             c.length += k

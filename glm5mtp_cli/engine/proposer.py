@@ -26,6 +26,40 @@ class DraftChain:
     confidence: float | None = None  # min top-1 probability over the chain, when computed
 
 
+class DraftBatch:
+    """The drafts of one fused propose call (every sequence `num_drafts` of them, greedy) as the
+    one [A, num_drafts] device tensor the draft chain wrote, standing for the list of its rows'
+    DraftChains: one is made only when read. Reading the batch row by row (a view per sequence,
+    then checking the views back into one tensor) was host time in every step at batch 32 and 64.
+    A state's last_chain is then the batch: what after_verify and last_confidence read of it."""
+
+    __slots__ = ("tokens", "num_drafts")
+    probs = None
+    confidence = None
+
+    def __init__(self, tokens: torch.Tensor, num_drafts: int):
+        self.tokens, self.num_drafts = tokens, num_drafts
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int) -> DraftChain:
+        return DraftChain(self.tokens[i], None, self.num_drafts, None)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def draft_counts(chains, active: int) -> list[int]:
+    """Drafts proposed per sequence by one propose call (chains: a list of DraftChain, a
+    DraftBatch, or None for a step without drafts over `active` sequences)."""
+    if not chains:
+        return [0] * active
+    if isinstance(chains, DraftBatch):
+        return [chains.num_drafts] * active
+    return [c.num_drafts for c in chains]
+
+
 @dataclass
 class DrafterKV:
     """A finished turn's drafter cache, taken out of its state to seed the next turn."""
@@ -40,7 +74,7 @@ class ProposerState:
     cache: SequenceCache | None
     budget_tokens: int
     real_rows: int = 0  # rows built from target hiddens; rows past this are speculative
-    last_chain: DraftChain | None = None
+    last_chain: DraftChain | DraftBatch | None = None
     row_tokens: list = field(default_factory=list)  # chunks of t[i+1], one per real row i (MtpHead._mark_real)
     freed: bool = False
     gen: torch.Generator | None = None  # the request's random stream (sampled drafts); None: the proposer's

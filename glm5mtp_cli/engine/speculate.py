@@ -37,11 +37,11 @@ from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.gamma import GammaPolicy
-from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, rows_base, table_blocks
+from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs
-from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
+from glm5mtp_cli.engine.proposer import DraftBatch, DraftProposer, ProposerState, draft_counts
 from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import (InjectedFailure, LiveSequence, Request, SeqResult, budget_tokens,
                                           reserve_tokens)
@@ -441,9 +441,7 @@ class SpecEngine:
         v0 = self.clock.now()
         last = self._last_tokens(active)
         if chains:
-            tokens = [c.tokens for c in chains]
-            drafts = rows_base(tokens)  # the fused chain's [A, g] output itself: no stack
-            drafts = torch.stack(tokens) if drafts is None else drafts
+            drafts = chains.tokens if isinstance(chains, DraftBatch) else torch.stack([c.tokens for c in chains])
             ids = torch.cat([last[:, None], drafts], dim=1)
         else:
             drafts = None
@@ -455,7 +453,7 @@ class SpecEngine:
                 e.request_id = s.req.request_id
                 raise e
         out = self.runner.verify(self.target, ids, [s.cache for s in active])
-        counts = [c.num_drafts for c in chains] if chains else [0] * len(active)
+        counts = draft_counts(chains, len(active))
         accepted, nxt, draft_ids, nxt_dev, acc_dev = self._accept(drafts, chains, out.logits, counts,
                                                                   [s.gen for s in active])
         v1 = self.clock.now()
@@ -598,3 +596,4 @@ class SpecEngine:
         if self.inject_leak is not None and self.inject_leak.startswith(owner + "_"):
             leaked = self.inject_leak[len(owner) + 1:]
         cache.release(keep=leaked)
+
