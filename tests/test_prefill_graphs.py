@@ -1,5 +1,5 @@
 """--prefill-graphs: the admission prefill's forwards as static forwards (captured on CUDA) give the
-eager prefill's tokens, build a bucket at its second use, and give every block back."""
+eager prefill's tokens, build a bucket at its first use, and give every block back."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _engine(rt, pools, gamma, mode, prefill_graphs=False, device="cpu"):
 
 
 def _calls(engine, batch):
-    """Two calls over the same requests: the second replays the buckets the first one met twice."""
+    """Two calls over the same requests: the second replays the buckets the first one built."""
     reqs = [Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)]
     return [[r.tokens for r in engine.generate(reqs, batch_size=batch)] for _ in range(2)]
 
@@ -71,15 +71,15 @@ def test_static_prefill_equals_eager(rt, gamma, batch):
     assert not any(pools.blocks_held().values()), "a block stayed held after close"
 
 
-def test_a_bucket_is_built_at_its_second_use_and_not_past_the_row_cap(rt):
+def test_a_bucket_is_built_at_its_first_use_and_not_past_the_row_cap(rt):
     pools = rt.make_pools(128, 2, block_size=4)
     engine = _engine(rt, pools, 0, "static", prefill_graphs=True)
     try:
-        engine.generate([Request(list(range(10, 42)), 4)])  # two forwards of 16 rows: eager, then built
-        assert list(engine._prefill.forwards) == [("target", 1, 16)] and engine._prefill.replays == 1
-        engine._prefill.max_rows = 8  # a forward over the cap stays eager whatever its uses
+        engine.generate([Request(list(range(10, 42)), 4)])  # two forwards of 16 rows: both from the bucket
+        assert list(engine._prefill.forwards) == [("target", 1, 16)] and engine._prefill.replays == 2
+        engine._prefill.max_rows = 8  # a forward over the cap stays eager
         engine.generate([Request(list(range(50, 82)), 4)])
-        assert engine._prefill.replays == 1
+        assert engine._prefill.replays == 2
     finally:
         engine.close()
     assert not any(pools.blocks_held().values())

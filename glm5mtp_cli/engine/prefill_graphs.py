@@ -2,22 +2,26 @@
 forwards and the drafters' catch-ups) as static forwards, captured as CUDA graphs on CUDA, for
 models whose caches are paged rows only (GLM-5).
 
-Why: an eager prefill forward is host-bound at small sizes. On the H200 a glm5-nano admission
-forward cost ~10 ms of host time against ~2 ms of GPU work per HumanEval prompt (device runs 5-6),
-and with speculation the admissions come more often and each has one more (the drafter's): at
-HumanEval batch 8 they took 0.99 s of a 3.23 s adaptive run against 0.48 s of gamma 0's (run 12).
-A replayed graph is one launch: in device run 13 the batch-8 prefill fell 0.91 -> 0.42 s at gamma 3
-and 0.61 -> 0.26 s at gamma 0 (batches 32 and 64 unchanged: their forwards are mostly over the cap).
+Why: an eager prefill forward is host-bound. On the H200 a glm5-nano admission forward cost ~10 ms
+of host time against ~2 ms of GPU work per HumanEval prompt (device runs 5-6), and with speculation
+the admissions come more often and each has one more (the drafter's): at HumanEval batch 8 they took
+0.99 s of a 3.23 s adaptive run against 0.48 s of gamma 0's (run 12). A replayed graph is one
+launch: in device run 13 the batch-8 prefill fell 0.91 -> 0.42 s at gamma 3 and 0.61 -> 0.26 s at
+gamma 0. Larger forwards are host-bound too: at batch 32 (device run 22, torch.profiler) admissions
+of 3265-5993 prompt rows took 43-147 ms of wall time over 6-8 ms of kernels, their forwards then
+over the 2048-row cap this module had, so eager.
 
 Shapes. The forwards a prefill plans vary, (m sequences, t rows), so each runs as its bucket's
 static forward: m up to the next power of two (the padding sequences read and write only a scratch
 block), t up to the next power of two >= 16 (padding rows land past each sequence's length, inside
 its reservation, where the next append overwrites them, or past it, in the scratch block; as in the
 eager path, real rows never see them: attention is causal and each sequence's logits come from its
-last real row). Buckets stop at `max_rows` rows (m x t): at ~7 us of GPU time per prefill row (run
-6), 2048 rows are already ~14 ms of GPU work against the ~10 ms of host time a graph would save, and
-a graph's activations stay allocated. A bucket is built the second time a forward needs it (rent
-or buy: a capture costs a few forwards, and a one-off shape never pays it back).
+last real row). Buckets stop at `max_rows` rows (m x t): a graph's activations stay allocated, and
+a model whose prefill is GPU-bound gains nothing from replaying it. A bucket is captured the first
+time a forward needs it: built at its second use (the earlier rule: a one-off shape never pays a
+capture back) the batch-64 HumanEval plans of run 15 would have run 16 of their 22 forwards eagerly,
+since admissions there come in few, differently shaped groups. A capture costs a few forwards' host
+time; it is reported with the decode graphs' capture, apart from end to end.
 
 The members of a forward are not in the engine's slots yet (they are being admitted), so the
 forwards read their blocks through tables of their own ([rows + 1, NB] per component, NB the
@@ -69,7 +73,6 @@ class PrefillForwards:
         self.scratch: dict[str, list[int]] = {}
         self.tables: dict[str, dict[str, _Table]] = {}
         self.forwards: dict[tuple, StaticForward] = {}
-        self.uses: dict[tuple, int] = {}
         self.mempool = None
         self.replays = 0  # forwards run from a bucket (tests; a count, not a timing)
         self.capture_s = 0.0  # capturing since the engine last took it (one-time setup, apart from e2e)
@@ -118,14 +121,13 @@ class PrefillForwards:
 
     # ---- buckets --------------------------------------------------------------------------------
     def _forward(self, owner: str, m: int, t: int, hidden, fn_of) -> StaticForward | None:
-        """The bucket's forward, built at its second use; None: eager this time (first use, or too big)."""
+        """The bucket's forward, built at its first use; None: eager (a bucket over the row cap)."""
         b, bt = bucket(m), bucket(t, MIN_ROWS)
         if b * bt > self.max_rows:
             return None
         key = (owner, b, bt)
-        self.uses[key] = self.uses.get(key, 0) + 1
         f = self.forwards.get(key)
-        if f is None and self.uses[key] >= 2:
+        if f is None:
             model = self.models[owner]
             idx = torch.full((b,), self.rows, dtype=torch.long, device=self.device)  # all scratch while built
             f = StaticForward(model.context, fn_of(model), b, bt, self.tables[owner], self.device, hidden,

@@ -49,8 +49,9 @@ from glm5mtp_cli.errors import UserError
 
 SCHEDULES = ("continuous", "static")
 # --prefill-graphs: prefill forwards of at most this many rows (sequences x rows, bucketed) run
-# from graphs; larger ones stay eager (engine/prefill_graphs.py says why)
-PREFILL_GRAPH_ROWS = 2048
+# from graphs, larger ones eagerly (engine/prefill_graphs.py says why): 8192 admitted prompt rows
+# (--prefill-tokens) bucket to at most 4x that, and at batch 32-64 the HumanEval plans fit 16384
+PREFILL_GRAPH_ROWS = 16384
 
 
 class SpecEngine:
