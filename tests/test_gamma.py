@@ -67,6 +67,20 @@ def test_middle_gamma_wins_when_later_drafts_rarely_pass():
     assert p.choose(1) == 1
 
 
+def test_a_gamma_below_the_maximum_must_predict_more_than_the_margin():
+    """Leaving --gamma takes more than `margin` of predicted gain: a few percent is within the
+    estimate's own errors (drifting costs, a straight line between measured gammas)."""
+    p = _policy(0.8, {0: 1.0, 3: 3.0}, active=64, gamma=3)
+    # E(1) 1.8 on the line's 1.667: 1.080 tokens per unit against gamma 3's 2.952 / 3 = 0.984, 9.8% ahead
+    assert p.choose(64) == 1
+    p.margin = 0.10
+    assert p.choose(64) == 3
+    p.margin = 0.05
+    for _ in range(p.warm):
+        p.record_cost(64, 1, 1.75)  # measured: 1.029, 4.5% ahead (gamma 2 on the new line 4.4%)
+    assert p.choose(64) == 3
+
+
 def test_both_ends_are_measured_before_judging_and_probing_resumes_drafting():
     p = GammaPolicy(3, "adaptive", probe_every=4, probe_max=8, warm=2, warm_judged=6)
     for _ in range(3):
@@ -118,6 +132,7 @@ def test_steps_below_gamma_probe_it_so_stale_rates_of_undrafted_positions_refres
     --gamma after `probe_every` steps below it judges every position again."""
     p = _policy(0.9, {0: 0.9, 1: 1.7, 3: 2.3}, active=8, gamma=3)  # batch 8's measured step costs, ms
     p.tried, p.kept = [500.0, 40.0, 40.0], [450.0, 16.0, 16.0]  # a = 0.9, 0.4, 0.4 from the first steps
+    p.margin = 0.0  # the probe alone (with the margin, gamma 2's shrinking lead gives way after 4 steps)
     picks = []
     for _ in range(2 * p.probe_every):
         g = p.choose(8)
