@@ -172,8 +172,8 @@ class MtpHead:
     def propose_batch_max(self) -> int:
         return self.batch_max
 
-    def propose_batch(self, tokens, hiddens, positions: list[int],
-                      num_drafts: int, states: list[ProposerState], runner: ForwardRunner) -> list[DraftChain] | DraftBatch:
+    def propose_batch(self, tokens, hiddens, positions: list[int], num_drafts: int, states: list[ProposerState],
+                      runner: ForwardRunner) -> list[DraftChain] | DraftBatch:
         """Drafts for many sequences. tokens[b]/hiddens[b] (lists, or graphs.BatchRows): the pending
         real rows of sequence b (at least one: the newest accepted token and the target hidden
         before it), starting at drafter row positions[b]. Chain steps run batched, so each weight is

@@ -597,4 +597,3 @@ class SpecEngine:
         if self.inject_leak is not None and self.inject_leak.startswith(owner + "_"):
             leaked = self.inject_leak[len(owner) + 1:]
         cache.release(keep=leaked)
-
