@@ -85,6 +85,18 @@ def test_a_bucket_is_built_at_its_first_use_and_not_past_the_row_cap(rt):
     assert not any(pools.blocks_held().values())
 
 
+def test_the_row_cap_shrinks_with_the_model_width():
+    """glm5-nano (hidden 384) replays buckets up to 16384 rows; GLM-5's real width (6144) keeps the
+    2048 rows of the earlier cap (a wide model's prefill is GPU-bound sooner, and its activations
+    grow with rows x width)."""
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
+    from glm5mtp_cli.engine.prefill_graphs import graph_rows
+
+    assert graph_rows(resolve_config("glm5-nano")[0].hidden_size) == 16384
+    assert graph_rows(resolve_config("glm5")[0].hidden_size) == 2048
+    assert graph_rows(1024) == 12288
+
+
 def test_prefill_graphs_need_static_forwards(rt):
     pools = rt.make_pools(128, 2, block_size=4)
     with pytest.raises(UserError, match="--prefill-graphs"):

@@ -66,9 +66,9 @@ PrefillTokensOpt = Annotated[int, typer.Option("--prefill-tokens", metavar="N",
                                                     "forwards (also the most rows one prefill forward holds).")]
 PrefillGraphsOpt = Annotated[bool, typer.Option("--prefill-graphs", metavar="",
                                                 help="Run the admission prefill's forwards (target and drafter) from "
-                                                     "CUDA graphs, one per (sequences, rows) bucket up to 16384 rows, "
-                                                     "captured at its first use; GLM-5 family (paged caches); needs "
-                                                     "CUDA graphs.")]
+                                                     "CUDA graphs, one per (sequences, rows) bucket up to 16384 rows "
+                                                     "(fewer for models wider than 768), captured at its first use; "
+                                                     "GLM-5 family (paged caches); needs CUDA graphs.")]
 
 
 def check_prefill_graphs(prefill_graphs: bool, graphs: str) -> None:

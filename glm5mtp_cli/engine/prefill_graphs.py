@@ -41,6 +41,17 @@ from glm5mtp_cli.engine.graphs import StaticForward, _Table
 from glm5mtp_cli.errors import UserError
 
 MIN_ROWS = 16  # the shortest bucket: shorter forwards pad up to it
+# the largest bucket (sequences x rows) at a hidden size up to NARROW: measured on glm5-nano (384),
+# whose batch-32 and 64 HumanEval admissions (8192 prompt rows, --prefill-tokens, pad to at most 4x
+# that) all fit it
+MAX_ROWS, NARROW = 16384, 768
+
+
+def graph_rows(hidden_size: int) -> int:
+    """The largest bucket replayed from a graph for a model this wide: MAX_ROWS up to NARROW, then
+    proportionally fewer, since a bucket's activations grow with rows x width and a wide model's
+    prefill turns GPU-bound at fewer rows (GLM-5's 6144 gets 2048, this module's earlier cap)."""
+    return min(MAX_ROWS, MAX_ROWS * NARROW // hidden_size)
 
 
 def bucket(n: int, least: int = 1) -> int:

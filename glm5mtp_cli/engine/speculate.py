@@ -40,7 +40,7 @@ from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
-from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs
+from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs, graph_rows
 from glm5mtp_cli.engine.proposer import DraftBatch, DraftProposer, ProposerState, draft_counts
 from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import (InjectedFailure, LiveSequence, Request, SeqResult, budget_tokens,
@@ -48,10 +48,6 @@ from glm5mtp_cli.engine.sequence import (InjectedFailure, LiveSequence, Request,
 from glm5mtp_cli.errors import UserError
 
 SCHEDULES = ("continuous", "static")
-# --prefill-graphs: prefill forwards of at most this many rows (sequences x rows, bucketed) run
-# from graphs, larger ones eagerly (engine/prefill_graphs.py says why): 8192 admitted prompt rows
-# (--prefill-tokens) bucket to at most 4x that, and at batch 32-64 the HumanEval plans fit 16384
-PREFILL_GRAPH_ROWS = 16384
 
 
 class SpecEngine:
@@ -144,7 +140,8 @@ class SpecEngine:
         if self.prefill_graphs and (self._prefill is None or self._prefill.width < width):
             self._close_prefill()
             self._prefill = PrefillForwards(self.target, self.head, self.pools, width, self.device,
-                                            capture=self.runner.mode == "cuda", max_rows=PREFILL_GRAPH_ROWS)
+                                            capture=self.runner.mode == "cuda",
+                                            max_rows=graph_rows(self.cfg.hidden_size))
         waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
         results: list[SeqResult | None] = [None] * len(requests)
         slots: list[LiveSequence | None] = [None] * batch_size
