@@ -58,8 +58,16 @@ def test_bench_table_prints_the_recommendation(spec_ckpt):
                                  "16", "--device", "cpu"], terminal_width=200)
     assert r.exit_code == 0, r.output
     assert "pred." in r.output and "decode tokens/s (prefill excluded)" in r.output
+    assert "capture s" in r.output  # eager on the CPU: nothing captured, shown as "-"
     assert re.search(r"recommended gamma [0-2] at batch 1: predicted [0-9.]+ tokens/s \((measured [0-9.]+|not "
                      r"measured)\)", r.output), r.output
+
+
+def test_bench_table_shows_capture_seconds_apart_from_e2e():
+    from glm5mtp_cli.commands.bench import _capture
+
+    assert _capture({"graph_capture_ms": 1234.0}) == "1.23"
+    assert _capture({"graph_capture_ms": 0.0}) == "-" and _capture({}) == "-"
 
 
 def test_ratios_are_to_the_same_batch_baseline():

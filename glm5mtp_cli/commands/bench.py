@@ -56,6 +56,12 @@ def _split(row: dict) -> str:
     return "-" if p is None or d is None else f"{p:.2f}/{p + d:.2f}"
 
 
+def _capture(row: dict) -> str:
+    """Seconds spent building and capturing graphs (none for transformers' rows or eager runs)."""
+    ms = row.get("graph_capture_ms")
+    return "-" if not ms else f"{ms / 1e3:.2f}"
+
+
 def _floor(step: dict) -> str:
     if step["floor_ms"] is None:
         return "no floor on the CPU"
@@ -266,15 +272,16 @@ def bench_cmd(
     t = fit_table(out, f"bench on {doc['device']} ({doc['dtype']}), {max_new_tokens} new tokens, medians of {repeats}",
                   caption="acc len: mean acceptance length; pred.: decode tok/s predicted from the per-position "
                           "acceptance and the step cost line; prefill/run s: the run's wall time in admissions "
-                          "(prefill) and in all; vs g0, vs HF: e2e speedup against gamma 0 and transformers' "
-                          "generate")
-    for col in ("batch", "prompts", "system", "e2e tok/s", "dec tok/s", "pred.", "prefill/run s", "TTFT p50/p99 ms",
-                "TPOT p50/p99 ms", "acc len", "vs g0", "vs HF"):
+                          "(prefill) and in all; capture s: building and capturing the engine's CUDA graphs "
+                          "(--prefill-graphs buckets too), apart from e2e; vs g0, vs HF: e2e speedup against gamma 0 "
+                          "and transformers' generate")
+    for col in ("batch", "prompts", "system", "e2e tok/s", "dec tok/s", "pred.", "prefill/run s", "capture s",
+                "TTFT p50/p99 ms", "TPOT p50/p99 ms", "acc len", "vs g0", "vs HF"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["batch"]), str(r["prompts"]), r["system"], _fmt(r["e2e_tokens_per_s"], ".1f"),
                   _fmt(r["decode_tokens_per_s"], ".1f"), _fmt(r.get("predicted_decode_tokens_per_s"), ".1f"),
-                  _split(r), f"{_fmt(r['ttft_ms_p50'], '.1f')}/{_fmt(r['ttft_ms_p99'], '.1f')}",
+                  _split(r), _capture(r), f"{_fmt(r['ttft_ms_p50'], '.1f')}/{_fmt(r['ttft_ms_p99'], '.1f')}",
                   f"{_fmt(r['tpot_ms_p50'], '.2f')}/{_fmt(r['tpot_ms_p99'], '.2f')}",
                   _fmt(r["mean_acceptance_length"], ".2f"),
                   _fmt(r["speedup_vs_gamma0"], ".2f"), _fmt(r["speedup_vs_transformers"], ".2f"))
