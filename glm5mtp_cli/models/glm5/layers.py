@@ -21,6 +21,7 @@ from kernels.rmsnorm import rmsnorm
 
 from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, scale_grid
 from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.models.overlap import side_by_side
 
 
 class RMSNorm(nn.Module):
@@ -288,11 +289,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        # the shared expert does not wait for the routing: on CUDA it runs beside it (models/overlap.py)
+        routed, shared = side_by_side(lambda: self._routed(x), lambda: self.shared_experts(x), x)
+        out = routed + shared
+        return (out if self.comm is None else self.comm.all_reduce_sum(out)).view(shape)
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.training:
             self.last_expert_ids = ids.detach()
-        if self.comm is None:
-            out = self.experts(x, weights, ids) + self.shared_experts(x)
-        else:
-            out = self.comm.all_reduce_sum(self.experts.forward_local(x, weights, ids) + self.shared_experts(x))
-        return out.view(shape)
+        return self.experts(x, weights, ids) if self.comm is None else self.experts.forward_local(x, weights, ids)
