@@ -15,7 +15,7 @@ which real weights never contain), so no manual uint8 decoding is needed.
 
 import torch
 
-from ._triton import alloc, as_op, interpreting, jit, next_pow2, tl, triton, use_triton
+from ._triton import alloc, as_op, interpreting, jit, tl, triton, use_triton
 
 
 def _sides(block: int | tuple[int, int]) -> tuple[int, int]:
@@ -104,13 +104,11 @@ def fp8_block_dequant_triton(w: torch.Tensor, scale_inv: torch.Tensor, block: in
 
 
 @jit
-def _matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, T, N, K, stride_xt, s_cols, TILES_PER_SPLIT,
-                   SPLIT, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_CHUNK: tl.constexpr, DOT_BF16: tl.constexpr):
+def _matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, stride_xt, s_cols, TILES_PER_SPLIT,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr):
     # BLOCK_K is the scale block and BLOCK_N divides it, so each K-step of a tile has one scale.
-    # Split-K: program (.., .., z) covers K-tiles [z * TILES_PER_SPLIT, ...) and stores its fp32
-    # partial sum as slice z of part; the last of a tile's SPLIT programs to arrive (its count) adds
-    # the slices in a fixed order (deterministic, unlike atomic adds), writes out and zeroes the count.
+    # Split-K: program (.., .., z) covers K-tiles [z * TILES_PER_SPLIT, ...) and writes slice z of
+    # out (fp32 partial sums that the wrapper adds up; with one split, out is the result itself).
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -137,23 +135,20 @@ def _matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, T, N, K, s
         acc += part * s
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    tile = offs_t[:, None].to(tl.int64) * N + offs_n[None, :]
-    out_mask = tmask[:, None] & nmask[None, :]
-    if SPLIT_CHUNK == 0:
-        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(part_ptr + pid_k.to(tl.int64) * T * N + tile, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the count says so (release)
-        count = count_ptr + pid_t * tl.num_programs(1) + pid_n
-        if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT - 1:
-            zs = tl.arange(0, SPLIT_CHUNK)
-            total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-            for z0 in range(0, SPLIT, SPLIT_CHUNK):
-                parts = part_ptr + (z0 + zs)[:, None, None].to(tl.int64) * T * N + tile[None, :, :]
-                m = ((z0 + zs) < SPLIT)[:, None, None] & out_mask[None, :, :]
-                total += tl.sum(tl.load(parts, mask=m, other=0.0, cache_modifier=".cg"), axis=0)
-            tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(count, 0)  # ready for the next launch on these weights
+    out = out_ptr + pid_k.to(tl.int64) * T * N + offs_t[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+
+
+@jit
+def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, NUMEL, BLOCK: tl.constexpr):
+    # out = the split-K partial sums part [SPLIT, NUMEL] added in fp32, stored in out's dtype: one
+    # launch instead of torch's sum then cast-copy (a decode step runs ~10 split FP8 GEMMs)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for z in range(SPLIT):
+        acc += tl.load(part_ptr + z * NUMEL + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _TARGET_PROGRAMS = 264  # two per H200 multiprocessor (132)
@@ -162,24 +157,7 @@ _TARGET_PROGRAMS = 264  # two per H200 multiprocessor (132)
 # profiles/glm5/fp8_h200/decode_sweep.json): 4 programs per multiprocessor, 32-wide tiles and 4 stages
 # took their summed time at one row from 137 to 123 us (o_proj 58 -> 46).
 _DECODE_ROWS, _DECODE_PROGRAMS, _DECODE_BLOCK_N, _DECODE_STAGES = 4, 528, 32, 4
-_REDUCE_ELEMENTS = 8192  # fp32 partials the last program of a tile loads at once (64 per thread)
-
-# Split-K arrival counts, one int32 per output tile, per weight: two GEMMs run at once (the side
-# stream's shared expert beside the routed experts, models/overlap.py) only on different weights. A
-# count is allocated on the weights' first split launch, which an engine's warm-up makes before any
-# CUDA-graph capture, and every launch leaves its counts at zero.
-_COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _split_counts(w: torch.Tensor, tiles: int) -> torch.Tensor:
-    key = (w.device, w.data_ptr())
-    counts = _COUNTS.get(key)
-    if counts is None or counts.numel() < tiles:
-        if w.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("an FP8 split-K GEMM's first launch on these weights is being captured: "
-                               "run the forward once before capturing it")
-        counts = _COUNTS[key] = torch.zeros(max(tiles, _DECODE_PROGRAMS // 2), dtype=torch.int32, device=w.device)
-    return counts
+_SUM_BLOCK = 1024
 
 
 def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
@@ -188,8 +166,8 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
 
     Decode GEMMs (few rows) have too few output tiles to fill the GPU, so K is split until there
     are about `_TARGET_PROGRAMS` programs (`_DECODE_PROGRAMS` at decode widths; `split_k` overrides);
-    the last program of each output tile adds the fp32 partial sums in a fixed order and writes
-    x.dtype (one launch). `launch` (programs, BLOCK_N, stages) replaces the tuned choice (kernels/sweep_fp8.py).
+    a second kernel adds the fp32 partial sums in a fixed order (deterministic, unlike atomics) and
+    writes x.dtype. `launch` (programs, BLOCK_N, stages) replaces the tuned choice (kernels/sweep_fp8.py).
     """
     assert w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
     assert block >= 16 and block & (block - 1) == 0, "block must be a power of two >= 16"
@@ -207,21 +185,20 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
         programs, block_n, stages = launch or ((_DECODE_PROGRAMS, _DECODE_BLOCK_N, _DECODE_STAGES) if decode
                                                else (_TARGET_PROGRAMS, 64, 3))
         block_n = min(block_n, block)
-        grid_t, grid_n = triton.cdiv(t, block_t), triton.cdiv(n, block_n)
+        tiles = triton.cdiv(t, block_t) * triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block)
-        split = split_k or max(1, min(k_tiles, programs // (grid_t * grid_n)))
+        split = split_k or max(1, min(k_tiles, programs // tiles))
         per_split = triton.cdiv(k_tiles, split)
         split = triton.cdiv(k_tiles, per_split)  # no empty splits
-        part, counts, chunk = out, out, 0  # no split: the kernel never touches part or counts
+        dest = out if split == 1 else alloc((split, t, n), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n), split)
+        _matmul_kernel[grid](x2, w, scale_inv, dest, t, n, k, x2.stride(0), scale_inv.shape[1], per_split,
+                             BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block,
+                             DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(),
+                             num_warps=4, num_stages=stages)
         if split > 1:
-            part = alloc((split, t, n), dtype=torch.float32, device=x.device)
-            counts = _split_counts(w, grid_t * grid_n)
-            chunk = min(next_pow2(split, 2), max(2, _REDUCE_ELEMENTS // (block_t * block_n)))
-        _matmul_kernel[(grid_t, grid_n, split)](x2, w, scale_inv, out, part, counts, t, n, k, x2.stride(0),
-                                                scale_inv.shape[1], per_split, split, BLOCK_T=block_t,
-                                                BLOCK_N=block_n, BLOCK_K=block, SPLIT_CHUNK=chunk,
-                                                DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(),
-                                                num_warps=4, num_stages=stages)
+            _sum_splits_kernel[(triton.cdiv(t * n, _SUM_BLOCK),)](dest, out, split, t * n, BLOCK=_SUM_BLOCK,
+                                                                 num_warps=4)
     return out.reshape(*x.shape[:-1], n)
 
 

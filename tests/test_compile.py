@@ -20,7 +20,7 @@ from glm5mtp_cli.engine.compiled import compile_forward
 from glm5mtp_cli.engine.graphs import sequence_forward
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
-from kernels import fp8_block, moe, moe_grouped, paged, rmsnorm, rope, topk
+from kernels import fp8_block, moe, moe_grouped, paged, rmsnorm, rope
 from kernels._triton import kernel_path
 
 PROMPTS = [([3, 17, 99, 4, 250, 8, 61, 7, 12, 90], 10)]
@@ -142,7 +142,6 @@ def _op_cases():
         "fp8_matmul": (fp8_block.fp8_block_matmul_op, (torch.randn(2, 3, 48), w, s, 16)),
         "heads_absorb": (fp8_block.fp8_heads_matmul_op, (torch.randn(2, 3, 4, 16), hw, hs, 4, 0, 16, True, 16)),
         "heads_value": (fp8_block.fp8_heads_matmul_op, (torch.randn(2, 3, 4, 32), hw, hs, 4, 16, 16, False, 16)),
-        "topk": (topk.topk_indices_op, (torch.randn(3, 2, 40), 7)),
         "write_rows": (write_rows, (torch.randn(2, n, 6), 1, torch.randperm(n)[:6], torch.randn(2, 3, 6))),
     }
 

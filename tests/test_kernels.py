@@ -31,7 +31,6 @@ from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_a
 from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
-from kernels.topk import topk_indices, topk_indices_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -151,19 +150,6 @@ def case_fp8_matmul_uneven_splits(device, big):
     t, n, k, split = (2, 6144, 6144, 10) if big else (2, 100, 384, 2)
     x, (w, s) = _rand(t, k, device=device), _fp8(n, k, device)
     return fp8_block_matmul_triton(x, w, s, split_k=split), fp8_block_matmul_ref(x, w, s)
-
-
-def case_fp8_matmul_split_counts_reset(device, big):
-    # the last program of each tile reduces and zeroes its arrival count: a second launch on the
-    # same weights (other rows, another split) reads fresh counts; afterwards every count is zero
-    import kernels.fp8_block as fb
-    n, k = (2048, 6144) if big else (70, 512)
-    w, s = _fp8(n, k, device)
-    xs = [_rand(t, k, device=device, dtype=BF16) for t in (1, 3)]
-    got = (fp8_block_matmul_triton(xs[0], w, s, split_k=4), fp8_block_matmul_triton(xs[1], w, s, split_k=3))
-    want = tuple(fp8_block_matmul_ref(x, w, s) for x in xs)
-    counts = fb._COUNTS[(w.device, w.data_ptr())].float()
-    return (*got, counts), (*want, torch.zeros_like(counts))
 
 
 def case_fp8_matmul_launch_override(device, big):
@@ -429,35 +415,6 @@ def case_mla_paged_indexed_bf16(device, big):
             mla_attention_paged_ref(qn, qr, pool, slots, starts, idx, scale))
 
 
-def _topk_set(x, k):  # (Triton's indices, the reference's), each sorted: equal sets when no boundary ties
-    return topk_indices(x, k, force_triton=True).sort(-1).values, topk_indices_ref(x, k).sort(-1).values
-
-
-def case_topk_rows(device, big):  # big: GLM-5's indexer (2048 of 4096 keys) and router (8 of 256)
-    (lead, length, k), (e, top) = ((3, 2), 4096, 2048) if big else ((2, 3), 300, 37), (256, 8)
-    indexer, router = _topk_set(_rand(*lead, length, device=device), k), _topk_set(_rand(5, e, device=device).sigmoid(), top)
-    return (indexer[0], router[0]), (indexer[1], router[1])
-
-
-def case_topk_bf16_long_row(device, big):  # rows longer than one chunk (4096): counted chunk by chunk
-    # distinct values of both signs (bf16 has few: random ones would tie at the boundary)
-    length, k = (30000, 2048) if big else (5000, 900)
-    codes = torch.stack([torch.randperm(0x7F00, device=device)[:length] + 1 for _ in range(2)]).to(torch.int16)
-    sign = torch.randint(0, 2, codes.shape, device=device) * 2 - 1
-    return _topk_set(codes.view(BF16) * sign.to(BF16), k)
-
-
-def case_topk_masked_ties(device, big):
-    # a query sees fewer keys than k: the rest are -inf, all tied; every seen key is picked, then
-    # the lowest-indexed -inf ones, each index once
-    length, seen, k = (4096, 1000, 2048) if big else (64, 10, 32)
-    x = _rand(4, length, device=device)
-    x[:, seen:] = float("-inf")
-    got = topk_indices(x, k, force_triton=True)
-    want = torch.arange(k, device=device).expand(4, k)
-    return got.sort(-1).values, want
-
-
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -546,15 +503,13 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     import kernels.paged as pg
     import kernels.rmsnorm as r
     import kernels.rope as p
-    import kernels.topk as tk
 
     def boom(*args, **kwargs):
         raise AssertionError("Triton path taken for CPU tensors")
 
     for mod, name in [(r, "rmsnorm_triton"), (p, "rope_interleaved_triton"), (f, "fp8_block_dequant_triton"),
                       (f, "fp8_block_matmul_triton"), (e, "moe_experts_triton"),
-                      (pg, "indexer_scores_paged_triton"), (pg, "mla_attention_paged_triton"),
-                      (tk, "topk_indices_triton")]:
+                      (pg, "indexer_scores_paged_triton"), (pg, "mla_attention_paged_triton")]:
         monkeypatch.setattr(mod, name, boom)
     x, w = torch.randn(3, 16), torch.randn(16)
     assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
@@ -563,7 +518,6 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     wq, s = _fp8(16, 16, "cpu")
     assert torch.equal(fp8_block_dequant(wq, s), fp8_block_dequant_ref(wq, s))
     assert torch.equal(fp8_block_matmul(x, wq, s), fp8_block_matmul_ref(x, wq, s))
-    assert torch.equal(topk_indices(x, 5), topk_indices_ref(x, 5))
     qn, qr, kv = torch.randn(2, 4, 8), torch.randn(2, 4, 4), torch.randn(6, 12)
     assert torch.equal(_seq_mla(mla_attention_paged, qn, qr, kv, None, 4, 0.3),
                        _seq_mla(mla_attention_paged_ref, qn, qr, kv, None, 4, 0.3))

@@ -22,7 +22,6 @@ from kernels._triton import use_kernels
 from kernels.fp8_block import fp8_heads_matmul, heads_tile
 from kernels.paged import indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
-from kernels.topk import topk_indices
 
 from glm5mtp_cli.engine.cache import CachedRows
 from glm5mtp_cli.models.fp8 import Fp8Linear, linear_weight
@@ -183,7 +182,7 @@ class MLAttention(nn.Module):
             if bc.indexer is not None:
                 keys = bc.indexer.write_read(idx_layer, keys)
             index_scores = self.indexer.scores(idx_x, idx_q, keys, cos, sin).masked_fill(~keep, float("-inf"))
-            topk = topk_indices(index_scores, min(self.indexer.topk, rows.shape[1]))
+            topk = index_scores.topk(min(self.indexer.topk, rows.shape[1]), dim=-1, sorted=False).indices
         else:
             topk = prev_topk
         selected = torch.zeros_like(keep).scatter_(-1, topk, True)
@@ -214,7 +213,7 @@ class MLAttention(nn.Module):
                                           self.indexer.head_dim ** -0.5)
             # a set (the kernel reads the picked keys in any order): sorting it cost a radix sort per
             # layer, 90 us of the 4-layer real-dimension target step on the H200 (device run 12)
-            topk = topk_indices(scores, min(self.indexer.topk, scores.shape[-1]))
+            topk = scores.topk(min(self.indexer.topk, scores.shape[-1]), dim=-1, sorted=False).indices
         out = mla_attention_paged(q_abs.contiguous(), qr, bc.mla.data[kv_layer], bc.mla.all, bc.starts, topk,
                                   self.scale)
         return values(out), topk

@@ -18,7 +18,6 @@ from kernels.fp8_block import fp8_block_dequant_ref
 from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
 from kernels.rmsnorm import rmsnorm
-from kernels.topk import topk_indices
 
 from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, scale_grid
 from glm5mtp_cli.models.glm5.config import ModelConfig
@@ -107,7 +106,7 @@ class Router(nn.Module):
             group_mask = torch.zeros_like(group_scores).scatter_(1, keep_groups, 1.0)
             expert_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, e // self.n_group).reshape(n, e)
             choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-        return topk_indices(choice, self.top_k)
+        return choice.topk(self.top_k, dim=-1, sorted=False)[1]
 
 
 class Experts(nn.Module):
