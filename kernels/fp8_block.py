@@ -4,10 +4,9 @@ A weight ``w`` [M, N] in float8_e4m3fn comes with ``scale_inv`` [ceil(M/b), ceil
 the real weight is ``w * scale_inv`` block by block (edge blocks are partial). Two ops:
 
 - :func:`fp8_block_dequant` materialises the real weight in ``out_dtype``.
-- :func:`fp8_block_matmul` computes ``x @ dequant(w)^T`` without materialising it. Up to four rows
-  of x (decode, verify, draft steps) a GEMV kernel streams the FP8 rows and scales x by each block's
-  scale; for more, a tiled GEMM converts FP8 tiles exactly (every e4m3 value is a bf16 value) and
-  applies the block scale to each K-step's partial product. Both accumulate in fp32.
+- :func:`fp8_block_matmul` computes ``x @ dequant(w)^T`` without materialising it: the Triton
+  GEMM loads FP8 tiles, converts them exactly (every e4m3 value is a bf16 value) and applies the
+  block scale to each K-step's partial product, accumulating in fp32.
 
 Triton loads float8_e4m3fn directly, in the interpreter as well (checked with triton 3.9: every
 code but the two NaN codes 0x7F/0xFF decodes exactly there; the interpreter reads those as 480,
@@ -16,7 +15,7 @@ which real weights never contain), so no manual uint8 decoding is needed.
 
 import torch
 
-from ._triton import alloc, as_op, interpreting, jit, next_pow2, tl, triton, use_triton
+from ._triton import alloc, as_op, interpreting, jit, tl, triton, use_triton
 
 
 def _sides(block: int | tuple[int, int]) -> tuple[int, int]:
@@ -152,66 +151,23 @@ def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, NUMEL, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, stride_xt, s_cols, CHUNKS_PER_SPLIT,
-                 T_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SB: tl.constexpr):
-    # Decode widths (T <= 4 rows of x). Program (row tile, split z) streams ROWS weight rows over its
-    # K range in BLOCK_K-wide chunks, K contiguous, one byte per weight; products accumulate
-    # elementwise in fp32 and are summed over K once, at the end (no tl.dot: a 16-row MMA tile for
-    # one row of x costs shared-memory staging that a GEMV does not need). ROWS divides the scale
-    # block SB, so a tile's rows share one block row of scales: x is scaled, not the weights.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_r = pid_n * ROWS + tl.arange(0, ROWS)
-    offs_t = tl.arange(0, T_P2)
-    offs_k = tl.arange(0, BLOCK_K)
-    rmask = offs_r < N
-    tmask = offs_t < T
-    k_begin = pid_k * CHUNKS_PER_SPLIT * BLOCK_K
-    k_end = tl.minimum(k_begin + CHUNKS_PER_SPLIT * BLOCK_K, K)
-    w_rows = w_ptr + offs_r[:, None].to(tl.int64) * K
-    x_rows = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt
-    s_row = s_ptr + ((pid_n * ROWS) // SB) * s_cols
-    acc = tl.zeros((T_P2, ROWS, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        cols = k0 + offs_k
-        kmask = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        xv = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        xs = xv * tl.load(s_row + cols // SB, mask=kmask, other=0.0)[None, :]
-        acc += w[None, :, :] * xs[:, None, :]
-    out = out_ptr + pid_k.to(tl.int64) * T * N + offs_t[:, None].to(tl.int64) * N + offs_r[None, :]
-    tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
-
-
 _TARGET_PROGRAMS = 264  # two per H200 multiprocessor (132)
-# Decode widths (up to 4 rows: a step's verify) run the GEMV kernel; its launch (programs, rows per
-# program, BLOCK_K, warps, stages) was swept on the H200 at the GLM-5 MTP layer's eight FP8 shapes
-# (python -m kernels.sweep_fp8; raw: profiles/glm5/fp8_h200/gemv_sweep.json).
-_DECODE_ROWS = 4
-_GEMV_LAUNCH = (528, 8, 256, 4, 3)
+# Decode widths (up to 4 rows: a step's verify) on the H200, swept over programs x BLOCK_N x stages
+# at the GLM-5 MTP layer's eight FP8 shapes (python -m kernels.sweep_fp8; raw:
+# profiles/glm5/fp8_h200/decode_sweep.json): 4 programs per multiprocessor, 32-wide tiles and 4 stages
+# took their summed time at one row from 137 to 123 us (o_proj 58 -> 46).
+_DECODE_ROWS, _DECODE_PROGRAMS, _DECODE_BLOCK_N, _DECODE_STAGES = 4, 528, 32, 4
 _SUM_BLOCK = 1024
 
 
-def _split(chunks: int, tiles: int, programs: int, split_k: int | None) -> tuple[int, int]:
-    """(splits, chunks per split): K's `chunks` split until `tiles` output tiles make about
-    `programs` programs (`split_k` overrides), with no empty split."""
-    split = split_k or max(1, min(chunks, programs // tiles))
-    per_split = triton.cdiv(chunks, split)
-    return triton.cdiv(chunks, per_split), per_split
-
-
 def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
-                            split_k: int | None = None, launch: tuple[int, int, int] | None = None,
-                            gemv: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """Triton version of :func:`fp8_block_matmul_ref`, dequantising `w` on the fly: a GEMV kernel
-    for up to `_DECODE_ROWS` rows of x, a tiled GEMM (tl.dot) for more.
+                            split_k: int | None = None, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Triton version of :func:`fp8_block_matmul_ref`: a tiled GEMM dequantising `w` on the fly.
 
-    Few rows make few output tiles, so K is split until there are about `_TARGET_PROGRAMS` programs
-    (the GEMV: its launch's; `split_k` overrides); a second kernel adds the fp32 partial sums in a
-    fixed order (deterministic, unlike atomics) and writes x.dtype. `launch` (programs, BLOCK_N,
-    stages) and `gemv` (programs, rows, BLOCK_K, warps, stages) replace the tuned choices
-    (kernels/sweep_fp8.py).
+    Decode GEMMs (few rows) have too few output tiles to fill the GPU, so K is split until there
+    are about `_TARGET_PROGRAMS` programs (`_DECODE_PROGRAMS` at decode widths; `split_k` overrides);
+    a second kernel adds the fp32 partial sums in a fixed order (deterministic, unlike atomics) and
+    writes x.dtype. `launch` (programs, BLOCK_N, stages) replaces the tuned choice (kernels/sweep_fp8.py).
     """
     assert w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
     assert block >= 16 and block & (block - 1) == 0, "block must be a power of two >= 16"
@@ -223,32 +179,26 @@ def fp8_block_matmul_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
     assert x2.stride(-1) == 1, "x needs a unit stride in its last dimension"
     t = x2.shape[0]
     out = alloc((t, n), dtype=x.dtype, device=x.device)
-    if not (t and n):
-        return out.reshape(*x.shape[:-1], n)
-    if t <= _DECODE_ROWS:
-        programs, rows, block_k, warps, stages = gemv or _GEMV_LAUNCH
-        rows = min(rows, block)
-        split, per_split = _split(triton.cdiv(k, block_k), triton.cdiv(n, rows), programs, split_k)
-        dest = out if split == 1 else alloc((split, t, n), dtype=torch.float32, device=x.device)
-        _gemv_kernel[(triton.cdiv(n, rows), split)](x2, w, scale_inv, dest, t, n, k, x2.stride(0),
-                                                    scale_inv.shape[1], per_split, T_P2=next_pow2(t, 1),
-                                                    ROWS=rows, BLOCK_K=block_k, SB=block,
-                                                    num_warps=warps, num_stages=stages)
-    else:
+    if t and n:
         block_t = 16 if t <= 16 else (32 if t <= 32 else 64)
-        programs, block_n, stages = launch or (_TARGET_PROGRAMS, 64, 3)
+        decode = t <= _DECODE_ROWS
+        programs, block_n, stages = launch or ((_DECODE_PROGRAMS, _DECODE_BLOCK_N, _DECODE_STAGES) if decode
+                                               else (_TARGET_PROGRAMS, 64, 3))
         block_n = min(block_n, block)
-        split, per_split = _split(triton.cdiv(k, block), triton.cdiv(t, block_t) * triton.cdiv(n, block_n),
-                                  programs, split_k)
+        tiles = triton.cdiv(t, block_t) * triton.cdiv(n, block_n)
+        k_tiles = triton.cdiv(k, block)
+        split = split_k or max(1, min(k_tiles, programs // tiles))
+        per_split = triton.cdiv(k_tiles, split)
+        split = triton.cdiv(k_tiles, per_split)  # no empty splits
         dest = out if split == 1 else alloc((split, t, n), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n), split)
         _matmul_kernel[grid](x2, w, scale_inv, dest, t, n, k, x2.stride(0), scale_inv.shape[1], per_split,
                              BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block,
                              DOT_BF16=x.dtype == torch.bfloat16 and not interpreting(),
                              num_warps=4, num_stages=stages)
-    if split > 1:
-        _sum_splits_kernel[(triton.cdiv(t * n, _SUM_BLOCK),)](dest, out, split, t * n, BLOCK=_SUM_BLOCK,
-                                                             num_warps=4)
+        if split > 1:
+            _sum_splits_kernel[(triton.cdiv(t * n, _SUM_BLOCK),)](dest, out, split, t * n, BLOCK=_SUM_BLOCK,
+                                                                 num_warps=4)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -1,6 +1,5 @@
-"""Sweep the FP8 GEMV's decode launch (programs, rows per program, BLOCK_K, warps, stages) at the
-GLM-5 MTP layer's eight FP8 shapes, one and four rows, CUDA-graph replays (fp8_block.py's
-_GEMV_LAUNCH came from it).
+"""Sweep the FP8 block GEMM's decode launch parameters (programs, BLOCK_N, stages) at the GLM-5 MTP
+layer's eight FP8 shapes, one and four rows, CUDA-graph replays (fp8_block.py's _DECODE_* came from it).
 
     python -m kernels.sweep_fp8 OUT.json
 
@@ -13,25 +12,22 @@ import sys
 
 import torch
 
-from .fp8_block import _GEMV_LAUNCH, fp8_block_matmul_ref, fp8_block_matmul_triton, fp8_block_quantize
+from .fp8_block import fp8_block_matmul_ref, fp8_block_matmul_triton, fp8_block_quantize
 
 DEV = torch.device("cuda")
+CURRENT = (528, 32, 4)  # fp8_block's _DECODE_PROGRAMS, _DECODE_BLOCK_N, _DECODE_STAGES (before the sweep: 264, 64, 3)
 SHAPES = {"q_a": (2048, 6144), "q_b": (16384, 2048), "kv_a": (576, 6144), "o_proj": (6144, 16384),
           "wq_b": (4096, 2048), "wk": (128, 6144), "shared_gate_up": (4096, 6144), "shared_down": (6144, 2048)}
-PROGRAMS, ROWS, BLOCK_K, WARPS_STAGES = (132, 264, 528, 1056, 2112), (2, 4, 8, 16), (256, 512, 1024), ((4, 1), (4, 3), (8, 3))
-COPIES_BYTES, COPIES_MAX = 256 << 20, 256
-MAX_ACC_PER_THREAD = 128  # fp32 accumulators a thread holds (rows x BLOCK_K x rows of x / threads): more spills
 
 
-def time_us(fn, calls: int, replays: int = 10) -> float:
-    """Median microseconds of one call: `fn(0) .. fn(calls - 1)` captured in one graph, `replays` replays."""
+def time_us(fn, per_replay=20, replays=10):
+    """Median microseconds of one `fn`: `per_replay` calls captured in one graph, `replays` replays."""
     g = torch.cuda.CUDAGraph()
-    for i in range(calls):
-        fn(i)
+    fn()
     torch.cuda.synchronize()
     with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
+        for _ in range(per_replay):
+            fn()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.replay()
     torch.cuda.synchronize()
@@ -41,65 +37,49 @@ def time_us(fn, calls: int, replays: int = 10) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
+        ts.append(a.elapsed_time(b) * 1e3 / per_replay)
     return sorted(ts)[len(ts) // 2]
 
 
-def weight_copies(w: torch.Tensor, s: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of (w, s) that one replay reads in turn, together past L2 (50 MB on the H200): in a
-    model step each weight comes from HBM once, so a sweep re-reading one cached weight would rank
-    launches by L2 bandwidth instead."""
-    n = min(COPIES_MAX, max(2, -(-COPIES_BYTES // w.numel())))
-    return [(w.clone(), s.clone()) for _ in range(n)]
-
-
 def main(out_path: str) -> None:
-    rows_out = []
+    rows = []
     for name, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k, device=DEV) * 0.02
         w, s = fp8_block_quantize(w32, (128, 128))
-        copies = weight_copies(w, s)
         for t in (1, 4):
             x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
             ref = fp8_block_matmul_ref(x.float(), w, s)
             floor_us = (n * k + s.numel() * 4 + t * k * 2 + t * n * 2) / 4.2e12 * 1e6
             best = None
-            for programs, rows, block_k, (warps, stages) in itertools.product(PROGRAMS, ROWS, BLOCK_K, WARPS_STAGES):
-                launch = (programs, rows, block_k, warps, stages)
-                if t * rows * block_k > MAX_ACC_PER_THREAD * 32 * warps and launch != _GEMV_LAUNCH:
-                    continue
-
-                def run(i):
-                    return fp8_block_matmul_triton(x, *copies[i], gemv=launch)
+            for target, block_n, stages in itertools.product((264, 528, 1056, 2112), (32, 64, 128), (3, 4, 6)):
+                def run():
+                    return fp8_block_matmul_triton(x, w, s, launch=(target, block_n, stages))
 
                 try:
-                    err = ((run(0).float() - ref).abs().max() / ref.abs().max()).item()
-                    us = time_us(run, len(copies))
-                except Exception as e:  # a configuration that does not compile is skipped
-                    print(name, t, launch, "failed", type(e).__name__, file=sys.stderr)
+                    err = ((run().float() - ref).abs().max() / ref.abs().max()).item()
+                    us = time_us(run)
+                except Exception as e:  # a configuration that does not compile (shared memory) is skipped
+                    print(name, t, target, block_n, stages, "failed", type(e).__name__, file=sys.stderr)
                     continue
-                r = {"shape": name, "n": n, "k": k, "t": t, "launch": launch, "us": us, "floor_us": floor_us,
-                     "ratio": us / floor_us, "err": err}
-                rows_out.append(r)
+                r = {"shape": name, "n": n, "k": k, "t": t, "target": target, "block_n": block_n, "stages": stages,
+                     "us": us, "floor_us": floor_us, "ratio": us / floor_us, "err": err}
+                rows.append(r)
                 if best is None or us < best["us"]:
                     best = r
-            cur = next(r for r in rows_out if r["shape"] == name and r["t"] == t and r["launch"] == _GEMV_LAUNCH)
+            cur = next(r for r in rows if r["shape"] == name and r["t"] == t
+                       and (r["target"], r["block_n"], r["stages"]) == CURRENT)
             print(f"{name:15s} t={t} current {cur['us']:7.1f} us ({cur['ratio']:.2f}x)  "
-                  f"best {best['us']:7.1f} us ({best['ratio']:.2f}x) {best['launch']} floor {floor_us:.1f}", flush=True)
-    json.dump(rows_out, open(out_path, "w"), indent=0)
-    for t in (1, 4):  # one launch for all shapes: the sum over the draft step's shapes
-        by = {}
-        for r in rows_out:
-            if r["t"] == t:
-                by.setdefault(r["launch"], []).append(r["us"])
-        tot = sorted((sum(v), key) for key, v in by.items() if len(v) == len(SHAPES))
-        print(f"t={t} sum over shapes, best launches:", [(round(a, 1), key) for a, key in tot[:6]])
-        print(f"t={t} current {_GEMV_LAUNCH}:", round(sum(by[_GEMV_LAUNCH]), 1))
-    best = {}  # per shape at t=1, for a per-shape rule
-    for r in rows_out:
-        if r["t"] == 1 and (r["shape"] not in best or r["us"] < best[r["shape"]]["us"]):
-            best[r["shape"]] = r
-    print("t=1 sum of per-shape bests:", round(sum(r["us"] for r in best.values()), 1))
+                  f"best {best['us']:7.1f} us ({best['ratio']:.2f}x) target={best['target']} "
+                  f"block_n={best['block_n']} stages={best['stages']} floor {floor_us:.1f}", flush=True)
+    json.dump(rows, open(out_path, "w"), indent=0)
+    # one config for all shapes: the sum over the draft step's shapes at t=1
+    by = {}
+    for r in rows:
+        if r["t"] == 1:
+            by.setdefault((r["target"], r["block_n"], r["stages"]), []).append(r["us"])
+    tot = sorted((sum(v), key) for key, v in by.items() if len(v) == len(SHAPES))
+    print("sum over shapes at t=1, best configs:", [(round(a, 1), k) for a, k in tot[:6]])
+    print(f"current {CURRENT}:", round(sum(by[CURRENT]), 1))
 
 
 if __name__ == "__main__":

@@ -146,31 +146,17 @@ def case_fp8_matmul_decode_row(device, big):
 
 
 def case_fp8_matmul_uneven_splits(device, big):
-    # the GEMM's split-K whose last split has fewer K tiles (3 tiles in splits of 2; big: 48 in splits of 10)
-    t, n, k, split = (6, 6144, 6144, 10) if big else (6, 100, 384, 2)
+    # split-K whose last split has fewer K tiles (3 tiles in splits of 2; big: 48 in splits of 10)
+    t, n, k, split = (2, 6144, 6144, 10) if big else (2, 100, 384, 2)
     x, (w, s) = _rand(t, k, device=device), _fp8(n, k, device)
     return fp8_block_matmul_triton(x, w, s, split_k=split), fp8_block_matmul_ref(x, w, s)
 
 
 def case_fp8_matmul_launch_override(device, big):
-    # the sweep's launches (kernels/sweep_fp8.py) other than the tuned ones: the GEMV's (programs, rows,
-    # BLOCK_K, warps, stages; rows wider than glm5-nano's 32-row scale blocks) and the GEMM's
+    # the sweep's launch (kernels/sweep_fp8.py): programs, BLOCK_N, stages other than the tuned ones
     n, k = (2048, 6144) if big else (160, 384)
-    x1, x8, (w, s) = _rand(1, k, device=device, dtype=BF16), _rand(8, k, device=device, dtype=BF16), _fp8(n, k, device)
-    block = 128 if big else 32
-    s = s if big else _fp8(n, k, device, block)[1]
-    return ((fp8_block_matmul_triton(x1, w, s, block, gemv=(64, 64, 512, 2, 1)),
-             fp8_block_matmul_triton(x8, w, s, block, launch=(264, 64, 3))),
-            (fp8_block_matmul_ref(x1, w, s, block), fp8_block_matmul_ref(x8, w, s, block)))
-
-
-def case_fp8_matmul_verify_rows_fp32(device, big):
-    # four rows (a gamma-3 verify) in fp32 through the GEMV: K not a multiple of BLOCK_K (256), split
-    # unevenly (3 chunks in splits of 2; big: 25 in splits of 7), and the same with one split
-    n, k, split = (576, 6272, 4) if big else (96, 600, 2)
-    x, (w, s) = _rand(4, k, device=device), _fp8(n, k, device)
-    want = fp8_block_matmul_ref(x, w, s)
-    return (fp8_block_matmul_triton(x, w, s, split_k=split), fp8_block_matmul_triton(x, w, s, split_k=1)), (want, want)
+    x, (w, s) = _rand(1, k, device=device, dtype=BF16), _fp8(n, k, device)
+    return fp8_block_matmul_triton(x, w, s, launch=(264, 64, 3)), fp8_block_matmul_ref(x, w, s)
 
 
 def _kv_b_cases(device, big, dtype, t):  # MLA's kv_b, absorb and value; glm5-nano's: heads straddle scale blocks
