@@ -20,7 +20,7 @@ from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 from glm5mtp_cli.diagnostics.sizing import predicted_weight_bytes
 from glm5mtp_cli.engine.parallel import Comm
 from glm5mtp_cli.engine.run import run_generate
-from glm5mtp_cli.engine.runtime import Runtime
+from glm5mtp_cli.engine.runtime import Runtime, module_bytes
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of, fp8
@@ -248,3 +248,52 @@ def test_fp8_without_random_weights_is_one_line(cmd):
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "--fp8 makes random FP8 weights" in lines[0], r.output
+
+
+def _tiny_fp8_block(block: int):
+    cfg = config_from_spec("glm5-tiny")
+    return dataclasses.replace(cfg, quantization_config={**FP8_QUANT_CONFIG, "weight_block_size": [block, block]})
+
+
+def test_projections_of_one_input_share_one_matrix(monkeypatch):
+    """q_a, the indexer's wk and kv_a (FP8, each but the last ending on a scale block: 16-blocks on
+    glm5-tiny) are loaded into one matrix (models/fp8.share_inputs) that one GEMM reads on the
+    kernels' path: the same logits as three GEMMs, no byte held twice, the checkpoint's names kept."""
+    from glm5mtp_cli.models.glm5 import attention
+    from kernels._triton import kernel_path
+
+    cfg = _tiny_fp8_block(16)
+    family = family_of(cfg)
+    target = build_loaded(lambda: family.build_target(cfg), RandomReader(cfg), "", torch.float32, "cpu",
+                          family.keeps_fp32).eval()
+    mtp = build_loaded(lambda: family.build_mtp(cfg), RandomReader(cfg), family.mtp_prefix(cfg), torch.float32,
+                       "cpu", family.keeps_fp32).eval()
+    for attn in [layer.self_attn for layer in target.model.layers] + [mtp.block.self_attn]:
+        shared = attn.shared_input_weight
+        parts = attn.fp8_shared_input()
+        assert len(parts) == (3 if attn.indexer is not None else 2)
+        assert shared.shape[0] == sum(m.out_features for m in parts)
+        for m in parts:  # views of the shared matrix and grid, not copies
+            assert m.weight.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
+            assert m.weight_scale_inv.untyped_storage().data_ptr() == attn.shared_input_scale_inv.untyped_storage().data_ptr()
+    assert not any("shared_input" in k for k in list(target.state_dict()) + list(mtp.state_dict()))
+    assert module_bytes(target) + module_bytes(mtp) == predicted_weight_bytes(cfg, torch.float32)
+
+    widths = []
+    real = attention.fp8_block_matmul
+    monkeypatch.setattr(attention, "fp8_block_matmul", lambda x, w, *a: widths.append(w.shape[0]) or real(x, w, *a))
+    ids = torch.randint(2, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        with kernel_path("all"):
+            joined = target(ids, [None, None]).logits
+        apart = target(ids, [None, None]).logits  # the CPU's own path: each Fp8Linear by itself
+    assert widths and set(widths) == {48 + 16 + 40, 48 + 40}  # the indexer layers' group and the others'
+    torch.testing.assert_close(joined, apart, rtol=1e-5, atol=1e-5 * apart.abs().max().item())
+
+
+def test_projections_ending_inside_a_scale_block_stay_apart():
+    cfg = _tiny_fp8_block(128)  # q_a's 48 rows end inside the first 128-row block
+    family = family_of(cfg)
+    target = build_loaded(lambda: family.build_target(cfg), RandomReader(cfg), "", torch.float32, "cpu",
+                          family.keeps_fp32)
+    assert not any(hasattr(layer.self_attn, fp8.SHARED_WEIGHT) for layer in target.model.layers)

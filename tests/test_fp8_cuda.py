@@ -145,3 +145,32 @@ def test_fp8_speculation_equals_gamma0(runs):
     same = sum(x == y for x, y in zip(base, spec))
     print(f"\nFP8 gamma 3 vs gamma 0: {same}/8 equal; mean acceptance length {acc.mean_acceptance_length:.2f}")
     assert same >= 7 and acc.mean_acceptance_length > 1.2
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_projections_of_one_input_read_by_one_gemm(dtype, rel):
+    """On CUDA, q_a, the indexer's wk and kv_a that the loader put in one matrix (glm5-tiny with 32-row
+    scale blocks, the MoE kernels' smallest, and q_a and wk widened to end on one: models/fp8.share_inputs)
+    are read by one Triton GEMM: the same logits as each read by its own GEMM (the shared buffers removed)."""
+    import dataclasses
+
+    from glm5mtp_cli.checkpoint.load import build_loaded
+    from glm5mtp_cli.checkpoint.random import RandomReader
+    from glm5mtp_cli.checkpoint.resolve import config_from_spec
+    from glm5mtp_cli.models import family_of
+    from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG, SHARED_SCALE, SHARED_WEIGHT
+
+    cfg = dataclasses.replace(config_from_spec("glm5-tiny"), q_lora_rank=64, index_head_dim=32,  # on 32-row blocks
+                              quantization_config={**FP8_QUANT_CONFIG, "weight_block_size": [32, 32]})
+    family = family_of(cfg)
+    target = build_loaded(lambda: family.build_target(cfg), RandomReader(cfg), "", dtype, "cuda",
+                          family.keeps_fp32).eval()
+    ids = torch.randint(2, cfg.vocab_size, (2, 2), device="cuda")  # 4 rows: the decode-width GEMM
+    with torch.no_grad():
+        joined = target(ids, [None, None]).logits.float()
+        for layer in target.model.layers:
+            assert hasattr(layer.self_attn, SHARED_WEIGHT)
+            delattr(layer.self_attn, SHARED_WEIGHT)
+            delattr(layer.self_attn, SHARED_SCALE)
+        apart = target(ids, [None, None]).logits.float()
+    torch.testing.assert_close(joined, apart, rtol=rel, atol=rel * apart.abs().max().item())

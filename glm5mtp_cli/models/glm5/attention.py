@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from kernels._triton import use_kernels
-from kernels.fp8_block import fp8_heads_matmul, heads_tile
+from kernels.fp8_block import fp8_block_matmul, fp8_heads_matmul, heads_tile
 from kernels.paged import indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
 
 from glm5mtp_cli.engine.cache import CachedRows
-from glm5mtp_cli.models.fp8 import Fp8Linear, linear_weight
+from glm5mtp_cli.models.fp8 import SHARED_WEIGHT, Fp8Linear, linear_weight
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.layers import RMSNorm
 
@@ -77,9 +77,9 @@ class Indexer(nn.Module):
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([rope_gt(rot, cos, sin), rest], dim=-1)
 
-    def keys(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        """x: [G, T, H] -> roped, normed keys [G, T, D]."""
-        return self._rope_first(self.k_norm(self.wk(x)), cos, sin)
+    def keys(self, x: torch.Tensor, cos, sin, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [G, T, H] -> roped, normed keys [G, T, D]; projected: wk(x) when already computed."""
+        return self._rope_first(self.k_norm(self.wk(x) if projected is None else projected), cos, sin)
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """(roped queries [G, T, heads, D], fp32 head weights [G, T, heads] scaled by heads^-0.5)."""
@@ -125,10 +125,11 @@ class MLAttention(nn.Module):
         kv_layer / idx_layer: this layer's index in the MLA and indexer pools.
         """
         b, t, _ = x.shape
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, kv_a, wk_x = self._project(x)
+        q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(b, t, self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        latent, k_rope = kv_a.split([self.kv_lora, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
 
         q_abs, values = self._absorbed(x, q_nope)
@@ -136,12 +137,25 @@ class MLAttention(nn.Module):
         # All sequences of a forward append the same number of rows, so they run as one group:
         # cache-free (training) ones all start at 0; cached ones read their own rows through padded
         # slot tables. topk is that group's [B, T, K] selection, reused by the next shared layer.
-        out, topk = self._group(bc, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
-                                indexer_losses, t, values)
+        out, topk = self._group(bc, q_resid, q_abs, q_rope, latent, k_rope, x, wk_x, kv_layer, idx_layer,
+                                prev_topk, indexer_losses, t, values)
         out = self.o_proj(out.reshape(b, t, self.n_heads * self.v_dim))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
         return out, topk
+
+    def fp8_shared_input(self) -> list[nn.Module]:
+        """The projections of the layer's input, in the order one FP8 GEMM reads them (models/fp8.share_inputs)."""
+        return [self.q_a_proj, *([self.indexer.wk] if self.indexer is not None else []), self.kv_a_proj_with_mqa]
+
+    def _project(self, x: torch.Tensor):
+        """(q_a(x), kv_a(x), the indexer's wk(x) or None: the indexer then projects x itself). At
+        inference on the kernels' path, one FP8 GEMM when the loader gave them one matrix."""
+        if hasattr(self, SHARED_WEIGHT) and use_kernels(x) and not torch.is_grad_enabled():
+            joined = fp8_block_matmul(x, self.shared_input_weight, self.shared_input_scale_inv, self.q_a_proj.block)
+            q_a, *wk_x, kv_a = joined.split([m.out_features for m in self.fp8_shared_input()], dim=-1)
+            return q_a, kv_a, (wk_x[0] if wk_x else None)
+        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
 
     def _absorbed(self, x: torch.Tensor, q_nope: torch.Tensor):
         """(q_nope folded through kv_b's key half into latent space [B, T, heads, kv_lora], the function
@@ -160,8 +174,8 @@ class MLAttention(nn.Module):
         return (torch.einsum("bthn,hnc->bthc", q_nope, kv_b[:, : self.nope]),
                 lambda out: torch.einsum("gthc,hvc->gthv", out, w_uv))
 
-    def _group(self, bc: BatchContext, q_resid, q_abs, q_rope, latent, k_rope, x, kv_layer, idx_layer, prev_topk,
-               indexer_losses, t, values):
+    def _group(self, bc: BatchContext, q_resid, q_abs, q_rope, latent, k_rope, x, wk_x, kv_layer, idx_layer,
+               prev_topk, indexer_losses, t, values):
         """Attention for G sequences at once. Cached sequences of different lengths are read
         through slot tables padded to the longest; padded keys are masked out like future ones.
         values: the output latent through kv_b's value half (_absorbed)."""
@@ -169,7 +183,7 @@ class MLAttention(nn.Module):
         qr = rope_gt(q_rope, cos, sin)
         rows = torch.cat([latent, rope_gt(k_rope, cos, sin)], dim=-1)  # [G, T, C+R]
         if bc.mla is not None and indexer_losses is None and self.use_paged_kernels(x):
-            return self._group_paged(bc, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, values)
+            return self._group_paged(bc, q_resid, q_abs, qr, rows, x, wk_x, kv_layer, idx_layer, prev_topk, values)
         if bc.mla is not None:
             rows = bc.mla.write_read(kv_layer, rows)
         keep = self._causal(bc.starts, t, rows.shape[1], x.device)  # [G, T, L]
@@ -178,7 +192,7 @@ class MLAttention(nn.Module):
             training = indexer_losses is not None
             idx_x = x.detach() if training else x
             idx_q = q_resid.detach() if training else q_resid
-            keys = self.indexer.keys(idx_x, cos, sin)
+            keys = self.indexer.keys(idx_x, cos, sin, None if training else wk_x)
             if bc.indexer is not None:
                 keys = bc.indexer.write_read(idx_layer, keys)
             index_scores = self.indexer.scores(idx_x, idx_q, keys, cos, sin).masked_fill(~keep, float("-inf"))
@@ -201,13 +215,13 @@ class MLAttention(nn.Module):
         """Cached inference on CUDA reads the pools through kernels/paged.py (small selections)."""
         return use_kernels(x) and not torch.is_grad_enabled() and self.index_topk <= self.PAGED_MAX_TOPK
 
-    def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, kv_layer, idx_layer, prev_topk, values):
+    def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, wk_x, kv_layer, idx_layer, prev_topk, values):
         """The cached path on CUDA: kernels/paged.py score the indexer keys and attend over the
         selected latent rows in place in the pools (no gathered copy, no [G, T, H, L] scores)."""
         bc.mla.write(kv_layer, rows)
         topk = prev_topk
         if self.indexer is not None:
-            bc.indexer.write(idx_layer, self.indexer.keys(x, bc.cos, bc.sin))
+            bc.indexer.write(idx_layer, self.indexer.keys(x, bc.cos, bc.sin, wk_x))
             q, w = self.indexer.queries(x, q_resid, bc.cos, bc.sin)
             scores = indexer_scores_paged(q, bc.indexer.data[idx_layer], bc.indexer.all, bc.starts, w,
                                           self.indexer.head_dim ** -0.5)
