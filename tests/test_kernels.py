@@ -31,7 +31,6 @@ from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_a
 from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
-from kernels.topk import topk_indices, topk_indices_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -414,35 +413,6 @@ def case_mla_paged_indexed_bf16(device, big):
     idx = torch.stack([torch.randperm(nl, device=device)[:k] for _ in range(g)])[:, None, :].contiguous()
     return (mla_attention_paged(qn, qr, pool, slots, starts, idx, scale, force_triton=True),
             mla_attention_paged_ref(qn, qr, pool, slots, starts, idx, scale))
-
-
-def _topk_set(x, k):  # (Triton's indices, the reference's), each sorted: equal sets when no boundary ties
-    return topk_indices(x, k, force_triton=True).sort(-1).values, topk_indices_ref(x, k).sort(-1).values
-
-
-def case_topk_rows(device, big):  # big: GLM-5's indexer (2048 of 4096 keys) and router (8 of 256)
-    (lead, length, k), (e, top) = ((3, 2), 4096, 2048) if big else ((2, 3), 300, 37), (256, 8)
-    indexer, router = _topk_set(_rand(*lead, length, device=device), k), _topk_set(_rand(5, e, device=device).sigmoid(), top)
-    return (indexer[0], router[0]), (indexer[1], router[1])
-
-
-def case_topk_bf16_long_row(device, big):  # a long row (the kernel holds up to 16384 values)
-    # distinct values of both signs (bf16 has few: random ones would tie at the boundary)
-    length, k = (16000, 2048) if big else (5000, 900)
-    codes = torch.stack([torch.randperm(0x7F00, device=device)[:length] + 1 for _ in range(2)]).to(torch.int16)
-    sign = torch.randint(0, 2, codes.shape, device=device) * 2 - 1
-    return _topk_set(codes.view(BF16) * sign.to(BF16), k)
-
-
-def case_topk_masked_ties(device, big):
-    # a query sees fewer keys than k: the rest are -inf, all tied; every seen key is picked, then
-    # the lowest-indexed -inf ones, each index once
-    length, seen, k = (4096, 1000, 2048) if big else (64, 10, 32)
-    x = _rand(4, length, device=device)
-    x[:, seen:] = float("-inf")
-    got = topk_indices(x, k, force_triton=True)
-    want = torch.arange(k, device=device).expand(4, k)
-    return got.sort(-1).values, want
 
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
