@@ -25,7 +25,7 @@ from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of, fp8
 from glm5mtp_cli.models.fp8 import Fp8Linear
-from glm5mtp_cli.models.glm5.layers import Experts, Fp8Experts, Router
+from glm5mtp_cli.models.glm5.layers import MLP, Experts, Fp8Experts, Router
 
 F8 = torch.float8_e4m3fn
 
@@ -255,11 +255,18 @@ def _tiny_fp8_block(block: int):
     return dataclasses.replace(cfg, quantization_config={**FP8_QUANT_CONFIG, "weight_block_size": [block, block]})
 
 
+def _joined_groups(*modules):
+    """(submodule, its joined buffer, its projections) of every group the loader joined."""
+    return [(sub, sub._buffers[f"joined_{g}_weight"], linears) for m in modules for sub in m.modules()
+            if hasattr(sub, "fp8_input_groups") for g, linears in sub.fp8_input_groups().items()
+            if f"joined_{g}_weight" in sub._buffers]
+
+
 def test_projections_of_one_input_share_one_matrix(monkeypatch):
-    """q_a, the indexer's wk and kv_a (FP8, each but the last ending on a scale block: 16-blocks on
-    glm5-tiny) are loaded into one matrix (models/fp8.share_inputs) that one GEMM reads on the
-    kernels' path: the same logits as three GEMMs, no byte held twice, the checkpoint's names kept."""
-    from glm5mtp_cli.models.glm5 import attention
+    """FP8 projections of one input (each but the last ending on a scale block: 16-blocks on
+    glm5-tiny) are loaded into one matrix (models/fp8.join_inputs) that one GEMM reads on the kernels'
+    path: the attention's q_a / indexer wk / kv_a and q_b / indexer wq_b, every MLP's gate / up. The
+    same logits as each projection by itself, no byte held twice, the checkpoint's names kept."""
     from kernels._triton import kernel_path
 
     cfg = _tiny_fp8_block(16)
@@ -268,27 +275,32 @@ def test_projections_of_one_input_share_one_matrix(monkeypatch):
                           family.keeps_fp32).eval()
     mtp = build_loaded(lambda: family.build_mtp(cfg), RandomReader(cfg), family.mtp_prefix(cfg), torch.float32,
                        "cpu", family.keeps_fp32).eval()
-    for attn in [layer.self_attn for layer in target.model.layers] + [mtp.block.self_attn]:
-        shared = attn.shared_input_weight
-        parts = attn.fp8_shared_input()
-        assert len(parts) == (3 if attn.indexer is not None else 2)
-        assert shared.shape[0] == sum(m.out_features for m in parts)
-        for m in parts:  # views of the shared matrix and grid, not copies
-            assert m.weight.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
-            assert m.weight_scale_inv.untyped_storage().data_ptr() == attn.shared_input_scale_inv.untyped_storage().data_ptr()
-    assert not any("shared_input" in k for k in list(target.state_dict()) + list(mtp.state_dict()))
+    groups = _joined_groups(target, mtp)
+    attn = [layer.self_attn for layer in target.model.layers] + [mtp.block.self_attn]
+    assert {(id(sub), len(linears)) for sub, _, linears in groups} >= {(id(a), 3 if a.indexer is not None else 2)
+                                                                       for a in attn}
+    mlps = [m for m in list(target.modules()) + list(mtp.modules()) if isinstance(m, MLP)]  # dense, and shared experts
+    # every attention's x group, the q_resid group where an indexer shares it, every MLP's gate / up
+    assert len(groups) == sum(1 + (a.indexer is not None) for a in attn) + len(mlps) and mlps
+    for sub, weight, linears in groups:
+        assert weight.shape[0] == sum(m.out_features for m in linears)
+        for m in linears:  # views of the joined matrix, not copies
+            assert m.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert not any("joined_" in k for k in list(target.state_dict()) + list(mtp.state_dict()))
     assert module_bytes(target) + module_bytes(mtp) == predicted_weight_bytes(cfg, torch.float32)
 
-    widths = []
-    real = attention.fp8_block_matmul
-    monkeypatch.setattr(attention, "fp8_block_matmul", lambda x, w, *a: widths.append(w.shape[0]) or real(x, w, *a))
+    read = []
+    real = fp8.fp8_block_matmul
+    monkeypatch.setattr(fp8, "fp8_block_matmul", lambda x, w, *a: read.append(w.data_ptr()) or real(x, w, *a))
     ids = torch.randint(2, cfg.vocab_size, (2, 12))
     with torch.no_grad():
         with kernel_path("all"):
-            joined = target(ids, [None, None]).logits
-        apart = target(ids, [None, None]).logits  # the CPU's own path: each Fp8Linear by itself
-    assert widths and set(widths) == {48 + 16 + 40, 48 + 40}  # the indexer layers' group and the others'
-    torch.testing.assert_close(joined, apart, rtol=1e-5, atol=1e-5 * apart.abs().max().item())
+            together = target(ids, [None, None]).logits
+        alone = target(ids, [None, None]).logits  # the CPU's own path: each Fp8Linear by itself
+    target_groups = _joined_groups(target)
+    assert {w.data_ptr() for _, w, _ in target_groups} <= set(read)  # every joined matrix read as one
+    assert not {m.weight.data_ptr() for _, _, linears in target_groups for m in linears[1:]} & set(read)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
 
 
 def test_projections_ending_inside_a_scale_block_stay_apart():
@@ -296,4 +308,4 @@ def test_projections_ending_inside_a_scale_block_stay_apart():
     family = family_of(cfg)
     target = build_loaded(lambda: family.build_target(cfg), RandomReader(cfg), "", torch.float32, "cpu",
                           family.keeps_fp32)
-    assert not any(hasattr(layer.self_attn, fp8.SHARED_WEIGHT) for layer in target.model.layers)
+    assert not any("joined_x_weight" in layer.self_attn._buffers for layer in target.model.layers)

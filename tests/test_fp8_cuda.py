@@ -149,28 +149,29 @@ def test_fp8_speculation_equals_gamma0(runs):
 
 @pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_projections_of_one_input_read_by_one_gemm(dtype, rel):
-    """On CUDA, q_a, the indexer's wk and kv_a that the loader put in one matrix (glm5-tiny with 32-row
-    scale blocks, the MoE kernels' smallest, and q_a and wk widened to end on one: models/fp8.share_inputs)
-    are read by one Triton GEMM: the same logits as each read by its own GEMM (the shared buffers removed)."""
+    """On CUDA, the FP8 projections of one input that the loader joined into one matrix
+    (models/fp8.join_inputs; glm5-tiny with 32-row scale blocks, the MoE kernels' smallest, q_a and the
+    indexer's heads widened to end on one) are read by one Triton GEMM per group: the same logits as
+    each projection read by its own GEMM (the joined buffers removed)."""
     import dataclasses
 
     from glm5mtp_cli.checkpoint.load import build_loaded
     from glm5mtp_cli.checkpoint.random import RandomReader
     from glm5mtp_cli.checkpoint.resolve import config_from_spec
     from glm5mtp_cli.models import family_of
-    from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG, SHARED_SCALE, SHARED_WEIGHT
+    from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 
-    cfg = dataclasses.replace(config_from_spec("glm5-tiny"), q_lora_rank=64, index_head_dim=32,  # on 32-row blocks
+    cfg = dataclasses.replace(config_from_spec("glm5-tiny"), q_lora_rank=64, index_head_dim=32,
                               quantization_config={**FP8_QUANT_CONFIG, "weight_block_size": [32, 32]})
     family = family_of(cfg)
     target = build_loaded(lambda: family.build_target(cfg), RandomReader(cfg), "", dtype, "cuda",
                           family.keeps_fp32).eval()
     ids = torch.randint(2, cfg.vocab_size, (2, 2), device="cuda")  # 4 rows: the decode-width GEMM
     with torch.no_grad():
-        joined = target(ids, [None, None]).logits.float()
-        for layer in target.model.layers:
-            assert hasattr(layer.self_attn, SHARED_WEIGHT)
-            delattr(layer.self_attn, SHARED_WEIGHT)
-            delattr(layer.self_attn, SHARED_SCALE)
-        apart = target(ids, [None, None]).logits.float()
-    torch.testing.assert_close(joined, apart, rtol=rel, atol=rel * apart.abs().max().item())
+        together = target(ids, [None, None]).logits.float()
+        removed = [(m, n) for m in target.modules() for n in list(m._buffers) if n.startswith("joined_")]
+        assert len(removed) >= 2 * 2 * len(target.model.layers)  # weight and scales: attention's x group, MLP's
+        for m, n in removed:
+            delattr(m, n)
+        alone = target(ids, [None, None]).logits.float()
+    torch.testing.assert_close(together, alone, rtol=rel, atol=rel * alone.abs().max().item())

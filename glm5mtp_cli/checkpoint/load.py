@@ -136,7 +136,7 @@ def build_loaded(build: Callable[[], torch.nn.Module], reader, prefix: str, dtyp
         module = build()
     plan = shard(module) if shard is not None else None
     fp8.convert(module, reader, prefix, plan, reader.block)  # what the checkpoint stores FP8 stays FP8
-    fp8.share_inputs(module, device)  # FP8 projections of one input: one matrix, one GEMM
+    fp8.join_inputs(module, device)  # FP8 projections of one input: one matrix, one GEMM
     load_module(module, reader, prefix, dtype, device, plan, keeps_fp32)
     module.to(device)  # the non-persistent buffers; parameters are already there
     _check_no_meta(module, what)

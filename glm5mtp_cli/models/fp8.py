@@ -6,7 +6,8 @@ what that returns.
 Which tensors are FP8 is what the checkpoint says: the loader (checkpoint/load.py) builds a family's
 modules on the meta device, shards them, then `convert` swaps every such module whose checkpoint
 weight is stored FP8, and fills the new buffers with the stored bytes and scales. Nothing
-dequantized is kept.
+dequantized is kept. Before filling, `join_inputs` lays FP8 projections of one input (a module's
+`fp8_input_groups()`) out as rows of one matrix, which one GEMM reads on CUDA (`joined`).
 
 Compute (`--dtype` stays the activation dtype):
 - CUDA: kernels/fp8_block.fp8_block_matmul (Triton, any row count: split-K for decode and verify
@@ -147,10 +148,7 @@ def convert(module: nn.Module, reader, prefix: str, plan: dict | None, block: tu
 
 # ---- projections of one input, read by one GEMM ----------------------------------------------------------
 
-SHARED_WEIGHT, SHARED_SCALE = "shared_input_weight", "shared_input_scale_inv"
-
-
-def _shareable(linears: list[nn.Module]) -> bool:
+def _joinable(linears: list[nn.Module]) -> bool:
     if len(linears) < 2 or not all(isinstance(m, Fp8Linear) for m in linears):
         return False
     first = linears[0]
@@ -158,32 +156,50 @@ def _shareable(linears: list[nn.Module]) -> bool:
             and all(m.out_features % m.block == 0 for m in linears[:-1]))
 
 
-def share_inputs(module: nn.Module, device) -> int:
-    """Give each submodule with `fp8_shared_input()` (its Fp8Linears that project one input, in order)
-    one FP8 matrix and scale grid on `device` holding them all, as the non-persistent buffers
-    `shared_input_weight` / `shared_input_scale_inv`; each Fp8Linear's buffers become views of its
-    rows. Run between `convert` and loading: the loader fills the views in place, so no byte is held
-    twice, and the submodule's forward reads the group with one GEMM (GLM-5's q_a, indexer wk and kv_a:
-    35 -> 13 us per decode step on the H200, three launches and their split-K sums become one).
+def _names(group: str) -> tuple[str, str]:
+    return f"joined_{group}_weight", f"joined_{group}_scale_inv"
+
+
+def join_inputs(module: nn.Module, device) -> int:
+    """Give each group of FP8 projections of one input, as a submodule's `fp8_input_groups()` names
+    them ({group: its Fp8Linears in order}), one FP8 matrix and scale grid on `device` holding them
+    all: the submodule's non-persistent buffers `joined_{group}_weight` / `joined_{group}_scale_inv`,
+    each Fp8Linear's buffers views of its rows. Run between `convert` and loading: the loader fills
+    the views in place, so no byte is held twice, and the submodule's forward reads the group with
+    one GEMM (:func:`joined`): at GLM-5's dims q_a, the indexer's wk and kv_a took 35 us per decode
+    step on the H200 as three GEMMs with their split-K sums, and 13 as one.
 
     A group stays apart unless all its modules are Fp8Linear of one block and input width and each
     but the last ends on a scale block (the GEMM finds a row's scales by row // block). Returns how
     many groups were joined."""
-    joined = 0
+    count = 0
     for sub in module.modules():
-        group = sub.fp8_shared_input() if hasattr(sub, "fp8_shared_input") else []
-        if not _shareable(group):
-            continue
-        first = group[0]
-        weight = torch.empty(sum(m.out_features for m in group), first.in_features, dtype=FP8, device=device)
-        scale = torch.empty(sum(m.weight_scale_inv.shape[0] for m in group), first.weight_scale_inv.shape[1],
-                            dtype=torch.float32, device=device)
-        row = srow = 0
-        for m in group:
-            rows, srows = m.out_features, m.weight_scale_inv.shape[0]
-            m.weight, m.weight_scale_inv = weight[row:row + rows], scale[srow:srow + srows]
-            row, srow = row + rows, srow + srows
-        sub.register_buffer(SHARED_WEIGHT, weight, persistent=False)
-        sub.register_buffer(SHARED_SCALE, scale, persistent=False)
-        joined += 1
-    return joined
+        for group, linears in (sub.fp8_input_groups() if hasattr(sub, "fp8_input_groups") else {}).items():
+            if not _joinable(linears):
+                continue
+            first = linears[0]
+            weight = torch.empty(sum(m.out_features for m in linears), first.in_features, dtype=FP8, device=device)
+            scale = torch.empty(sum(m.weight_scale_inv.shape[0] for m in linears), first.weight_scale_inv.shape[1],
+                                dtype=torch.float32, device=device)
+            row = srow = 0
+            for m in linears:
+                rows, srows = m.out_features, m.weight_scale_inv.shape[0]
+                m.weight, m.weight_scale_inv = weight[row:row + rows], scale[srow:srow + srows]
+                row, srow = row + rows, srow + srows
+            for name, t in zip(_names(group), (weight, scale)):
+                sub.register_buffer(name, t, persistent=False)
+            count += 1
+    return count
+
+
+def joined(sub: nn.Module, group: str, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """The outputs of `sub`'s `group` projections of x (:func:`join_inputs`) from their one GEMM, split
+    per projection; None where the group was not joined, or off the kernels' inference path (the
+    CPU's own path, training): each projection then runs by itself."""
+    w_name, s_name = _names(group)
+    weight = sub._buffers.get(w_name)
+    if weight is None or not use_kernels(x) or torch.is_grad_enabled():
+        return None
+    linears = sub.fp8_input_groups()[group]
+    out = fp8_block_matmul(x, weight, sub._buffers[s_name], linears[0].block)
+    return list(out.split([m.out_features for m in linears], dim=-1))

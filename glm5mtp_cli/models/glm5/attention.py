@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from kernels._triton import use_kernels
-from kernels.fp8_block import fp8_block_matmul, fp8_heads_matmul, heads_tile
+from kernels.fp8_block import fp8_heads_matmul, heads_tile
 from kernels.paged import indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
 
 from glm5mtp_cli.engine.cache import CachedRows
-from glm5mtp_cli.models.fp8 import SHARED_WEIGHT, Fp8Linear, linear_weight
+from glm5mtp_cli.models.fp8 import Fp8Linear, joined, linear_weight
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.layers import RMSNorm
 
@@ -81,16 +81,20 @@ class Indexer(nn.Module):
         """x: [G, T, H] -> roped, normed keys [G, T, D]; projected: wk(x) when already computed."""
         return self._rope_first(self.k_norm(self.wk(x) if projected is None else projected), cos, sin)
 
-    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """(roped queries [G, T, heads, D], fp32 head weights [G, T, heads] scaled by heads^-0.5)."""
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos, sin,
+                projected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(roped queries [G, T, heads, D], fp32 head weights [G, T, heads] scaled by heads^-0.5);
+        projected: wq_b(q_resid) when already computed."""
         g, t = x.shape[:2]
-        q = self._rope_first(self.wq_b(q_resid).view(g, t, self.n_heads, self.head_dim), cos, sin)
+        q = self.wq_b(q_resid) if projected is None else projected
+        q = self._rope_first(q.view(g, t, self.n_heads, self.head_dim), cos, sin)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
         return q, w
 
-    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos, sin) -> torch.Tensor:
-        """Index scores [G, T, L] in fp32 (not yet masked); keys [G, L, D]."""
-        q, w = self.queries(x, q_resid, cos, sin)
+    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos, sin,
+               projected: torch.Tensor | None = None) -> torch.Tensor:
+        """Index scores [G, T, L] in fp32 (not yet masked); keys [G, L, D]; projected as for queries."""
+        q, w = self.queries(x, q_resid, cos, sin, projected)
         s = torch.einsum("gthd,gld->gthl", q.float(), keys.float()).relu() * self.head_dim ** -0.5
         return torch.einsum("gth,gthl->gtl", w, s)
 
@@ -127,7 +131,8 @@ class MLAttention(nn.Module):
         b, t, _ = x.shape
         q_a, kv_a, wk_x = self._project(x)
         q_resid = self.q_a_layernorm(q_a)
-        q = self.q_b_proj(q_resid).view(b, t, self.n_heads, self.nope + self.rope)
+        q, wq_b_q = self._project_q(q_resid)
+        q = q.view(b, t, self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = kv_a.split([self.kv_lora, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
@@ -137,25 +142,35 @@ class MLAttention(nn.Module):
         # All sequences of a forward append the same number of rows, so they run as one group:
         # cache-free (training) ones all start at 0; cached ones read their own rows through padded
         # slot tables. topk is that group's [B, T, K] selection, reused by the next shared layer.
-        out, topk = self._group(bc, q_resid, q_abs, q_rope, latent, k_rope, x, wk_x, kv_layer, idx_layer,
-                                prev_topk, indexer_losses, t, values)
+        out, topk = self._group(bc, q_resid, q_abs, q_rope, latent, k_rope, x, (wk_x, wq_b_q), kv_layer,
+                                idx_layer, prev_topk, indexer_losses, t, values)
         out = self.o_proj(out.reshape(b, t, self.n_heads * self.v_dim))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
         return out, topk
 
-    def fp8_shared_input(self) -> list[nn.Module]:
-        """The projections of the layer's input, in the order one FP8 GEMM reads them (models/fp8.share_inputs)."""
-        return [self.q_a_proj, *([self.indexer.wk] if self.indexer is not None else []), self.kv_a_proj_with_mqa]
+    def fp8_input_groups(self) -> dict[str, list[nn.Module]]:
+        """The projections of one input each, in the order one FP8 GEMM reads them (models/fp8.join_inputs):
+        of the layer's input x, and of q_resid (q_b's and the indexer's query heads)."""
+        indexer = self.indexer is not None
+        return {"x": [self.q_a_proj, *([self.indexer.wk] if indexer else []), self.kv_a_proj_with_mqa],
+                "q_resid": [self.q_b_proj, *([self.indexer.wq_b] if indexer else [])]}
 
     def _project(self, x: torch.Tensor):
-        """(q_a(x), kv_a(x), the indexer's wk(x) or None: the indexer then projects x itself). At
-        inference on the kernels' path, one FP8 GEMM when the loader gave them one matrix."""
-        if hasattr(self, SHARED_WEIGHT) and use_kernels(x) and not torch.is_grad_enabled():
-            joined = fp8_block_matmul(x, self.shared_input_weight, self.shared_input_scale_inv, self.q_a_proj.block)
-            q_a, *wk_x, kv_a = joined.split([m.out_features for m in self.fp8_shared_input()], dim=-1)
-            return q_a, kv_a, (wk_x[0] if wk_x else None)
-        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
+        """(q_a(x), kv_a(x), the indexer's wk(x) or None: the indexer then projects x itself); one
+        GEMM where the loader joined them."""
+        parts = joined(self, "x", x)
+        if parts is None:
+            return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
+        q_a, *wk_x, kv_a = parts
+        return q_a, kv_a, (wk_x[0] if wk_x else None)
+
+    def _project_q(self, q_resid: torch.Tensor):
+        """(q_b(q_resid), the indexer's wq_b(q_resid) or None), as _project."""
+        parts = joined(self, "q_resid", q_resid)
+        if parts is None:
+            return self.q_b_proj(q_resid), None
+        return parts[0], (parts[1] if len(parts) > 1 else None)
 
     def _absorbed(self, x: torch.Tensor, q_nope: torch.Tensor):
         """(q_nope folded through kv_b's key half into latent space [B, T, heads, kv_lora], the function
@@ -174,16 +189,17 @@ class MLAttention(nn.Module):
         return (torch.einsum("bthn,hnc->bthc", q_nope, kv_b[:, : self.nope]),
                 lambda out: torch.einsum("gthc,hvc->gthv", out, w_uv))
 
-    def _group(self, bc: BatchContext, q_resid, q_abs, q_rope, latent, k_rope, x, wk_x, kv_layer, idx_layer,
+    def _group(self, bc: BatchContext, q_resid, q_abs, q_rope, latent, k_rope, x, projected, kv_layer, idx_layer,
                prev_topk, indexer_losses, t, values):
         """Attention for G sequences at once. Cached sequences of different lengths are read
         through slot tables padded to the longest; padded keys are masked out like future ones.
+        projected: the indexer's wk(x) and wq_b(q_resid), each None when not yet computed;
         values: the output latent through kv_b's value half (_absorbed)."""
         cos, sin = bc.cos, bc.sin
         qr = rope_gt(q_rope, cos, sin)
         rows = torch.cat([latent, rope_gt(k_rope, cos, sin)], dim=-1)  # [G, T, C+R]
         if bc.mla is not None and indexer_losses is None and self.use_paged_kernels(x):
-            return self._group_paged(bc, q_resid, q_abs, qr, rows, x, wk_x, kv_layer, idx_layer, prev_topk, values)
+            return self._group_paged(bc, q_resid, q_abs, qr, rows, x, projected, kv_layer, idx_layer, prev_topk, values)
         if bc.mla is not None:
             rows = bc.mla.write_read(kv_layer, rows)
         keep = self._causal(bc.starts, t, rows.shape[1], x.device)  # [G, T, L]
@@ -192,10 +208,11 @@ class MLAttention(nn.Module):
             training = indexer_losses is not None
             idx_x = x.detach() if training else x
             idx_q = q_resid.detach() if training else q_resid
-            keys = self.indexer.keys(idx_x, cos, sin, None if training else wk_x)
+            wk_x, wq_b_q = (None, None) if training else projected
+            keys = self.indexer.keys(idx_x, cos, sin, wk_x)
             if bc.indexer is not None:
                 keys = bc.indexer.write_read(idx_layer, keys)
-            index_scores = self.indexer.scores(idx_x, idx_q, keys, cos, sin).masked_fill(~keep, float("-inf"))
+            index_scores = self.indexer.scores(idx_x, idx_q, keys, cos, sin, wq_b_q).masked_fill(~keep, float("-inf"))
             topk = index_scores.topk(min(self.indexer.topk, rows.shape[1]), dim=-1, sorted=False).indices
         else:
             topk = prev_topk
@@ -215,14 +232,15 @@ class MLAttention(nn.Module):
         """Cached inference on CUDA reads the pools through kernels/paged.py (small selections)."""
         return use_kernels(x) and not torch.is_grad_enabled() and self.index_topk <= self.PAGED_MAX_TOPK
 
-    def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, wk_x, kv_layer, idx_layer, prev_topk, values):
+    def _group_paged(self, bc: BatchContext, q_resid, q_abs, qr, rows, x, projected, kv_layer, idx_layer, prev_topk,
+                     values):
         """The cached path on CUDA: kernels/paged.py score the indexer keys and attend over the
         selected latent rows in place in the pools (no gathered copy, no [G, T, H, L] scores)."""
         bc.mla.write(kv_layer, rows)
         topk = prev_topk
         if self.indexer is not None:
-            bc.indexer.write(idx_layer, self.indexer.keys(x, bc.cos, bc.sin, wk_x))
-            q, w = self.indexer.queries(x, q_resid, bc.cos, bc.sin)
+            bc.indexer.write(idx_layer, self.indexer.keys(x, bc.cos, bc.sin, projected[0]))
+            q, w = self.indexer.queries(x, q_resid, bc.cos, bc.sin, projected[1])
             scores = indexer_scores_paged(q, bc.indexer.data[idx_layer], bc.indexer.all, bc.starts, w,
                                           self.indexer.head_dim ** -0.5)
             # a set (the kernel reads the picked keys in any order): sorting it cost a radix sort per

@@ -19,7 +19,7 @@ from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
 from kernels.rmsnorm import rmsnorm
 
-from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, scale_grid
+from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, joined, scale_grid
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.overlap import side_by_side
 
@@ -66,8 +66,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
+    def fp8_input_groups(self) -> dict[str, list[nn.Module]]:
+        """gate and up read x: one FP8 GEMM where the loader joined them (models/fp8.join_inputs)."""
+        return {"x": [self.gate_proj, self.up_proj]}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        gate_up = joined(self, "x", x)
+        gate, up = gate_up if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        out = self.down_proj(swiglu(gate, up, self.swiglu_limit))
         if self.comm is not None:
             out = self.comm.all_reduce_sum(out)
         return out
