@@ -160,7 +160,7 @@ def _names(group: str) -> tuple[str, str]:
     return f"joined_{group}_weight", f"joined_{group}_scale_inv"
 
 
-def join_inputs(module: nn.Module, device) -> int:
+def join_inputs(module: nn.Module, device) -> None:
     """Give each group of FP8 projections of one input, as a submodule's `fp8_input_groups()` names
     them ({group: its Fp8Linears in order}), one FP8 matrix and scale grid on `device` holding them
     all: the submodule's non-persistent buffers `joined_{group}_weight` / `joined_{group}_scale_inv`,
@@ -170,9 +170,7 @@ def join_inputs(module: nn.Module, device) -> int:
     step on the H200 as three GEMMs with their split-K sums, and 13 as one.
 
     A group stays apart unless all its modules are Fp8Linear of one block and input width and each
-    but the last ends on a scale block (the GEMM finds a row's scales by row // block). Returns how
-    many groups were joined."""
-    count = 0
+    but the last ends on a scale block (the GEMM finds a row's scales by row // block)."""
     for sub in module.modules():
         for group, linears in (sub.fp8_input_groups() if hasattr(sub, "fp8_input_groups") else {}).items():
             if not _joinable(linears):
@@ -188,8 +186,6 @@ def join_inputs(module: nn.Module, device) -> int:
                 row, srow = row + rows, srow + srows
             for name, t in zip(_names(group), (weight, scale)):
                 sub.register_buffer(name, t, persistent=False)
-            count += 1
-    return count
 
 
 def joined(sub: nn.Module, group: str, x: torch.Tensor) -> list[torch.Tensor] | None:
