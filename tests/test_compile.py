@@ -36,6 +36,21 @@ def glm5(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def glm5_fp8(tmp_path_factory):
+    """glm5-tiny with FP8 weights in 16-row blocks: its projections of one input load joined (models/fp8.join_inputs)."""
+    from glm5mtp_cli.checkpoint.write import init_random
+    from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
+
+    out = tmp_path_factory.mktemp("glm5_tiny_fp8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(FP8_QUANT_CONFIG, "weight_block_size", [16, 16])
+        init_random("glm5-tiny", out, seed=1, dtype=torch.float32, fp8=True)
+    rt = load_runtime(str(out), "cpu", "fp32", layers=2, progress=False)
+    assert "joined_x_weight" in rt.target.model.layers[0].self_attn._buffers
+    return rt
+
+
+@pytest.fixture(scope="module")
 def glm5next(tmp_path_factory):
     from glm5mtp_cli.checkpoint.write import init_random
 
@@ -58,8 +73,9 @@ def _tokens(rt, gamma, mode, compile="off"):
     return [r.tokens for r in res]
 
 
-@pytest.mark.parametrize("family, compile, path", [("glm5", "kernels", "all"), ("glm5next", "torch", "cuda")])
-@pytest.mark.parametrize("gamma", [0, 2])
+@pytest.mark.parametrize("family, compile, path, gamma", [
+    *[(f, c, p, g) for f, c, p in [("glm5", "kernels", "all"), ("glm5next", "torch", "cuda")] for g in (0, 2)],
+    ("glm5_fp8", "kernels", "all", 2)])  # FP8 Linears, joined ones among them, as custom ops
 def test_compiled_forwards_equal_eager(request, family, compile, path, gamma):
     rt = request.getfixturevalue(family)
     counters.clear()
