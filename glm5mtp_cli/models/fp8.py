@@ -186,16 +186,18 @@ def join_inputs(module: nn.Module, device) -> None:
                 row, srow = row + rows, srow + srows
             for name, t in zip(_names(group), (weight, scale)):
                 sub.register_buffer(name, t, persistent=False)
+            # what the forward needs, fixed now: no group lists or names rebuilt in each decode step
+            sub._joined = {**getattr(sub, "_joined", {}),
+                           group: (*_names(group), first.block, [m.out_features for m in linears])}
 
 
 def joined(sub: nn.Module, group: str, x: torch.Tensor) -> list[torch.Tensor] | None:
     """The outputs of `sub`'s `group` projections of x (:func:`join_inputs`) from their one GEMM, split
     per projection; None where the group was not joined, or off the kernels' inference path (the
     CPU's own path, training): each projection then runs by itself."""
-    w_name, s_name = _names(group)
-    weight = sub._buffers.get(w_name)
+    w_name, s_name, block, sizes = getattr(sub, "_joined", {}).get(group, (None, None, 0, None))
+    weight = sub._buffers.get(w_name)  # absent too where a caller took the joined buffers away
     if weight is None or not use_kernels(x) or torch.is_grad_enabled():
         return None
-    linears = sub.fp8_input_groups()[group]
-    out = fp8_block_matmul(x, weight, sub._buffers[s_name], linears[0].block)
-    return list(out.split([m.out_features for m in linears], dim=-1))
+    out = fp8_block_matmul(x, weight, sub._buffers[s_name], block)
+    return list(out.split(sizes, dim=-1))
