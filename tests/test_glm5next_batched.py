@@ -1,5 +1,6 @@
 """GLM-5-Next's batched fixed-shape forwards over the pools (models/glm5_next/paged.py) against the
-model's own per-sequence path (forward_rows over a SequenceState / IndexedSlot, commit), fp32 CPU:
+one-sequence reference (tests/glm5next_reference.py: forward_rows over a SequenceState / IndexedSlot,
+commit), fp32 CPU:
 the same logits (1e-5 relative) and, after partial accepts, the same KDA states, conv windows,
 latent rows, pooled keys and raw tails. The context is built as a graph runner builds it: tables
 as wide as a fixed width with a scratch block, a padding row on a scratch slot, inside sync_free();
@@ -14,12 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
+from glm5next_reference import Mtp, Target, boundary_ties  # noqa: E402
 
 from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, CachePools, table_slots, to_device  # noqa: E402
 from glm5mtp_cli.errors import UserError  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
 from glm5mtp_cli.models.glm5.layers import sync_free  # noqa: E402
-from glm5mtp_cli.models.glm5_next.indexer import boundary_ties, pool_scores  # noqa: E402
+from glm5mtp_cli.models.glm5_next.indexer import pool_scores  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
 from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget  # noqa: E402
 
@@ -81,7 +83,7 @@ def _rel(a, b) -> float:
 
 
 def _compare_state(cfg, cache, ref, tol: float):
-    """Every component of one pooled sequence equals the model's own SequenceState `ref`."""
+    """Every component of one pooled sequence equals the reference's SequenceState `ref`."""
     P, n = cfg.index_kpool, ref.length
     assert cache.length == n
     for j, i in enumerate(cfg.kda_layers):
@@ -117,7 +119,7 @@ def _target_steps(models, batch: int, device: str, graphs: bool, tol: float):
     """Verify (T = gamma + 1 = 4) and decode (T = 1) steps with per-sequence partial accepts through
     the static forward (captured when `graphs`) on `device`, against the CPU per-sequence path."""
     cfg, target, _ = models
-    model = target.model
+    model = Target(target.model)
     pooled = target if device == "cpu" else copy.deepcopy(target).to(device)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in PROMPTS[:batch]]
@@ -223,10 +225,11 @@ def test_padding_rows_touch_no_real_state(models):
 
 def _greedy_chain(models, device: str, graphs: bool, share: bool = False):
     """MtpHead.greedy_chain (the fused draft forward a runner captures) over padded catch-up feeds of
-    1, 3 and 2 real rows (a padding row beside them) against the model-level chain on the CPU;
+    1, 3 and 2 real rows (a padding row beside them) against the one-sequence reference chain on the CPU;
     share: index_share_for_mtp_iteration (chain steps reuse each sequence's step-0 selection)."""
     cfg, target, mtp = models
     embed, lm_head = target.model.embed_tokens, target.model.lm_head
+    ref = Mtp(mtp.layer)
     on_dev = (target, mtp) if device == "cpu" else (copy.deepcopy(target).to(device), copy.deepcopy(mtp).to(device))
     g = torch.Generator().manual_seed(5)
     gamma = 4
@@ -239,11 +242,11 @@ def _greedy_chain(models, device: str, graphs: bool, share: bool = False):
     refs = []
     for st, (tok, hid, f) in zip(states, seqs):
         head.prefill_drafter(tok[:-f].to(device), hid[:-f].to(device), st)
-        slot = mtp.layer.new_state(64)
-        mtp.layer.prefill(tok[:-f], hid[:-f], slot, embed, lm_head)
+        slot = ref.new_state(64)
+        ref.prefill(tok[:-f], hid[:-f], slot, embed, lm_head)
         if f > 1:  # the pending real rows before the last one, then the chain from the last
-            mtp.layer.catchup(tok[-f:-1], hid[-f - 1:-2], slot, embed, lm_head)
-        refs.append(mtp.layer.propose(tok[-1], hid[-2], slot, gamma, embed, lm_head, share_topk=share).tokens)
+            ref.catchup(tok[-f:-1], hid[-f - 1:-2], slot, embed, lm_head)
+        refs.append(ref.propose(tok[-1], hid[-2], slot, gamma, embed, lm_head, share_topk=share).tokens)
     static = Static(pools, "drafter", [st.cache for st in states], pad=1, device=device)
     ids = torch.zeros(len(seqs) + 1, gamma + 1, dtype=torch.long, device=device)
     hidden = torch.zeros(len(seqs) + 1, gamma + 1, cfg.hidden_size, device=device)
@@ -331,9 +334,10 @@ def test_tables_narrower_than_a_pool(models):
     pools = CachePools.create(cfg, num_blocks=32, block_size=2, dtype=torch.float32, device="cpu")
     cache = pools.target_cache()
     cache.reserve(16)
-    ref = target.model.new_state(16)
+    model = Target(target.model)
+    ref = model.new_state(16)
     tokens = torch.randint(2, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
     for tok in tokens:
         out = target(tok.view(1, 1), [cache], "all")
-        assert _rel(out.logits[0], target.model.decode(tok, ref)[0]) < 1e-5
+        assert _rel(out.logits[0], model.decode(tok, ref)[0]) < 1e-5
     cache.release()

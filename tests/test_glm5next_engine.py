@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
+from glm5next_reference import Mtp  # noqa: E402
 
 from glm5mtp_cli.engine.cache import CachePools  # noqa: E402
 from glm5mtp_cli.engine.graphs import ForwardRunner  # noqa: E402
@@ -197,7 +198,7 @@ def _chain_with_selections(models, share: bool, prompt: torch.Tensor, hiddens: t
 def test_index_share_reuses_step0_selection_in_chained_steps(models):
     """With more complete pools than the top-k budget, chained steps that share use step 0's pools
     (plus every pool completed after it) while recomputing picks others; step 0 is the same both ways,
-    and the engine's drafts equal the model-level chain's (Glm5NextMtpLayer.propose)."""
+    and the engine's drafts equal the one-sequence reference chain's (glm5next_reference.Mtp.propose)."""
     cfg, target, mtp, _ = models
     budget = cfg.index_topk // cfg.index_kpool
     g = torch.Generator().manual_seed(3)
@@ -215,8 +216,9 @@ def test_index_share_reuses_step0_selection_in_chained_steps(models):
         assert torch.equal(sel[:n0], shared[0]) and sel[n0:].all()
     assert any(not torch.equal(sel[:n0], own[0]) for sel in own[1:]), "recomputing must pick other pools here"
     for share, tokens in ((True, shared_tokens), (False, own_tokens)):
-        slot = mtp.layer.new_state(64)
+        ref_mtp = Mtp(mtp.layer)
+        slot = ref_mtp.new_state(64)
         embed, lm_head = target.model.embed_tokens, target.model.lm_head
-        mtp.layer.prefill(prompt[:-1], hiddens[:-1], slot, embed, lm_head)
-        ref = mtp.layer.propose(prompt[-1], hiddens[-2], slot, gamma, embed, lm_head, share_topk=share)
+        ref_mtp.prefill(prompt[:-1], hiddens[:-1], slot, embed, lm_head)
+        ref = ref_mtp.propose(prompt[-1], hiddens[-2], slot, gamma, embed, lm_head, share_topk=share)
         assert torch.equal(tokens, ref.tokens), share

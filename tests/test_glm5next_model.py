@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_logits, hf_model, write_checkpoint  # noqa: E402
+from glm5next_reference import Target, boundary_ties  # noqa: E402
 
-from glm5mtp_cli.models.glm5_next.indexer import boundary_ties  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
 
 REL = 1e-4
@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
     hf = hf_model(seed=0)
     folder = write_checkpoint(hf, tmp_path_factory.mktemp("glm5next"))
     cfg, target, mtp = load_next(folder, torch.float32)
-    return hf, folder, cfg, target, mtp
+    return hf, folder, cfg, Target(target), mtp  # the one-sequence reference path
 
 
 def prompt(n, seed=3):

@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
+from glm5next_reference import Mtp, Target, boundary_ties  # noqa: E402
 
 from glm5mtp_cli.errors import UserError  # noqa: E402
 from glm5mtp_cli.models.glm5_next import layout  # noqa: E402
-from glm5mtp_cli.models.glm5_next.indexer import boundary_ties  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_mtp, load_next, load_target, open_checkpoint  # noqa: E402
 
 MTP_SHARD = "model-00002-of-00002.safetensors"
@@ -27,7 +27,7 @@ MTP_SHARD = "model-00002-of-00002.safetensors"
 def ckpt(tmp_path_factory):
     folder = write_checkpoint(hf_model(seed=1), tmp_path_factory.mktemp("glm5next_mtp"))
     cfg, target, mtp = load_next(folder, torch.float32)
-    return folder, cfg, target, mtp
+    return folder, cfg, Target(target), Mtp(mtp)  # the one-sequence reference path
 
 
 def checkpoint_tensors(folder):

@@ -3,6 +3,8 @@ the inference path, gradients reach every tensor, and a few steps write a checkp
 loads and speculates with losslessly."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,9 @@ from glm5mtp_cli.cli import app
 from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.models import family_of, load_config, parse_config
 from glm5mtp_cli.models.glm5_next import training as tr
-from glm5mtp_cli.models.glm5_next.indexer import boundary_ties
+
+sys.path.insert(0, str(Path(__file__).parent))
+from glm5next_reference import Mtp, Target, boundary_ties  # noqa: E402
 
 FILES = 12  # corpus slice (first N files of each split), as tests/test_train.py
 
@@ -35,15 +39,16 @@ def test_training_forward_equals_the_inference_path():
     with torch.no_grad():
         logits, hidden, _ = tr.target_forward(model, x)
         draft, _, _ = tr.mtp_forward(layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head)
+    ref, ref_layer = Target(model), Mtp(layer)  # the one-sequence reference path
     for b in range(x.shape[0]):
-        ref_logits, ref_hidden = model.forward(x[b])  # prefill over a scratch state
-        rows = model.forward_rows(x[b], model.new_state(x.shape[1]))[2]
+        ref_logits, ref_hidden = ref.forward(x[b])  # prefill over a scratch state
+        rows = ref.forward_rows(x[b], ref.new_state(x.shape[1]))[2]
         for i, p in rows.layers.items():  # no exact tie at a top-k boundary (where topk may differ by shape)
             if not model.layers[i].kda:
                 visible = (torch.arange(x.shape[1]) + 1) // cfg.index_kpool
                 assert not boundary_ties(p.scores, visible, cfg.index_topk // cfg.index_kpool).any()
         with torch.no_grad():
-            ref_draft, _, _ = layer.forward_rows(x[b, 1:], ref_hidden[:-1], layer.new_state(x.shape[1]),
+            ref_draft, _, _ = ref_layer.forward_rows(x[b, 1:], ref_hidden[:-1], ref_layer.new_state(x.shape[1]),
                                                  model.embed_tokens, model.lm_head)
         torch.testing.assert_close(logits[b], ref_logits, atol=1e-4, rtol=0)
         torch.testing.assert_close(hidden[b], ref_hidden, atol=1e-4, rtol=0)

@@ -2,15 +2,15 @@
 
 One concern per module: config (NextConfig), layout (checkpoint names/shapes), mhc (streams),
 kda (linear attention + its rollback records), indexer (pooled DSA), attention (NoPE MLA),
-decoder (the target, verify/commit), state (per-sequence storage and byte sizes), mtp (the MTP
-layer and its draft chain), load (lazy loading through CheckpointReader), bench_rollback (the
-measurement behind decoder.DEFAULT_ROLLBACK).
+decoder (the target's modules, DEFAULT_ROLLBACK), mtp (the MTP layer), load (lazy loading through
+CheckpointReader), pooled / paged (both over the engine's pools, B sequences per forward), training
+(the differentiable forward), sharding (tp), family (the ModelFamily). The one-sequence reference
+the tests hold these against is tests/glm5next_reference.py; tests/bench_rollback.py is the
+measurement behind decoder.DEFAULT_ROLLBACK.
 """
 
 from .config import NextConfig
-from .decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM, StepPending
-from .mtp import DraftChain, Glm5NextMtpLayer
-from .state import IndexedSlot, KdaSlot, SequenceState
+from .decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM
+from .mtp import Glm5NextMtpLayer
 
-__all__ = ["DEFAULT_ROLLBACK", "DraftChain", "Glm5NextForCausalLM", "Glm5NextMtpLayer", "IndexedSlot",
-           "KdaSlot", "NextConfig", "SequenceState", "StepPending"]
+__all__ = ["DEFAULT_ROLLBACK", "Glm5NextForCausalLM", "Glm5NextMtpLayer", "NextConfig"]

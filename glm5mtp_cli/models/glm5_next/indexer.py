@@ -81,19 +81,6 @@ def select_pools(scores: torch.Tensor, visible: torch.Tensor, n_select: int) -> 
     return sel & valid
 
 
-def boundary_ties(scores: torch.Tensor, visible: torch.Tensor, n_select: int, tol: float = 0.0) -> torch.Tensor:
-    """Queries whose k-th and (k+1)-th best visible pool scores tie (within tol): there the selection
-    depends on how topk breaks ties, so different shapes (full vs cached) may pick different pools."""
-    out = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-    for i in range(scores.shape[0]):
-        n = int(visible[i])
-        if n <= n_select:
-            continue
-        v = scores[i, :n].sort(descending=True).values
-        out[i] = (v[n_select - 1] - v[n_select]).abs() <= tol
-    return out
-
-
 def key_mask(sel: torch.Tensor, start: int, total: int, pool: int, always_tail: bool) -> torch.Tensor:
     """Token-level attention mask [T, total] of queries at positions start..start+T-1: tokens of
     selected pools, plus the query's incomplete tail pool {P floor((s+1)/P) .. s}."""

@@ -1,5 +1,8 @@
 """Measure the two KDA rollback options of a speculative verify on ONE KDA layer at GLM-5.3-Flash
-sizes (hidden 4096, 64 heads x 128, conv 4, fp32 state), gamma drafts + 1 row, on this machine.
+sizes (hidden 4096, 64 heads x 128, conv 4, fp32 state), gamma drafts + 1 row, on this machine: the
+measurement behind models/glm5_next/decoder.DEFAULT_ROLLBACK, which the engine's batched forwards
+(KdaLayer.forward_batch) follow. It times the one-sequence KdaLayer.forward, the path of the tests'
+reference (tests/glm5next_reference.py), where both options remain.
 
   states : the verify runs the recurrent form and keeps S after every row; rollback picks one.
   replay : the verify keeps the kernel inputs (q, k, v, g, beta) and the committed S; rollback
@@ -9,7 +12,7 @@ Prints, per option: verify time, rollback time (mean over keep = 1..gamma+1), ex
 per sequence per layer, then one JSON line. Weights are random fp32 (the projections cost the
 same in both options; they are timed so the recurrence's share is visible).
 
-    OMP_NUM_THREADS=1 python3 -m glm5mtp_cli.models.glm5_next.bench_rollback --gamma 3 [--device cuda]
+    OMP_NUM_THREADS=1 python3 tests/bench_rollback.py --gamma 3 [--device cuda]
 """
 
 from __future__ import annotations
