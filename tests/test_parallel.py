@@ -25,8 +25,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import rank_sections  # noqa: E402
 
 from glm5mtp_cli.engine import launch
+from glm5mtp_cli.engine.parallel import Comm
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models.glm5.attention import MLAttention
+from glm5mtp_cli.models.glm5.layers import MLP, MoE
 
 PROMPTS = [[3, 17, 99, 4, 250], list(range(10, 40))]
 RANDOM_PROMPT = [3, 17, 99, 4, 250, 6, 7, 8, 9, 10]
@@ -34,6 +37,25 @@ RANDOM_PROMPT = [3, 17, 99, 4, 250, 6, 7, 8, 9, 10]
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+class _NoReduce(Comm):
+    """A Comm whose all-reduce does nothing: each rank keeps its partial sum."""
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def strip_comm(module: torch.nn.Module) -> int:
+    """Skip the all-reduces of a sharded GLM-5 module's layers: what running the sharded head
+    without its reductions computes (partial sums). Returns how many reductions were dropped."""
+    n = 0
+    for m in module.modules():
+        c = m.__dict__.get("comm")
+        if isinstance(m, (MLAttention, MoE, MLP)) and c is not None and not isinstance(c, _NoReduce):
+            m.comm = _NoReduce(c.rank, c.world, c.group, c.local_rank)
+            n += 1
+    return n
 
 
 def _engine(rt, gamma, sampling=None):
@@ -209,8 +231,6 @@ def _section_static(comm, c):
 def _section_stripped(comm, c):
     """The head's sharded layers without their all-reduces draft from partial sums (mutates rt2's MTP
     layer: the last section on spec_ckpt)."""
-    from glm5mtp_cli.models.glm5.sharding import strip_comm
-
     cfg, rt2 = c["cfg"], c["rt2"]
     good = _drafter_logits(cfg, rt2.target, rt2.mtp, c["ids"])[1]
     stripped = strip_comm(rt2.mtp)
@@ -236,7 +256,6 @@ def _section_random_weights(comm, c):
 def _section_trained(comm, c):
     """The shipped trained model at tp 2, with the drafter's all-reduces present, then removed (the
     head run as if it were unsharded)."""
-    from glm5mtp_cli.models.glm5.sharding import strip_comm
     from glm5mtp_cli.engine.runtime import load_runtime
     from glm5mtp_cli.engine.sequence import Request
 

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from glm5mtp_cli.engine.parallel import Comm, Plan, shard_mla_heads, shard_mlp, shard_moe, vocab_parallel
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models.glm5.attention import MLAttention
 from glm5mtp_cli.models.glm5.config import ModelConfig
-from glm5mtp_cli.models.glm5.layers import MLP, MoE
+from glm5mtp_cli.models.glm5.layers import MoE
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
@@ -75,25 +73,6 @@ def shard_mtp(layer: nn.Module, comm: Comm, mtp_prefix: str) -> Plan:
     _shard_layer(layer.block, mtp_prefix, comm, plan)
     layer.comm = comm
     return plan
-
-
-class _NoReduce(Comm):
-    """A Comm whose all-reduce does nothing: each rank keeps its partial sum."""
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
-def strip_comm(module: nn.Module) -> int:
-    """Skip the all-reduces of a sharded module's layers (test helper: what running the sharded head
-    without its reductions computes: partial sums). Returns how many reductions were dropped."""
-    n = 0
-    for m in module.modules():
-        c = m.__dict__.get("comm")
-        if isinstance(m, (MLAttention, MoE, MLP)) and c is not None and not isinstance(c, _NoReduce):
-            m.comm = _NoReduce(c.rank, c.world, c.group, c.local_rank)
-            n += 1
-    return n
 
 
 # ---- which tensors a rank holds a slice of (weight bytes per rank) ---------------------------------
