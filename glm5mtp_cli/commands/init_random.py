@@ -13,14 +13,6 @@ from glm5mtp_cli.units import fmt_bytes
 from glm5mtp_cli.errors import UserError
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def init_random_cmd(
     profile: Annotated[str, typer.Argument(metavar="PROFILE", help="Profile name (e.g. glm5-tiny) or a folder/config.json.")],
     out_dir: Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Folder to write the checkpoint into.")],

@@ -25,10 +25,6 @@ def register_family(model_type: str, family: ModelFamily) -> None:
     _FAMILIES[model_type] = family
 
 
-def supported_model_types() -> tuple[str, ...]:
-    return tuple(_FAMILIES)
-
-
 def family_for(model_type: str | None, source: str = "<config>") -> ModelFamily:
     if model_type not in _FAMILIES:
         raise UserError(f"{source}: field 'model_type' is {model_type!r}; glm5mtp supports "
