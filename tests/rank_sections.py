@@ -14,7 +14,7 @@ def spawn(rank_fn, folder: str, out: Path) -> tuple[list[dict], str | None]:
     """Every section's report per rank from one spawned pair running rank_fn(folder, out_dir)."""
     failure = None
     try:
-        launch.spawn(2, "gloo", rank_fn, {"folder": folder, "out_dir": str(out)})
+        launch.spawn(2, "gloo", _call, (rank_fn, folder, str(out)))
     except BaseException as e:  # the sections that finished still count; the rest fail with this
         failure = f"{type(e).__name__}: {e}"
     reports = []
@@ -22,6 +22,11 @@ def spawn(rank_fn, folder: str, out: Path) -> tuple[list[dict], str | None]:
         p = out / f"rank{rank}.json"
         reports.append(json.loads(p.read_text()) if p.exists() else {})
     return reports, failure
+
+
+def _call(args) -> None:
+    rank_fn, folder, out_dir = args
+    rank_fn(folder=folder, out_dir=out_dir)
 
 
 def section(tp_group, name: str, rank: int = 0) -> dict:

@@ -121,9 +121,9 @@ def test_runs_in_the_engines_graph_mode(tmp_path, monkeypatch):
     modes = []
     real = diag.run_generate
 
-    def spy(*args, **kwargs):
-        modes.append(kwargs.get("graphs"))
-        return real(*args, **kwargs)
+    def spy(rt, prompts, config, *args, **kwargs):
+        modes.append(config.graphs)
+        return real(rt, prompts, config, *args, **kwargs)
 
     monkeypatch.setattr(runtime, "graph_mode", lambda rt, cuda_graphs, compile="off": "static" if cuda_graphs else "eager")
     monkeypatch.setattr(diag, "run_generate", spy)

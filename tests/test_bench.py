@@ -9,6 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.diagnostics.bench import add_ratios
 from glm5mtp_cli.diagnostics.sizing import draft_step_bytes
 from glm5mtp_cli.cli import app
@@ -168,10 +169,9 @@ def test_glm5next_transformers_baseline_is_the_same_model():
     from glm5mtp_cli.engine.sampling import SamplingParams
     from glm5mtp_cli.models import family_of
 
-    rt = load_runtime("glm5next-nano", "cpu", "fp32", with_mtp=False, progress=False)
+    rt = load_runtime(ModelSpec("glm5next-nano", "cpu", "fp32"), with_mtp=False, progress=False)
     prompt = rt.tokenizer.encode("def fibonacci(n):")
-    results = run_generate(rt, [prompt], gamma=0, max_new_tokens=12, sampling=SamplingParams(), batch_size=1,
-                           max_seq_len=64, alloc="budget", draft_conf_tau=None, ignore_eos=True)[0]
+    results = run_generate(rt, [prompt], EngineConfig(gamma=0, max_new_tokens=12, sampling=SamplingParams(), batch_size=1, max_seq_len=64, alloc="budget", draft_conf_tau=None, eos_ids=(), graphs="eager"))[0]
     model = family_of(rt.cfg).transformers_model(str(rt.resolved.folder), torch.float32).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
@@ -202,9 +202,9 @@ def test_bench_runs_both_policies_in_turns(spec_ckpt, monkeypatch):
     order = []
     real = bench.run_generate
 
-    def spy(rt, work, **kw):
-        order.append((kw["gamma"], kw["gamma_policy"]))
-        return real(rt, work, **kw)
+    def spy(rt, work, config):
+        order.append((config.gamma, config.gamma_policy))
+        return real(rt, work, config)
 
     monkeypatch.setattr(bench, "run_generate", spy)
     folder, _ = spec_ckpt

@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.engine.conversation import run_conversations
 from glm5mtp_cli.engine.sampling import SamplingParams
@@ -20,9 +21,9 @@ def rt(spec_runtime):
 
 
 def _run(rt, carry, budget=None, gamma=3, sampling=SamplingParams()):
-    chats, info = run_conversations(rt, CONVS, gamma=gamma, max_new_tokens=10, sampling=sampling, max_seq_len=512,
-                                    alloc="budget", carry=carry, carry_budget=budget, use_template=False,
-                                    ignore_eos=True)
+    config = EngineConfig(gamma=gamma, max_new_tokens=10, sampling=sampling, max_seq_len=512, alloc="budget",
+                          eos_ids=(), graphs="eager")
+    chats, info = run_conversations(rt, CONVS, config, carry, budget, use_template=False)
     return chats, info
 
 

@@ -166,10 +166,13 @@ def test_conversation_static_graphs_equal_eager(spec_runtime):
     from glm5mtp_cli.engine.sampling import SamplingParams
 
     convs = [[[1, 2, 3, 4, 5], [6, 7]], [[9, 8, 7], [1, 2, 3]]]
-    kw = dict(gamma=2, max_new_tokens=6, sampling=SamplingParams(), max_seq_len=256, alloc="budget", carry="all",
-              carry_budget=None, use_template=False, ignore_eos=True)
-    eager, _ = run_conversations(spec_runtime, convs, **kw)
-    static, _ = run_conversations(spec_runtime, convs, graphs="static", **kw)
+    from glm5mtp_cli.engine.config import EngineConfig
+
+    config = EngineConfig(gamma=2, max_new_tokens=6, sampling=SamplingParams(), max_seq_len=256, alloc="budget",
+                          eos_ids=(), graphs="eager")
+    eager, _ = run_conversations(spec_runtime, convs, config, "all", None, use_template=False)
+    static, _ = run_conversations(spec_runtime, convs, config.replace(graphs="static"), "all", None,
+                                  use_template=False)
     assert [[t.tokens for t in c.turns] for c in static] == [[t.tokens for t in c.turns] for c in eager]
 
 

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 from typer.testing import CliRunner
 
+from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.engine.cache import CachePools, write_rows
 from glm5mtp_cli.engine.compiled import compile_forward
@@ -32,7 +33,7 @@ def glm5(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("glm5_tiny")
     init_random("glm5-tiny", out, seed=1, dtype=torch.float32)
-    return load_runtime(str(out), "cpu", "fp32", layers=2, progress=False)  # a dense and a MoE layer
+    return load_runtime(ModelSpec(str(out), "cpu", "fp32", layers=2), progress=False)  # a dense and a MoE layer
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def glm5_fp8(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(FP8_QUANT_CONFIG, "weight_block_size", [16, 16])
         init_random("glm5-tiny", out, seed=1, dtype=torch.float32, fp8=True)
-    rt = load_runtime(str(out), "cpu", "fp32", layers=2, progress=False)
+    rt = load_runtime(ModelSpec(str(out), "cpu", "fp32", layers=2), progress=False)
     assert "joined_x_weight" in rt.target.model.layers[0].self_attn._buffers
     return rt
 
@@ -56,13 +57,12 @@ def glm5next(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("glm5next_tiny")
     init_random("glm5next-tiny", out, seed=1, dtype=torch.float32)
-    return load_runtime(str(out), "cpu", "fp32", layers=2, progress=False)  # a KDA and an indexed MLA layer
+    return load_runtime(ModelSpec(str(out), "cpu", "fp32", layers=2), progress=False)  # a KDA and an indexed MLA layer
 
 
 def _tokens(rt, gamma, mode, compile="off"):
     pools = rt.make_pools(48, 1, block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=48, eos_ids=[], graphs=mode, compile=compile,
-                         check_invariants=True)
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=48, eos_ids=(), graphs=mode, compile=compile, check_invariants=True))
     try:
         res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(PROMPTS)], batch_size=1)
     finally:

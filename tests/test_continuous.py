@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
 
+from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.engine.cache import BlockPool, CachePools  # noqa: E402
 from glm5mtp_cli.engine.runtime import make_engine  # noqa: E402
 from glm5mtp_cli.engine.sampling import SamplingParams  # noqa: E402
@@ -47,17 +48,15 @@ def glm5next(tmp_path_factory):
 
 def _glm5_engine(rt, gamma, slots, sampling=SamplingParams(), eos=(), mode="eager", schedule="continuous"):
     pools = rt.make_pools(64, slots + 2, block_size=4)  # + 2: freed blocks can stay free a while
-    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=list(eos),
-                         check_invariants=True, graphs=mode, schedule=schedule)
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=tuple(eos), check_invariants=True, graphs=mode, schedule=schedule))
     return engine, pools
 
 
 def _next_engine(models, gamma, slots, sampling=SamplingParams(), eos=(), schedule="continuous"):
     cfg, target, mtp = models
     pools = CachePools.create(cfg, num_blocks=16 * (slots + 2), block_size=4, dtype=torch.float32, device="cpu")
-    proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=64, sampling=sampling) if gamma else None
-    engine = SpecEngine(cfg, target, proposer, pools, gamma=gamma, sampling=sampling, max_seq_len=64,
-                        eos_ids=list(eos), check_invariants=True, schedule=schedule)
+    proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=64, sampling=sampling)) if gamma else None
+    engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=tuple(eos), check_invariants=True, schedule=schedule, graphs="eager"))
     return engine, pools
 
 
@@ -183,8 +182,8 @@ def test_leakcheck_over_slot_reuse_in_static_mode(glm5):
     """leak-check's lives through 2 slots with the static forwards (the CUDA graphs' path): clean."""
     from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, run_leakcheck
 
-    doc = run_leakcheck(glm5, LeakCheckConfig(sequences=8, gamma=2, max_new_tokens=6, max_seq_len=64,
-                                              graphs="static", batch_size=2))
+    doc = run_leakcheck(glm5, LeakCheckConfig(EngineConfig(gamma=2, max_new_tokens=6, max_seq_len=64, graphs="static",
+                                                           batch_size=2), sequences=8))
     assert doc["verdict"] == "clean"
     assert {"length", "eos", "cancelled", "failed"} <= set(doc["lifecycles_seen"])
 
@@ -224,7 +223,7 @@ def test_continuous_admits_once_idle_slots_cost_what_an_admission_does(glm5):
     engine._idle_s = 0.0
     assert engine._admit_now(free=3, slots=64, waiting=3, running=True)  # the last requests
     assert engine._admit_now(free=1, slots=64, waiting=100, running=False)  # nothing would run
-    engine.schedule = "static"
+    engine.config = engine.config.replace(schedule="static")
     engine._idle_s = 1.0
     assert not engine._admit_now(free=63, slots=64, waiting=100, running=True)
     engine.close()
@@ -256,7 +255,7 @@ def test_loading_freezes_the_startup_heap_and_what_comes_after_stays_collectable
 
     from glm5mtp_cli.engine.runtime import load_runtime
 
-    rt = load_runtime("glm5-tiny", "cpu", "fp32", progress=False, random_weights=True)
+    rt = load_runtime(ModelSpec("glm5-tiny", "cpu", "fp32", random_weights=True), progress=False)
     frozen = gc.get_freeze_count()
     assert frozen > sum(1 for _ in rt.target.modules())  # the models' objects, and more, are frozen
 

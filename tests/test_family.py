@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachePools, cached_rows
 from glm5mtp_cli.engine.proposer import DraftChain, DraftProposer, ProposerState
 from glm5mtp_cli.engine.speculate import SpecEngine
@@ -105,13 +106,10 @@ class SpoilingProposer:
         return ProposerState(None, budget_tokens)
 
     def free_state(self, state: ProposerState) -> None:
-        state.freed = True
+        pass
 
     def drafter_rows(self, state: ProposerState) -> int:
         return state.real_rows
-
-    def prefill_drafter(self, prompt_tokens, hiddens, state) -> None:
-        self.catchup_drafter(prompt_tokens[1:], hiddens[:-1], 0, state)
 
     def catchup_drafter(self, tokens, hiddens, row_base, state) -> None:
         state.real_rows += tokens.shape[0]
@@ -122,9 +120,6 @@ class SpoilingProposer:
 
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         pass
-
-    def propose(self, last_token, hidden, position, num_drafts, state) -> DraftChain:
-        raise NotImplementedError
 
     def propose_batch(self, tokens, hiddens, positions, num_drafts, states, runner) -> list[DraftChain]:
         out = []
@@ -139,14 +134,9 @@ class SpoilingProposer:
             out.append(DraftChain(torch.stack(drafts), None, num_drafts))
         return out
 
-    def propose_batch_max(self) -> int:
-        return 64
-
     def greedy_fusable(self) -> bool:
         return False
 
-    def last_confidence(self, state):
-        return None
 
     def context(self, starts, t, rows):
         raise NotImplementedError("eager only")
@@ -166,9 +156,6 @@ class SpoilingProposer:
     def free_drafter_kv(self, kv):
         raise NotImplementedError
 
-    def needs_comm(self) -> bool:
-        return False
-
 
 class FakeFamily:
     name = "fake"
@@ -181,7 +168,7 @@ class FakeFamily:
         return [StateComponent("target_row", "target", ROWS, 1, (cfg.hidden_size,), dtype),
                 StateComponent("target_rec", "target", SLOT, 1, (cfg.hidden_size,), dtype)]
 
-    def make_proposer(self, target, mtp, pools, **options):
+    def make_proposer(self, target, mtp, pools, config, draft_ids=None):
         return SpoilingProposer(target)
 
 
@@ -194,8 +181,7 @@ def _generate(gamma: int, batch: int) -> tuple[list[list[int]], CachePools, list
     target = FakeTarget(CFG)
     pools = CachePools.create(CFG, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
     proposer = SpoilingProposer(target) if gamma else None
-    engine = SpecEngine(CFG, target, proposer, pools, gamma=gamma, max_seq_len=64, eos_ids=[],
-                        check_invariants=True)
+    engine = SpecEngine(CFG, target, proposer, pools, EngineConfig(gamma=gamma, max_seq_len=64, eos_ids=(), check_invariants=True, graphs="eager"))
     res = engine.generate([Request(p, 30, i) for i, p in enumerate(PROMPTS)], batch_size=batch)
     return [r.tokens for r in res], pools, res
 
@@ -274,7 +260,7 @@ def test_graph_modes_refuse_slot_components_the_forwards_cannot_read():
 
     target = FakeTarget(CFG)
     pools = CachePools.create(CFG, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
-    engine = SpecEngine(CFG, target, None, pools, gamma=0, max_seq_len=32, eos_ids=[], graphs="static")
+    engine = SpecEngine(CFG, target, None, pools, EngineConfig(gamma=0, max_seq_len=32, eos_ids=(), graphs="static"))
     with pytest.raises(UserError, match="fixed-size state"):
         engine.generate([Request([1, 2], 4)])
     assert not any(pools.blocks_held().values())

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.checkpoint.load import build_loaded, load_models
 from glm5mtp_cli.checkpoint.random import RandomReader
 from glm5mtp_cli.checkpoint.read import CheckpointReader
@@ -97,9 +98,7 @@ def test_fp8_greedy_speculation_equals_gamma0(nano_fp8):
     prompts = [[5, 17, 99, 300, 12, 7], [40, 41, 42, 43]]
 
     def run(gamma):
-        res, acc, *_ = run_generate(rt, prompts, gamma=gamma, max_new_tokens=24, sampling=SamplingParams(),
-                                    batch_size=2, max_seq_len=256, alloc="budget", draft_conf_tau=None,
-                                    ignore_eos=True)
+        res, acc, *_ = run_generate(rt, prompts, EngineConfig(gamma=gamma, max_new_tokens=24, sampling=SamplingParams(), batch_size=2, max_seq_len=256, alloc="budget", draft_conf_tau=None, eos_ids=(), graphs="eager"))
         return [r.tokens for r in res], acc
 
     base, _ = run(0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -38,8 +39,8 @@ def runs(tmp_path_factory):
     q, twin = tmp_path_factory.mktemp("nano_fp8"), tmp_path_factory.mktemp("nano_twin")
     rewrite_checkpoint("glm5-nano", q, fp8=True)
     rewrite_checkpoint(str(q), twin, fp8=False)
-    fp8 = load_runtime(str(q), device="cuda", dtype="bf16", progress=False)
-    ref = load_runtime(str(twin), device="cuda", dtype="bf16", progress=False)
+    fp8 = load_runtime(ModelSpec(str(q), device="cuda", dtype="bf16"), progress=False)
+    ref = load_runtime(ModelSpec(str(twin), device="cuda", dtype="bf16"), progress=False)
     prompts = encode_prompts(read_file(profile_path("glm5-nano") / "prompts.jsonl"), fp8.tokenizer)
     assert len(prompts) == 8
     return fp8, ref, prompts
@@ -50,7 +51,7 @@ def twin32(runs):
     """The fp32 twin run in fp32: the exact reference both bf16 runs are measured against."""
     from glm5mtp_cli.engine.runtime import load_runtime
 
-    return load_runtime(str(runs[1].resolved.folder), device="cuda", dtype="fp32", progress=False)
+    return load_runtime(ModelSpec(str(runs[1].resolved.folder), device="cuda", dtype="fp32"), progress=False)
 
 
 @contextlib.contextmanager
@@ -86,9 +87,7 @@ def _greedy(rt, prompts, gamma):
     from glm5mtp_cli.engine.run import run_generate
     from glm5mtp_cli.engine.sampling import SamplingParams
 
-    res, acc, *_ = run_generate(rt, prompts, gamma=gamma, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(),
-                                batch_size=1, max_seq_len=1024, alloc="budget", draft_conf_tau=None,
-                                ignore_eos=True, graphs="cuda")
+    res, acc, *_ = run_generate(rt, prompts, EngineConfig(gamma=gamma, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), batch_size=1, max_seq_len=1024, alloc="budget", draft_conf_tau=None, eos_ids=(), graphs="cuda"))
     return [r.tokens for r in res], acc
 
 

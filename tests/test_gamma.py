@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy, bucket_of
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.errors import UserError
@@ -189,7 +190,7 @@ def test_costs_interpolate_between_measured_gammas_per_bucket():
 
 def test_bad_policy_is_refused():
     with pytest.raises(UserError, match="--gamma-policy"):
-        GammaPolicy(3, "sometimes")
+        EngineConfig(gamma=3, gamma_policy="sometimes")
 
 
 @pytest.fixture(params=["glm5", "glm5next"])
@@ -240,9 +241,7 @@ def test_a_run_reports_its_steps_per_gamma_and_its_admissions(glm5):
     from glm5mtp_cli.engine.sampling import SamplingParams
 
     for policy in ("fixed", "adaptive"):
-        _, acc, lat, _, _ = run_generate(glm5, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], gamma=3, max_new_tokens=10,
-                                         sampling=SamplingParams(), batch_size=1, max_seq_len=64, alloc="budget",
-                                         draft_conf_tau=None, ignore_eos=True, gamma_policy=policy)
+        _, acc, lat, _, _ = run_generate(glm5, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], EngineConfig(gamma=3, max_new_tokens=10, sampling=SamplingParams(), batch_size=1, max_seq_len=64, alloc="budget", draft_conf_tau=None, eos_ids=(), gamma_policy=policy, graphs="eager"))
         assert sum(lat["gamma_steps"].values()) == acc.steps > 0 and lat["admissions"] == 3
         assert policy == "adaptive" or lat["gamma_steps"] == {"3": acc.steps}
 

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
 from glm5next_reference import Mtp, Target, boundary_ties  # noqa: E402
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, CachePools, table_slots, to_device  # noqa: E402
 from glm5mtp_cli.errors import UserError  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
@@ -237,7 +238,7 @@ def _greedy_chain(models, device: str, graphs: bool, share: bool = False):
             for n, f in ((27, 1), (31, 3), (22, 2))]
     pools = _pools(cfg, device)
     on_dev[1].share_topk = share
-    head = family_of(cfg).make_proposer(*on_dev, pools, max_seq_len=64)
+    head = family_of(cfg).make_proposer(*on_dev, pools, EngineConfig(max_seq_len=64))
     states = [head.alloc_state_for(48) for _ in seqs]
     refs = []
     for st, (tok, hid, f) in zip(states, seqs):

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
 from glm5next_reference import Mtp  # noqa: E402
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachePools  # noqa: E402
 from glm5mtp_cli.engine.graphs import ForwardRunner  # noqa: E402
 from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
@@ -45,9 +46,8 @@ def models(tmp_path_factory):
 def _run(models, gamma, batch, rollback_check=True, share=False):
     cfg, target, mtp, _ = models
     pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
-    proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128) if gamma else None
-    engine = SpecEngine(cfg, target, proposer, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
-                        check_invariants=rollback_check)
+    proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128)) if gamma else None
+    engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), check_invariants=rollback_check, graphs="eager"))
     mtp.share_topk = share
     try:
         res = engine.generate([Request(p, NEW, i) for i, p in enumerate(PROMPTS)], batch_size=batch)
@@ -90,8 +90,8 @@ def test_carry_reuses_the_recurrent_state_only_at_the_exact_end(models):
     the drafter's rows up to the divergence. Both give the tokens of a run without carry."""
     cfg, target, mtp, _ = models
     pools = CachePools.create(cfg, num_blocks=96, block_size=4, dtype=torch.float32, device="cpu")
-    proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128)
-    engine = SpecEngine(cfg, target, proposer, pools, gamma=3, max_seq_len=128, eos_ids=[], check_invariants=True)
+    proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128))
+    engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=3, max_seq_len=128, eos_ids=(), check_invariants=True, graphs="eager"))
     first = engine.generate([Request(PROMPTS[0], 12, 0, carry_mode="all")])[0]
     history = PROMPTS[0] + first.tokens
     for prompt, carried in ((history + [9, 10], len(history) - 1), (PROMPTS[0][:5] + [3, 3, 3], 0)):
@@ -111,8 +111,10 @@ def test_confidence_stop_and_draft_vocab_stay_lossless(models):
     cfg, target, mtp, refs = models
     for options in ({"draft_conf_tau": 0.5}, {"draft_ids": torch.arange(0, cfg.vocab_size, 2)}):
         pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
-        proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128, **options)
-        engine = SpecEngine(cfg, target, proposer, pools, gamma=3, max_seq_len=128, eos_ids=[], check_invariants=True)
+        proposer = family_of(cfg).make_proposer(target, mtp, pools,
+                                                EngineConfig(max_seq_len=128, draft_conf_tau=options.get("draft_conf_tau")),
+                                                options.get("draft_ids"))
+        engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=3, max_seq_len=128, eos_ids=(), check_invariants=True, graphs="eager"))
         res = engine.generate([Request(p, NEW, i) for i, p in enumerate(PROMPTS)], batch_size=3)
         assert [r.tokens for r in res] == refs, options
         assert not any(pools.blocks_held().values())
@@ -126,9 +128,9 @@ def test_sampled_runs_repeat_with_the_seed(models):
     for _ in range(2):
         pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
         params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
-        proposer = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128, sampling=params)
+        proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128, sampling=params))
         # each request samples from its own stream, seeded from params.seed and its id
-        engine = SpecEngine(cfg, target, proposer, pools, gamma=2, sampling=params, max_seq_len=128, eos_ids=[])
+        engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=2, sampling=params, max_seq_len=128, eos_ids=(), graphs="eager"))
         runs.append([r.tokens for r in engine.generate([Request(p, 12, i) for i, p in enumerate(PROMPTS)])])
     assert runs[0] == runs[1]
 
@@ -149,7 +151,7 @@ def test_index_share_keeps_each_sequences_own_step0(models):
 
     def drafts(members):
         pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
-        head = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128)
+        head = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128))
         states = [head.alloc_state_for(64) for _ in members]
         for st, (prompt, hid, f) in zip(states, members):
             head.prefill_drafter(prompt[:-f], hid[:-f], st)
@@ -173,7 +175,7 @@ def _chain_with_selections(models, share: bool, prompt: torch.Tensor, hiddens: t
     forward: step 0 (the catch-up's last row), then each chained step."""
     cfg, target, mtp, _ = models
     pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
-    head = family_of(cfg).make_proposer(target, mtp, pools, max_seq_len=128)
+    head = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128))
     state = head.alloc_state_for(64)
     mtp.share_topk = share
     sels = []

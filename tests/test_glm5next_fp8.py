@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 sys.path.insert(0, os.path.dirname(__file__))
 import rank_sections  # noqa: E402
 
+from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.checkpoint.load import build_loaded  # noqa: E402
 from glm5mtp_cli.checkpoint.random import RandomReader  # noqa: E402
 from glm5mtp_cli.checkpoint.read import CheckpointReader  # noqa: E402
@@ -51,7 +52,7 @@ def tiny(tmp_path_factory):
 
 
 def _rt(folder, dtype="fp32", comm=None):
-    return load_runtime(folder, "cpu", dtype, progress=False, comm=comm)
+    return load_runtime(ModelSpec(folder, "cpu", dtype), progress=False, comm=comm)
 
 
 def _stored_fp8(folder) -> set[str]:
@@ -107,8 +108,7 @@ def test_fp8_logits_equal_fp32_twin(tiny):
     ids = torch.randint(2, a.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     for x, y in zip(_logits(a, ids), _logits(b, ids)):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
-    one = [run_generate(rt, PROMPTS[:1], gamma=0, max_new_tokens=8, sampling=SamplingParams(), batch_size=1,
-                        max_seq_len=64, alloc="budget", draft_conf_tau=None, ignore_eos=True)[0][0].tokens
+    one = [run_generate(rt, PROMPTS[:1], EngineConfig(gamma=0, max_new_tokens=8, sampling=SamplingParams(), batch_size=1, max_seq_len=64, alloc="budget", draft_conf_tau=None, eos_ids=(), graphs="eager"))[0][0].tokens
            for rt in (a, b)]
     assert one[0] == one[1]
 
@@ -126,9 +126,7 @@ def test_fp8_greedy_speculation_equals_gamma0(nano_fp8):
     prompts = [rt.tokenizer.encode("def binary_search(items, target):\n"), rt.tokenizer.encode("import os\n")]
 
     def run(gamma):
-        res, acc, *_ = run_generate(rt, prompts, gamma=gamma, max_new_tokens=20, sampling=SamplingParams(),
-                                    batch_size=2, max_seq_len=128, alloc="budget", draft_conf_tau=None,
-                                    ignore_eos=True)
+        res, acc, *_ = run_generate(rt, prompts, EngineConfig(gamma=gamma, max_new_tokens=20, sampling=SamplingParams(), batch_size=2, max_seq_len=128, alloc="budget", draft_conf_tau=None, eos_ids=(), graphs="eager"))
         return [r.tokens for r in res], acc
 
     base, _ = run(0)
@@ -217,8 +215,7 @@ def _generate(rt, gamma, prompts=PROMPTS, graphs="eager", batch=1, device="cpu")
     from glm5mtp_cli.engine.sequence import Request
 
     pools = rt.make_pools(96, len(prompts), block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=96, eos_ids=[], check_invariants=True, graphs=graphs,
-                         device=device)
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=96, eos_ids=(), check_invariants=True, graphs=graphs))
     res = engine.generate([Request(p, 10, i) for i, p in enumerate(prompts)], batch_size=batch)
     engine.close()
     assert not any(pools.blocks_held().values())
@@ -267,7 +264,7 @@ def test_tp2_fp8_tokens_equal_tp1(tp_group):
 def test_cuda_fp8_equals_cpu_and_graphs_equal_eager(nano_fp8):
     """fp32 activations: the CUDA FP8 kernels' logits equal the CPU path's (which equals the fp32 twin)
     to 1e-4 of the largest logit; greedy tokens in CUDA graphs equal eager ones, gamma 2 equals gamma 0."""
-    gpu, cpu = load_runtime(nano_fp8, "cuda", "fp32", progress=False), _rt(nano_fp8)
+    gpu, cpu = load_runtime(ModelSpec(nano_fp8, "cuda", "fp32"), progress=False), _rt(nano_fp8)
     ids = torch.tensor([gpu.tokenizer.encode("def binary_search(items, target):\n    lo, hi = 0, len(items)\n")])
     for want, got in zip(_logits(cpu, ids), _logits(gpu, ids.cuda())):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

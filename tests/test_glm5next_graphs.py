@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.engine.graphs import EngineGraphs
 from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
@@ -25,7 +26,7 @@ TEXTS = [("def binary_search(items, target):\n", 14), ("import os\n", 6),
 @pytest.fixture(scope="module")
 def rt():
     """The trained glm5next-nano: its drafter is accepted often, so partial KDA commits happen."""
-    return load_runtime("glm5next-nano", "cpu", "fp32", progress=False)
+    return load_runtime(ModelSpec("glm5next-nano", "cpu", "fp32"), progress=False)
 
 
 def _work(rt):
@@ -34,8 +35,7 @@ def _work(rt):
 
 def _run(rt, gamma, mode, slots, sampling=SamplingParams(), device="cpu"):
     pools = rt.make_pools(64, slots + 2, block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=[],
-                         check_invariants=True, graphs=mode, device=device)
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=(), check_invariants=True, graphs=mode))
     res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(_work(rt))], batch_size=slots)
     if mode != "eager":
         assert engine.runner.graphs is not None, "the static forwards were not built"
@@ -68,7 +68,7 @@ def test_static_sampling_equals_eager(rt):
 
 def test_retire_points_the_slot_index_at_scratch_before_the_state_goes_back(rt):
     pools = rt.make_pools(64, 4, block_size=4)
-    engine = make_engine(rt, pools, gamma=2, max_seq_len=64, eos_ids=[], graphs="static")
+    engine = make_engine(rt, pools, EngineConfig(gamma=2, max_seq_len=64, eos_ids=(), graphs="static"))
     seen = []
     real_retire = EngineGraphs.retire
 
@@ -93,8 +93,8 @@ def test_retire_points_the_slot_index_at_scratch_before_the_state_goes_back(rt):
 def test_leakcheck_in_static_mode_is_clean(rt):
     from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, run_leakcheck
 
-    doc = run_leakcheck(rt, LeakCheckConfig(sequences=6, gamma=2, max_new_tokens=6, max_seq_len=64,
-                                            graphs="static", batch_size=2))
+    doc = run_leakcheck(rt, LeakCheckConfig(EngineConfig(gamma=2, max_new_tokens=6, max_seq_len=64, graphs="static",
+                                                         batch_size=2), sequences=6))
     assert doc["verdict"] == "clean"
 
 
@@ -108,7 +108,7 @@ def test_graph_mode_captures_glm5next_on_cuda(rt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("gamma", [0, 3])
 def test_cuda_graphs_equal_eager_on_gpu(gamma):
-    grt = load_runtime("glm5next-nano", "cuda", "fp32", progress=False)
+    grt = load_runtime(ModelSpec("glm5next-nano", "cuda", "fp32"), progress=False)
     for slots in (1, 3):
         want = [r.tokens for r in _run(grt, gamma, "eager", slots, device="cuda")]
         assert [r.tokens for r in _run(grt, gamma, "cuda", slots, device="cuda")] == want
@@ -121,7 +121,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     from glm5mtp_cli.diagnostics.sizing import graph_bytes
 
     pools = rt.make_pools(128, 1, block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[], graphs="static")
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), graphs="static"))
     req = Request(_work(rt)[0][0], 20)
     seq = engine.start(req)
     try:
@@ -176,5 +176,5 @@ def test_prefill_graphs_are_refused_for_fixed_size_state(rt):
 
     pools = rt.make_pools(128, 1, block_size=4)
     with pytest.raises(UserError, match="--prefill-graphs: .*fixed-size state"):
-        make_engine(rt, pools, gamma=0, max_seq_len=128, eos_ids=[], graphs="static", prefill_graphs=True)
+        make_engine(rt, pools, EngineConfig(gamma=0, max_seq_len=128, eos_ids=(), graphs="static", prefill_graphs=True))
     assert not any(pools.blocks_held().values())

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 sys.path.insert(0, os.path.dirname(__file__))
 import rank_sections  # noqa: E402
 
+from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.engine import launch
 from glm5mtp_cli.engine.parallel import Comm
@@ -38,8 +39,7 @@ def _engine(rt, gamma, tokens=96, graphs="eager"):
     from glm5mtp_cli.engine.runtime import make_engine
 
     pools = rt.make_pools(tokens, len(PROMPTS), block_size=4)
-    return make_engine(rt, pools, gamma=gamma, max_seq_len=tokens, eos_ids=[], check_invariants=True,
-                       graphs=graphs), pools
+    return make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=tokens, eos_ids=(), check_invariants=True, graphs=graphs)), pools
 
 
 def _generate(rt, gamma, prompts=PROMPTS, new=12, graphs="eager", batch=1):
@@ -67,7 +67,7 @@ def _logits(rt, ids):
 def _runtimes(comm, model, **kw):
     from glm5mtp_cli.engine.runtime import load_runtime
 
-    return [load_runtime(model, "cpu", "fp32", progress=False, comm=c, **kw) for c in (None, comm)]
+    return [load_runtime(ModelSpec(model, "cpu", "fp32", **kw), progress=False, comm=c) for c in (None, comm)]
 
 
 # ---- rank side: each section returns what it measured (JSON), the tests below judge it ----------
@@ -116,9 +116,9 @@ def _section_wrong_pools(comm, folder):
     from glm5mtp_cli.engine.runtime import load_runtime, make_engine
     from glm5mtp_cli.errors import UserError
 
-    rt = load_runtime(folder, "cpu", "fp32", progress=False, comm=comm)
+    rt = load_runtime(ModelSpec(folder, "cpu", "fp32"), progress=False, comm=comm)
     try:
-        make_engine(rt, CachePools.create(rt.cfg, 8, 4, torch.float32, "cpu"), gamma=2, max_seq_len=32)
+        make_engine(rt, CachePools.create(rt.cfg, 8, 4, torch.float32, "cpu"), EngineConfig(gamma=2, max_seq_len=32, graphs="eager"))
     except UserError as e:
         return {"error": None, "refused": str(e)}
     return {"refused": None}

@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from glm5mtp_cli.engine.config import ModelSpec
 from glm5mtp_cli.checkpoint.random import fill_random
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.checkpoint.resolve import profile_path
@@ -107,7 +108,7 @@ def test_a_few_steps_lower_both_losses(trained):
 def test_the_checkpoint_loads_and_speculates_losslessly(trained):
     from glm5mtp_cli.engine.runtime import load_runtime
 
-    rt = load_runtime(str(trained), "cpu", "fp32", progress=False)
+    rt = load_runtime(ModelSpec(str(trained), "cpu", "fp32"), progress=False)
     bias = rt.target.model.layers[1].mlp.gate.e_score_correction_bias
     assert bias.dtype == torch.float32
     res = CliRunner().invoke(app, ["generate", "--model", str(trained), "--prompt-ids", "5,17,99,4,250,31,8,9,10",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.errors import UserError
@@ -26,8 +27,7 @@ REQUESTS = [([3, 17, 99, 4, 250], 20), (list(range(10, 40)), 13), ([7] * 3 + lis
 
 def _run(rt, gamma, mode, batch, sampling=SamplingParams(), eos=(), alloc="budget"):
     pools = rt.make_pools(128, batch, block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=128,
-                        alloc=alloc, eos_ids=list(eos), check_invariants=True, graphs=mode)
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=128, alloc=alloc, eos_ids=tuple(eos), check_invariants=True, graphs=mode))
     res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=batch)
     assert (engine.runner.graphs is not None) == (mode != "eager")  # kept for the engine's next call
     engine.close()
@@ -64,7 +64,7 @@ def test_tables_are_as_wide_as_the_run_needs_and_grow_by_rebuilding(rt):
     short, long = Request([3, 17, 99, 4, 250], 6), Request(list(range(10, 40)), 40)
 
     def engine_for(mode):
-        return make_engine(rt, pools, gamma=2, max_seq_len=128, eos_ids=[], graphs=mode)
+        return make_engine(rt, pools, EngineConfig(gamma=2, max_seq_len=128, eos_ids=(), graphs=mode))
 
     static, eager = engine_for("static"), engine_for("eager")
     try:
@@ -86,8 +86,7 @@ def test_sequences_finishing_early_are_retired_to_scratch(rt):
     eos_tok = _run(rt, 2, "eager", 1)[1].tokens[3]  # request 1 emits this early
     eager = _run(rt, 2, "eager", 3, eos=[eos_tok])
     pools = rt.make_pools(128, 3, block_size=4)
-    engine = make_engine(rt, pools, gamma=2, max_seq_len=128, eos_ids=[eos_tok],
-                        check_invariants=True, graphs="static")
+    engine = make_engine(rt, pools, EngineConfig(gamma=2, max_seq_len=128, eos_ids=(eos_tok,), check_invariants=True, graphs="static"))
     retired = []
     real_retire = EngineGraphs.retire
 
@@ -115,7 +114,7 @@ def test_sequences_finishing_early_are_retired_to_scratch(rt):
 def test_cuda_graphs_need_cuda(rt):
     pools = rt.make_pools(64, 1, block_size=4)
     with pytest.raises(UserError, match="CUDA graphs need --device cuda"):
-        make_engine(rt, pools, gamma=1, max_seq_len=64, graphs="cuda")
+        make_engine(rt, pools, EngineConfig(gamma=1, max_seq_len=64, graphs="cuda"))
 
 
 def test_graph_mode_captures_under_tp_on_cuda(rt):
@@ -140,8 +139,7 @@ def test_cuda_graphs_equal_eager_on_gpu(spec_ckpt):
     for gamma in (0, 3):
         def run(mode):
             pools = grt.make_pools(128, 3, block_size=4)
-            e = make_engine(grt, pools, gamma=gamma, max_seq_len=128, eos_ids=[],
-                           device="cuda", graphs=mode)
+            e = make_engine(grt, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), graphs=mode))
             out = e.generate([Request(p, n, i) for i, (p, n) in enumerate(REQUESTS)], batch_size=3)
             e.close()
             assert not any(pools.blocks_held().values())
@@ -157,7 +155,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     from glm5mtp_cli.diagnostics.sizing import graph_bytes
 
     pools = rt.make_pools(128, 1, block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[], graphs="static")
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), graphs="static"))
     req = Request(list(range(10, 40)), 20)
     seq = engine.start(req)
     try:

@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.cli import app
 
 
@@ -81,6 +82,7 @@ def test_graphs_are_built_once_at_the_warm_up(tiny, monkeypatch):
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(graphs.EngineGraphs, "__init__", counting)
-    rt = load_runtime(tiny, "cpu", "fp32", progress=False)
-    doc = run_leakcheck(rt, LeakCheckConfig(sequences=8, graphs="static", batch_size=2, seed=1))
+    rt = load_runtime(ModelSpec(tiny, "cpu", "fp32"), progress=False)
+    doc = run_leakcheck(rt, LeakCheckConfig(EngineConfig(max_new_tokens=16, max_seq_len=256, graphs="static", batch_size=2),
+                                            sequences=8, seed=1))
     assert doc["verdict"] == "clean" and len(built) == 1, built

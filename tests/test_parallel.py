@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 sys.path.insert(0, os.path.dirname(__file__))
 import rank_sections  # noqa: E402
 
+from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.engine import launch
 from glm5mtp_cli.engine.parallel import Comm
 from glm5mtp_cli.cli import app
@@ -63,8 +64,7 @@ def _engine(rt, gamma, sampling=None):
     from glm5mtp_cli.engine.runtime import make_engine
 
     pools = rt.make_pools(128, 1, block_size=4)
-    return make_engine(rt, pools, gamma=gamma, sampling=sampling or SamplingParams(),
-                      max_seq_len=256, eos_ids=[], check_invariants=True)
+    return make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling or SamplingParams(), max_seq_len=256, eos_ids=(), check_invariants=True, graphs="eager"))
 
 
 def _generate(rt, gamma, sampling=None, prompts=PROMPTS, max_new_tokens=20):
@@ -126,7 +126,7 @@ def _section_loading(comm, c):
             "rank_experts": t2.model.layers[1].mlp.experts.gate.shape[0], "lm_head": list(t2.lm_head.weight.shape),
             "bytes_read": [c["s1"]["bytes_read"], c["s2"]["bytes_read"]],
             "bytes_held": [_param_bytes(t1, m1), _param_bytes(t2, m2)],
-            "needs_comm": [MtpHead(m, t.model.embed_tokens, t.lm_head, None, 8).needs_comm()
+            "needs_comm": [MtpHead(m, t.model.embed_tokens, t.lm_head, None, EngineConfig(max_seq_len=8)).needs_comm()
                            for t, m in ((t1, m1), (t2, m2))]}
 
 
@@ -197,9 +197,7 @@ def _modes_run(rt, gamma, mode, sampling=None, prefill_graphs=False, chunk=1024)
     from glm5mtp_cli.engine.sequence import Request
 
     pools = rt.make_pools(128, 2, block_size=4)
-    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling or SamplingParams(), max_seq_len=128,
-                         eos_ids=[], check_invariants=True, graphs=mode, prefill_graphs=prefill_graphs,
-                         prefill_chunk=chunk)
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling or SamplingParams(), max_seq_len=128, eos_ids=(), check_invariants=True, graphs=mode, prefill_graphs=prefill_graphs, prefill_chunk=chunk))
     res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(STATIC_REQUESTS)], batch_size=2)
     built = engine.runner.graphs is not None
     replays = engine._prefill.replays if engine._prefill is not None else 0
@@ -247,7 +245,7 @@ def _section_random_weights(comm, c):
 
     out = {}
     for tp, rank_comm in ((1, None), (2, comm)):
-        rt = load_runtime("glm5-tiny", "cpu", "auto", progress=False, comm=rank_comm, random_weights=True)
+        rt = load_runtime(ModelSpec("glm5-tiny", "cpu", "auto", random_weights=True), progress=False, comm=rank_comm)
         out[f"tp{tp}"] = {"tokens": _generate(rt, 2, prompts=[RANDOM_PROMPT], max_new_tokens=8)[0],
                           "weights_bytes": rt.weight_bytes()}
     return out
@@ -259,7 +257,7 @@ def _section_trained(comm, c):
     from glm5mtp_cli.engine.runtime import load_runtime
     from glm5mtp_cli.engine.sequence import Request
 
-    rt = load_runtime("glm5-nano", "cpu", "fp32", progress=False, comm=comm)
+    rt = load_runtime(ModelSpec("glm5-nano", "cpu", "fp32"), progress=False, comm=comm)
     prompts = [rt.tokenizer.encode(p) for p in ("def binary_search(items, target):\n",
                                                  "import os\n\n\ndef read_lines(path):\n")]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.engine.prefill_graphs import bucket
@@ -25,8 +26,7 @@ def rt(spec_runtime):
 
 def _engine(rt, pools, gamma, mode, prefill_graphs=False, device="cpu"):
     # chunks of 16 rows: the longer prompts prefill in several forwards, the later ones at nonzero starts
-    return make_engine(rt, pools, gamma=gamma, max_seq_len=128, eos_ids=[], graphs=mode, device=device,
-                       prefill_graphs=prefill_graphs, prefill_chunk=16)
+    return make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), graphs=mode, prefill_graphs=prefill_graphs, prefill_chunk=16))
 
 
 def _calls(engine, batch):
@@ -42,9 +42,7 @@ def test_a_full_batch_fits_beside_both_scratch_blocks(rt):
     from glm5mtp_cli.engine.sampling import SamplingParams
 
     prompts = [p for p, _ in REQUESTS]
-    runs = [run_generate(rt, prompts, gamma=3, max_new_tokens=8, sampling=SamplingParams(), batch_size=1,
-                         max_seq_len=128, alloc="budget", draft_conf_tau=None, ignore_eos=True, graphs="static",
-                         prefill_graphs=pg)[0] for pg in (False, True)]
+    runs = [run_generate(rt, prompts, EngineConfig(gamma=3, max_new_tokens=8, sampling=SamplingParams(), batch_size=1, max_seq_len=128, alloc="budget", draft_conf_tau=None, eos_ids=(), graphs="static", prefill_graphs=pg))[0] for pg in (False, True)]
     assert [r.tokens for r in runs[1]] == [r.tokens for r in runs[0]]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftProposer
@@ -23,8 +24,7 @@ def spec_rt(spec_ckpt):
 
 def _engine(rt, gamma, max_seq_len=256, alloc="budget", sampling=SamplingParams(), tau=None, batch=3):
     pools = rt.make_pools(max_seq_len if alloc == "ceiling" else 128, batch, block_size=4)
-    return make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
-                      alloc=alloc, eos_ids=[], check_invariants=True, draft_conf_tau=tau), pools
+    return make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=max_seq_len, alloc=alloc, eos_ids=(), check_invariants=True, draft_conf_tau=tau, graphs="eager")), pools
 
 
 PROMPTS = [[3, 17, 99, 4, 250], list(range(10, 40)), [7] * 3 + list(range(60, 81))]  # index_topk is 8

@@ -13,9 +13,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from glm5mtp_cli.commands.generate import check_flags
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt,
-                                          MtpIndexShareOpt, ThreadsOpt, apply_mtp_index_share)
+                                          MtpIndexShareOpt, ThreadsOpt)
+from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, read_file
 
@@ -56,15 +56,15 @@ def acceptance_cmd(
     if (prompts is None) == (not humaneval):
         raise UserError("give exactly one of --prompts FILE.jsonl, --humaneval")
     from glm5mtp_cli.diagnostics.acceptance import parse_list
-    from glm5mtp_cli.engine.compiled import check_compile
-
-    check_compile(compile or "off", compile_mode)
 
     gamma_list = parse_list(gammas, "--gammas", int)
     temp_list = parse_list(temperatures, "--temperatures", float)
+    spec = ModelSpec(model, device, dtype, mtp_index_share=mtp_index_share)
+    config = EngineConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, eos_ids=() if ignore_eos else None,
+                          graphs="auto" if cuda_graphs else "off", compile=compile, compile_mode=compile_mode)
     for g in gamma_list:
         for t in temp_list:
-            check_flags(g, max_new_tokens, t, 1.0, batch_size, None)
+            config.replace(gamma=g, sampling=SamplingParams(t, 1.0, seed))  # refused here, not mid-sweep
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
     from glm5mtp_cli.diagnostics.acceptance import PromptSet, heldout_losses, humaneval_prompts, sweep
@@ -82,16 +82,16 @@ def acceptance_cmd(
     import torch
 
     from glm5mtp_cli.engine.run import check_fits
-    from glm5mtp_cli.engine.runtime import forward_options, load_runtime, set_threads
+    from glm5mtp_cli.engine.runtime import load_runtime, resolve, set_threads
 
     set_threads(threads)
     err = Console(stderr=True)
     out = Console(stderr=json_out)
-    rt = load_runtime(model, device, dtype, None, None, with_mtp=True, progress=not json_out)
-    index_share = apply_mtp_index_share(rt, mtp_index_share)
-    fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
+    rt = load_runtime(spec, with_mtp=True, progress=not json_out)
+    index_share = rt.mtp.share_topk if rt.mtp is not None and hasattr(rt.cfg, "index_share_for_mtp_iteration") else None
+    config = resolve(rt, config.replace(sampling=SamplingParams(seed=seed)))
     pset = PromptSet(source, [p.name for p in items], encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder))
-    check_fits(pset.token_lists, max_new_tokens, max(gamma_list), rt.cfg.max_position_embeddings,
+    check_fits(pset.token_lists, config.replace(gamma=max(gamma_list)), config.max_seq_len,
                "the model's limit (max_position_embeddings)")
 
     def log(row):
@@ -111,9 +111,7 @@ def acceptance_cmd(
             log(row)
             prog.advance(task)
 
-        result = sweep(rt, pset, gammas=gamma_list, temperatures=temp_list, max_new_tokens=max_new_tokens, seed=seed,
-                       batch_size=batch_size, max_seq_len=rt.cfg.max_position_embeddings, ignore_eos=ignore_eos,
-                       **fwd, log=step)
+        result = sweep(rt, pset, config, gamma_list, temp_list, log=step)
     argv = ["glm5mtp", "acceptance", "--model", model]
     argv += ["--humaneval"] if humaneval else ["--prompts", str(prompts)]
     if limit is not None:
@@ -134,7 +132,7 @@ def acceptance_cmd(
         "model_folder": str(rt.resolved.folder),
         "device": str(rt.device),
         "dtype": str(rt.dtype).replace("torch.", ""),
-        **fwd,
+        "graphs": config.graphs, "compile": config.compile, "compile_mode": config.compile_mode,
         "cpu_threads": torch.get_num_threads() if rt.device.type == "cpu" else None,
         "prompts": {"source": pset.source, "count": len(pset.ids),
                     "prompt_tokens_mean": sum(map(len, pset.token_lists)) / len(pset.ids)},

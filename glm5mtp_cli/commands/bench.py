@@ -4,8 +4,10 @@ Parse and print only: the runs and the step timings are diagnostics.bench's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,10 +16,11 @@ from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
                                           Fp8Opt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
-                                          PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt, check_fp8,
-                                          check_prefill_graphs)
+                                          PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt)
+from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
+
 
 def _ints(text: str, flag: str, low: int) -> list[int]:
     try:
@@ -159,63 +162,77 @@ def bench_cmd(
 
       glm5mtp bench --model glm5-nano --random-weights --device cuda --draft-context 512 --compile kernels
     """
-    kwargs = dict(locals())
     from glm5mtp_cli.diagnostics.bench import BenchConfig
 
-    from glm5mtp_cli.engine.gamma import POLICIES
-    from glm5mtp_cli.engine.speculate import SCHEDULES
-
-    policies = tuple(dict.fromkeys(p.strip() for p in gamma_policy.split(",")))
-    c = BenchConfig(_ints(gammas, "--gammas", 0), _ints(batch_sizes, "--batch-sizes", 1), max_new_tokens, repeats,
-                    transformers, schedule=schedule, gamma_policies=policies, num_prompts=num_prompts,
-                    prefill_tokens=prefill_tokens, prefill_graphs=prefill_graphs, compile_mode=compile_mode)
-    if num_prompts is not None and num_prompts < 1:
-        raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
-    if schedule not in SCHEDULES:
-        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if not set(policies) <= set(POLICIES):
-        raise UserError(f"--gamma-policy takes {', '.join(POLICIES)} or both (comma-separated), got {gamma_policy!r}")
-    if max_new_tokens < 2 or repeats < 1 or draft_context < 1:
+    if draft_context < 1:
         raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
+    spec = ModelSpec(model, device, dtype, layers, random_weights=random_weights, fp8=fp8, tp=tp)
+    engine = EngineConfig(max_new_tokens=max_new_tokens, schedule=schedule, prefill_tokens=prefill_tokens,
+                          prefill_graphs=prefill_graphs, graphs="auto" if cuda_graphs else "off", compile=compile,
+                          compile_mode=compile_mode, eos_ids=())
+    policies = tuple(dict.fromkeys(p.strip() for p in gamma_policy.split(",")))
+    c = BenchConfig(engine, tuple(_ints(gammas, "--gammas", 0)), tuple(_ints(batch_sizes, "--batch-sizes", 1)), repeats,
+                    transformers, gamma_policies=policies, num_prompts=num_prompts)
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
     if tp > 1 and any(sizes):
         # a draft vocabulary is a subset of the whole head's rows; under --tp each rank holds a slice
         raise UserError("--draft-vocab-sizes under --tp: only 0 (the full vocabulary) is timed over split ranks")
-    check_fp8(fp8, random_weights)
     if target_layers is not None and target_layers < 0:
         raise UserError(f"--target-layers must be >= 0, got {target_layers}")
     if draft_vocab_file is not None and not draft_vocab_file.is_file():
         raise UserError(f"--draft-vocab-file {draft_vocab_file}: no such file")
     items = read_file(prompts) if prompts is not None else None
+    run = BenchRun(spec, c, items, draft_context, tuple(sizes), draft_vocab_file, target_layers, kernels, json_out)
+    from glm5mtp_cli.engine import launch
+    from glm5mtp_cli.engine.runtime import set_threads
+
+    set_threads(threads)
+    launch.run(spec, run_bench_command, run)
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """Everything `bench` decided from its flags: what each rank runs (run_bench_command)."""
+
+    model: ModelSpec
+    bench: "BenchConfig"
+    items: list | None  # prompts (--prompts), None: the shipped model's
+    draft_context: int
+    draft_vocab_sizes: tuple[int, ...]
+    draft_vocab_file: Path | None
+    target_layers: int | None
+    kernels: bool
+    json_out: bool
+
+
+def run_bench_command(run: BenchRun) -> None:
     import torch
-
-    from glm5mtp_cli.engine.compiled import check_compile, default_compile
-
-    check_compile(compile or "off", compile_mode)
 
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers, systems_of
     from glm5mtp_cli.diagnostics.recommend import recommend
     from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step, random_drafter,
                                                     target_step)
-    from glm5mtp_cli.models.fp8 import fp8_config
     from glm5mtp_cli.engine import launch
-    from glm5mtp_cli.engine.runtime import forward_options, load_runtime, pick_dtype, rank_device, set_threads
+    from glm5mtp_cli.engine.compiled import default_compile
+    from glm5mtp_cli.engine.runtime import load_runtime, pick_dtype, rank_device, resolve
+    from glm5mtp_cli.models.fp8 import fp8_config
 
-    set_threads(threads)
-    if launch.maybe_spawn(tp, device, model, bench_cmd, kwargs):
-        return
-    comm = launch.rank_comm(tp, device)
+    spec, c, json_out = run.model, run.bench, run.json_out
+    model, target_layers, draft_context, kernels = spec.name, run.target_layers, run.draft_context, run.kernels
+    cuda_graphs, compile_mode = c.engine.graphs == "auto", c.engine.compile_mode
+    max_new_tokens, repeats = c.engine.max_new_tokens, c.repeats
+    comm = launch.rank_comm(spec.tp, spec.device)
     world = comm.world if comm is not None else 1
     if comm is not None:
-        c.with_transformers = False  # transformers' generate runs on one device: not a tp baseline
+        c = dataclasses.replace(c, with_transformers=False)  # transformers' generate runs on one device: not a tp baseline
     out = Console(stderr=json_out)
     rows = []
-    if random_weights:
-        dev = rank_device(device, comm)
-        dt = pick_dtype(dtype, dev)
+    if spec.random_weights:
+        dev = rank_device(spec.device, comm)
+        dt = pick_dtype(spec.dtype, dev)
         cfg, _ = resolve_config(model)
-        if fp8:
+        if spec.fp8:
             cfg = fp8_config(cfg)
         if target_layers is None:
             target_layers = min(4, cfg.num_hidden_layers)
@@ -226,17 +243,16 @@ def bench_cmd(
         mtp, embed, head = random_drafter(cfg, dev, dt, comm=comm)
         folder = None
         # how the steps are timed: graph replays where the family's forwards can be captured
-        c.graphs = "cuda" if cuda_graphs and dev.type == "cuda" else "eager"
-        c.compile = compile or default_compile(cfg)
+        c = dataclasses.replace(c, engine=c.engine.replace(
+            graphs="cuda" if cuda_graphs and dev.type == "cuda" else "eager",
+            compile=c.engine.compile or default_compile(cfg)))
     else:
-        rt = load_runtime(model, device, dtype, layers, progress=not json_out, comm=comm)
-        fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
-        c.graphs, c.compile = fwd["graphs"], fwd["compile"]
-        check_prefill_graphs(prefill_graphs, c.graphs)
+        rt = load_runtime(spec, progress=not json_out, comm=comm)
+        c = dataclasses.replace(c, engine=resolve(rt, c.engine))
         cfg, dev, dt, folder = rt.cfg, rt.device, rt.dtype, rt.resolved.folder
         mtp, embed, head = rt.mtp, rt.target.model.embed_tokens, rt.target.lm_head
-        ids = _prompts(rt, items, max(c.batch_sizes + [num_prompts or 0]))
-    for batch in ([] if random_weights else c.batch_sizes):
+        ids = _prompts(rt, run.items, max(list(c.batch_sizes) + [c.num_prompts or 0]))
+    for batch in ([] if spec.random_weights else c.batch_sizes):
         if c.with_transformers:
             out.print(f"[dim]transformers generate, batch {batch}[/dim]")
             rows.append(run_transformers(rt, ids, batch, c))
@@ -247,19 +263,19 @@ def bench_cmd(
     add_ratios(rows)
     recs = recommend(rows)
     bw = copy_bandwidth(dev)
-    steps = (c.compile, compile_mode)
-    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs, draft_vocab_file,
-                         kernels, steps, world) for k in sizes]
+    steps = (c.engine.compile, compile_mode)
+    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs,
+                         run.draft_vocab_file, kernels, steps, world) for k in run.draft_vocab_sizes]
     t_step = None
-    if random_weights and target_layers:
+    if spec.random_weights and target_layers:
         del mtp, embed, head
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, cuda_graphs, kernels, steps, comm)
-    doc = {"model": model, "device": str(dev), "tp": world, "graphs": c.graphs,
-           "compile": c.compile, "compile_mode": compile_mode,
+    doc = {"model": model, "device": str(dev), "tp": world, "graphs": c.engine.graphs,
+           "compile": c.engine.compile, "compile_mode": compile_mode,
            "target_step": t_step,
-           "dtype": str(dt).replace("torch.", ""), "random_weights": random_weights,
+           "dtype": str(dt).replace("torch.", ""), "random_weights": spec.random_weights,
            "fp8_weights": bool(getattr(cfg, "fp8", False)),
            "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows, "recommendation": recs,
            "draft_step": drafts[0],

@@ -7,9 +7,11 @@ command runs, not when its --help is built.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,8 +21,8 @@ from rich.console import Console
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
                                           Fp8Opt, GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, MtpIndexShareOpt,
                                           PrefillGraphsOpt, PrefillTokensOpt, PromptIdsOpt, PromptOpt, RandomWeightsOpt,
-                                          ScheduleOpt, ThreadsOpt, TpOpt, apply_mtp_index_share, check_fp8,
-                                          check_prefill_graphs)
+                                          ScheduleOpt, ThreadsOpt, TpOpt)
+from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import read_prompts
 
@@ -44,22 +46,6 @@ CONVERSATION_REFUSES = {
                "(same_tokens_as_no_carry); run the turns with --gamma 0 for the baseline",
     "prefill_graphs": "--prefill-graphs: --conversation prefills one turn at a time; the graphs are for prompt sets",
 }
-
-
-def check_flags(gamma: int, max_new_tokens: int, temperature: float, top_p: float, batch_size: int,
-                draft_conf_tau: float | None) -> None:
-    if gamma < 0 or gamma > 16:
-        raise UserError(f"--gamma must be in 0..16, got {gamma}")
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
-    if draft_conf_tau is not None and not 0 <= draft_conf_tau <= 1:
-        raise UserError(f"--draft-conf-tau must be in [0, 1], got {draft_conf_tau}")
 
 
 def check_output(path: Path | None, flag: str) -> None:
@@ -136,28 +122,18 @@ def generate_cmd(
     mtp_index_share: MtpIndexShareOpt = None,
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
-    kwargs = dict(locals())
-    check_flags(gamma, max_new_tokens, temperature, top_p, batch_size, draft_conf_tau)
-    check_fp8(fp8, random_weights)
-    if alloc not in ("budget", "ceiling"):
-        raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
-    from glm5mtp_cli.engine.gamma import POLICIES
-    from glm5mtp_cli.engine.speculate import SCHEDULES
-
-    if schedule not in SCHEDULES:
-        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if gamma_policy not in POLICIES:
-        raise UserError(f"--gamma-policy must be one of {', '.join(POLICIES)}, got {gamma_policy!r}")
-    if max_seq_len is not None and max_seq_len < 2:
-        raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
-    if draft_vocab_file is not None and draft_vocab is None:
-        raise UserError("--draft-vocab-file needs --draft-vocab K")
+    check_output(trace, "--trace")
+    spec = ModelSpec(model, device, dtype, layers, revision, random_weights, fp8, tp, mtp_index_share)
+    engine = EngineConfig(
+        gamma=gamma, gamma_policy=gamma_policy, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        sampling=SamplingParams(temperature, top_p, seed), draft_conf_tau=draft_conf_tau, draft_vocab=draft_vocab,
+        draft_vocab_file=str(draft_vocab_file) if draft_vocab_file is not None else None, max_seq_len=max_seq_len,
+        alloc=alloc, schedule=schedule, prefill_tokens=prefill_tokens, prefill_graphs=prefill_graphs,
+        graphs="auto" if cuda_graphs else "off", compile=compile, compile_mode=compile_mode,
+        eos_ids=() if ignore_eos else None)
     if draft_vocab_file is not None and not draft_vocab_file.is_file():
         raise UserError(f"--draft-vocab-file {draft_vocab_file}: no such file")
-    check_output(trace, "--trace")
-    from glm5mtp_cli.engine.compiled import check_compile
-
-    check_compile(compile or "off", compile_mode)
+    convs = items = None
     if conversation is not None:
         if any(x is not None for x in (prompt, prompt_ids, prompts)):
             raise UserError("--conversation replaces --prompt, --prompt-ids and --prompts: give one of them")
@@ -168,101 +144,98 @@ def generate_cmd(
 
         check_carry_flags(carry, carry_budget)
         convs = read_conversations(conversation)
-        items = None
     else:
         if carry != "none" or carry_budget is not None:
             raise UserError(f"{'--carry' if carry != 'none' else '--carry-budget'} needs --conversation")
         items = read_prompts(prompt, prompt_ids, prompts, others=", --conversation")
-
+    run = GenerateRun(spec, engine, items, convs, chat, compare, json_out, trace, carry, carry_budget)
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import set_threads
 
     set_threads(threads)
-    if launch.maybe_spawn(tp, device, model, generate_cmd, kwargs):
-        return
-    from glm5mtp_cli.engine.runtime import forward_options, load_runtime
-    from glm5mtp_cli.engine.sampling import SamplingParams
+    launch.run(spec, run_generate_command, run)
 
-    out = Console(stderr=json_out)
-    rt = load_runtime(model, device, dtype, layers, revision, with_mtp=gamma > 0 or compare, progress=not json_out,
-                      comm=launch.rank_comm(tp, device), random_weights=random_weights, fp8=fp8)
-    apply_mtp_index_share(rt, mtp_index_share)
-    limit = rt.cfg.max_position_embeddings
-    if max_seq_len is not None and max_seq_len > limit:
-        raise UserError(f"--max-seq-len {max_seq_len} is over the model's limit (max_position_embeddings {limit})")
-    seq_cap = max_seq_len or limit
-    limit_name = "--max-seq-len" if max_seq_len is not None else "the model's limit (max_position_embeddings)"
-    sampling = SamplingParams(temperature, top_p, seed)
-    fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
-    check_prefill_graphs(prefill_graphs, fwd["graphs"])
-    if conversation is not None:
-        _conversation(rt, out, convs, json_out, trace, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
-                      max_seq_len=seq_cap, alloc=alloc, carry=carry, carry_budget=carry_budget,
-                      use_template=chat or _has_template(rt), ignore_eos=ignore_eos, draft_conf_tau=draft_conf_tau,
-                      draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, **fwd,
-                      gamma_policy=gamma_policy)
+
+@dataclass(frozen=True)
+class GenerateRun:
+    """Everything `generate` decided from its flags: what each rank runs (run_generate_command)."""
+
+    model: ModelSpec
+    engine: EngineConfig
+    items: list | None  # prompts (prompts.read_prompts), or None with conversations
+    conversations: list | None  # turns per chat (--conversation)
+    chat: bool
+    compare: bool
+    json_out: bool
+    trace: Path | None
+    carry: str
+    carry_budget: int | None
+
+
+def run_generate_command(run: GenerateRun) -> None:
+    from glm5mtp_cli.engine import launch
+    from glm5mtp_cli.engine.runtime import load_runtime
+
+    out = Console(stderr=run.json_out)
+    rt = load_runtime(run.model, with_mtp=run.engine.drafts or run.compare, progress=not run.json_out,
+                      comm=launch.rank_comm(run.model.tp, run.model.device))
+    limit, asked = rt.cfg.max_position_embeddings, run.engine.max_seq_len
+    if asked is not None and asked > limit:
+        raise UserError(f"--max-seq-len {asked} is over the model's limit (max_position_embeddings {limit})")
+    if run.conversations is not None:
+        _conversation(rt, out, run)
         return
-    _single(rt, out, items, model=model, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
-            batch_size=batch_size, seq_cap=seq_cap, limit_name=limit_name, alloc=alloc,
-            draft_conf_tau=draft_conf_tau, ignore_eos=ignore_eos, draft_vocab=draft_vocab,
-            draft_vocab_file=draft_vocab_file, **fwd, chat=chat, compare=compare, trace=trace,
-            json_out=json_out, schedule=schedule, gamma_policy=gamma_policy, prefill_tokens=prefill_tokens,
-            prefill_graphs=prefill_graphs)
+    _single(rt, out, run)
 
 
 generate_cmd.__doc__ += EXAMPLES
 
 
-def _single(rt, out: Console, items, *, model: str, gamma: int, seq_cap: int, limit_name: str, chat: bool,
-            compare: bool, trace: Path | None, json_out: bool, **kw) -> None:
+def _single(rt, out: Console, run: GenerateRun) -> None:
     from glm5mtp_cli.diagnostics.report import compare_block, print_tables
     from glm5mtp_cli.engine.run import check_fits, peak_memory, run_generate
+    from glm5mtp_cli.engine.runtime import resolve
     from glm5mtp_cli.prompts import encode_prompts
 
-    token_lists = encode_prompts(items, rt.tokenizer, chat, rt.resolved.folder)
-    check_fits(token_lists, kw["max_new_tokens"], gamma, seq_cap, limit_name)
+    config = resolve(rt, run.engine)
+    token_lists = encode_prompts(run.items, rt.tokenizer, run.chat, rt.resolved.folder)
+    check_fits(token_lists, config, config.max_seq_len, run.engine.limit_name())
     stream = None
-    if rt.tokenizer is not None and not json_out and len(token_lists) == 1:
-        _header(out, model, rt, gamma, kw)
+    if rt.tokenizer is not None and not run.json_out and len(token_lists) == 1:
+        _header(out, run.model.name, rt, config)
         stream = _Streamer(rt, out, token_lists[0])
-    run = dict(kw, max_seq_len=seq_cap)
-    if kw["compile"] != "off" and not json_out:
+    if config.compile != "off" and not run.json_out:
         # the first step waits for it: say so rather than look hung (CPU: a minute or more)
-        Console(stderr=True).print(f"[dim]--compile {kw['compile']}: compiling the engine's forwards before the first "
+        Console(stderr=True).print(f"[dim]--compile {config.compile}: compiling the engine's forwards before the first "
                                    "step (once per engine)[/dim]")
-    results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, gamma=gamma, on_tokens=stream, **run)
-    if kw["graphs"] == "eager":
-        lat.pop("graph_capture_ms", None)  # nothing is captured in eager mode
-    if kw["compile"] == "off":
-        lat.pop("compile_s", None)
+    results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, config, on_tokens=stream)
+    _drop_unused(lat, config)
     if stream is not None:
         stream.end(results[0].finish_reason, len(results[0].tokens))
     peak, peak_src = peak_memory(rt.device)
     doc = {
-        "model": model, "device": str(rt.device), "tp": rt.comm.world if rt.comm else 1,
-        "dtype": str(rt.dtype).replace("torch.", ""), "gamma": gamma, "graphs": kw["graphs"],
-        "compile": kw["compile"], "compile_mode": kw["compile_mode"],
-        "batch_size": kw["batch_size"], "schedule": kw["schedule"], "gamma_policy": kw["gamma_policy"],
+        "model": run.model.name, "device": str(rt.device), "tp": rt.tp,
+        "dtype": str(rt.dtype).replace("torch.", ""), "gamma": config.gamma, "graphs": config.graphs,
+        "compile": config.compile, "compile_mode": config.compile_mode,
+        "batch_size": config.batch_size, "schedule": config.schedule, "gamma_policy": config.gamma_policy,
+        "config": {"model": dataclasses.asdict(run.model), "engine": config.to_json()},
         "requests": [{"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
                       "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None,
                       "finish_reason": r.finish_reason} for r in results],
         "acceptance": acc.to_json(),
         "latency": lat,
         "memory": {"weights_bytes": rt.weight_bytes(), "per_sequence_bytes": per_seq, "pool_bytes": pool_bytes,
-                   "peak_bytes": peak, "peak_source": peak_src, "alloc": kw["alloc"]},
+                   "peak_bytes": peak, "peak_source": peak_src, "alloc": config.alloc},
     }
-    if compare:
-        if not json_out:
+    if run.compare:
+        if not run.json_out:
             Console(stderr=True).print("[dim]running gamma 0 for --compare[/dim]")
-        base, _, base_lat, _, _ = run_generate(rt, token_lists, gamma=0, **run)
-        if kw["graphs"] == "eager":
-            base_lat.pop("graph_capture_ms", None)
-        if kw["compile"] == "off":
-            base_lat.pop("compile_s", None)
+        base, _, base_lat, _, _ = run_generate(rt, token_lists, config.replace(gamma=0))
+        _drop_unused(base_lat, config)
         doc["compare"] = compare_block(lat, base_lat, [r.tokens for r in results] == [r.tokens for r in base])
-    if trace is not None:
-        _write_trace(trace, [row for r in results for row in r.trace])
-    if json_out:
+    if run.trace is not None:
+        _write_trace(run.trace, [row for r in results for row in r.trace])
+    if run.json_out:
         sys.stdout.write(json.dumps(doc) + "\n")
         return
     if stream is None:
@@ -273,6 +246,14 @@ def _single(rt, out: Console, items, *, model: str, gamma: int, seq_cap: int, li
             out.print(text + _cut_mark(r), highlight=False, markup=False)
     out.rule(style="dim")
     print_tables(out, doc, acc)
+
+
+def _drop_unused(lat: dict, config) -> None:
+    """Latency keys that mean nothing in this run: no capture when eager, no compile when off."""
+    if config.graphs == "eager":
+        lat.pop("graph_capture_ms", None)
+    if config.compile == "off":
+        lat.pop("compile_s", None)
 
 
 def _finish(reason: str) -> str:
@@ -287,11 +268,11 @@ def _cut_mark(r: dict) -> str:
     return " …[cut]"
 
 
-def _header(out: Console, model: str, rt, gamma: int, kw: dict) -> None:
-    s = kw["sampling"]
+def _header(out: Console, model: str, rt, config) -> None:
+    s = config.sampling
     how = "greedy" if s.temperature == 0 else f"T {s.temperature:g}, top-p {s.top_p:g}, seed {s.seed}"
     name = Path(model).name if "/" in model and Path(model).exists() else model
-    out.rule(f"{name}, {rt.device}, gamma {gamma}, {how}, max {kw['max_new_tokens']} new tokens",
+    out.rule(f"{name}, {rt.device}, gamma {config.gamma}, {how}, max {config.max_new_tokens} new tokens",
              align="left", style="dim")
 
 
@@ -299,15 +280,17 @@ def _has_template(rt) -> bool:
     return rt.tokenizer is not None and bool(rt.tokenizer.config.get("chat_template"))
 
 
-def _conversation(rt, out: Console, convs: list, json_out: bool, trace: Path | None, **kwargs) -> None:
+def _conversation(rt, out: Console, run: GenerateRun) -> None:
     """Run the conversations with the chosen carry and, for comparison, without; report per turn."""
     from glm5mtp_cli.diagnostics.report import conversation_doc, conversation_table
     from glm5mtp_cli.engine.conversation import run_conversations
 
-    chats, info = run_conversations(rt, convs, **kwargs)
+    convs, json_out, trace = run.conversations, run.json_out, run.trace
+    use_template = run.chat or _has_template(rt)
+    chats, info = run_conversations(rt, convs, run.engine, run.carry, run.carry_budget, use_template)
     base = chats
-    if kwargs["carry"] != "none":
-        base, _ = run_conversations(rt, convs, **{**kwargs, "carry": "none"})
+    if run.carry != "none":
+        base, _ = run_conversations(rt, convs, run.engine, "none", run.carry_budget, use_template)
     doc = conversation_doc(chats, base, info, rt.tokenizer)
     if trace is not None:
         _write_trace(trace, [dict(row, conversation=ci, turn=ti + 1) for ci, c in enumerate(chats)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Annotated, Optional
 
 import typer
@@ -11,7 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, DeviceOpt, DtypeOpt, Fp8Opt, JsonOpt,
-                                          LayersOpt, ModelOpt, RandomWeightsOpt, ThreadsOpt, TpOpt, check_fp8)
+                                          LayersOpt, ModelOpt, RandomWeightsOpt, ThreadsOpt, TpOpt)
+from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.units import fmt_bytes
 from glm5mtp_cli.errors import UserError
@@ -66,37 +68,48 @@ def leakcheck_cmd(
 
       glm5mtp leak-check --model glm5 --random-weights --fp8 --layers 4 --device cuda    (real dims, no checkpoint)
     """
-    kwargs = dict(locals())
+    from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig
+
+    spec = ModelSpec(model, device, dtype, layers, random_weights=random_weights, fp8=fp8, tp=tp)
+    engine = EngineConfig(gamma=gamma, max_new_tokens=max_new_tokens, batch_size=batch_size, alloc=alloc,
+                          max_seq_len=max_seq_len, graphs="auto" if cuda_graphs else "off", compile=compile,
+                          compile_mode=compile_mode)
+    run = LeakCheckRun(spec, LeakCheckConfig(engine, sequences, inject_leak, seed), json_out)
     from glm5mtp_cli.checkpoint.resolve import resolve_config
-    from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, check_flags, run_leakcheck
+    from glm5mtp_cli.diagnostics.leakcheck import check_model
 
-    cfg = LeakCheckConfig(sequences, gamma, max_new_tokens, alloc, max_seq_len, inject_leak, seed,
-                          batch_size=batch_size)
-    check_flags(cfg)  # refuse bad flags before loading anything
-    check_fp8(fp8, random_weights)
-    from glm5mtp_cli.engine.compiled import check_compile
-
-    check_compile(compile or "off", compile_mode)
-    model_cfg = resolve_config(model)[0]
-    check_flags(cfg, model_cfg)
+    model_cfg = resolve_config(model)[0]  # refuse what the config alone refuses before loading anything
+    check_model(run.check, model_cfg)
     limit = model_cfg.max_position_embeddings
     if max_seq_len > limit:
         raise UserError(f"--max-seq-len {max_seq_len} is over the model's limit (max_position_embeddings {limit})")
     from glm5mtp_cli.engine import launch
-    from glm5mtp_cli.engine.runtime import forward_options, load_runtime, set_threads
+    from glm5mtp_cli.engine.runtime import set_threads
 
     set_threads(threads)
-    if launch.maybe_spawn(tp, device, model, leakcheck_cmd, kwargs):
-        return
+    launch.run(spec, run_leakcheck_command, run)
+
+
+@dataclass(frozen=True)
+class LeakCheckRun:
+    model: ModelSpec
+    check: "LeakCheckConfig"
+    json_out: bool
+
+
+def run_leakcheck_command(run: LeakCheckRun) -> None:
+    from glm5mtp_cli.diagnostics.leakcheck import run_leakcheck
+    from glm5mtp_cli.engine import launch
+    from glm5mtp_cli.engine.runtime import load_runtime
+
+    json_out = run.json_out
     out = Console(stderr=json_out)
-    rt = load_runtime(model, device, dtype, layers, with_mtp=True, progress=not json_out,
-                      comm=launch.rank_comm(tp, device), random_weights=random_weights, fp8=fp8)
-    fwd = forward_options(rt, cuda_graphs, compile, compile_mode)
-    cfg.graphs, cfg.compile, cfg.compile_mode = fwd["graphs"], fwd["compile"], fwd["compile_mode"]
+    rt = load_runtime(run.model, with_mtp=True, progress=not json_out,
+                      comm=launch.rank_comm(run.model.tp, run.model.device))
     with Progress(TextColumn("leak-check"), BarColumn(), MofNCompleteColumn(), TextColumn("sequences"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:
-        task = prog.add_task("sequences", total=sequences)
-        doc = run_leakcheck(rt, cfg, on_sequence=lambda row: prog.advance(task))
+        task = prog.add_task("sequences", total=run.check.sequences)
+        doc = run_leakcheck(rt, run.check, on_sequence=lambda row: prog.advance(task))
     leaked = doc["leaked_bytes_per_sequence"]
     if json_out:
         sys.stdout.write(json.dumps(doc) + "\n")

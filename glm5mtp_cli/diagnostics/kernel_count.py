@@ -11,11 +11,12 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from glm5mtp_cli.engine.runtime import DEFAULT_MODEL, load_runtime
+from glm5mtp_cli.engine.config import DEFAULT_MODEL, ModelSpec
+from glm5mtp_cli.engine.runtime import load_runtime
 
 
 def count_kernels(model: str = DEFAULT_MODEL, context: int = 100) -> dict[str, int]:
-    rt = load_runtime(model, "cuda", "bf16", progress=False, with_mtp=False)
+    rt = load_runtime(ModelSpec(model, "cuda", "bf16"), with_mtp=False, progress=False)
     pools = rt.make_pools(context + 16, 1)
     cache = pools.target_cache()
     cache.reserve(context + 8)

@@ -22,6 +22,7 @@ from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.sizing import bytes_per_token, growth_bytes, predicted_bytes, predicted_weight_bytes
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request, reserve_tokens
 
@@ -99,7 +100,8 @@ def measure_state(rt: Runtime, c: ProfileConfig, policy: str, max_seq_len: int) 
                               with_drafter=rt.mtp is not None and c.gamma > 0, tp=rt.tp)
     _sync(dev)
     cuda_delta = torch.cuda.memory_allocated(dev) - before if before is not None else None
-    engine = make_engine(rt, pools, gamma=c.gamma, max_seq_len=max_seq_len, alloc=policy, device=dev, eos_ids=[])
+    engine = make_engine(rt, pools, EngineConfig(gamma=c.gamma, max_seq_len=max_seq_len, alloc=policy, eos_ids=(),
+                                                 graphs="eager"))
     seq = engine.start(Request([0], c.budget - 1))
     try:
         held = pools.bytes_held()
@@ -138,7 +140,7 @@ def measure_latency(rt: Runtime, c: ProfileConfig, context: int) -> dict:
     for pool in pools.pools.values():  # random rows, one layer at a time (no temporary copies)
         for layer in range(pool.num_layers):
             pool.data[layer].normal_(generator=gen)
-    engine = make_engine(rt, pools, gamma=g, max_seq_len=rows, device=dev)
+    engine = make_engine(rt, pools, EngineConfig(gamma=g, max_seq_len=rows, graphs="eager"))
     cache = pools.target_cache()
     cache.reserve(rows)
     cache.length = context

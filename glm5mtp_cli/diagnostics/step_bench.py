@@ -164,12 +164,13 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
     (else None); then the compile seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.engine.graphs import sequence_forward
+    from glm5mtp_cli.engine.config import EngineConfig
     from glm5mtp_cli.engine.mtp_head import MtpHead
 
     cfg = mtp.cfg
     pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, tp=tp)
     # GLM-5-Next always chains on the post-norm hidden (its config has no such switch)
-    head_ = MtpHead(mtp, embed, head, pools, context + 8, draft_ids=draft_ids,
+    head_ = MtpHead(mtp, embed, head, pools, EngineConfig(max_seq_len=context + 8), draft_ids,
                     carry_normed=getattr(cfg, "mtp_carry_normed_hidden", True))
     state = head_.alloc_state_for(context + 8)
     out_head = head_.draft_head or head

@@ -28,20 +28,9 @@ import types
 
 import torch
 
-from glm5mtp_cli.errors import UserError
 
-COMPILES = ("off", "kernels", "torch")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # the kernel path (kernels/_triton.py) a compiled forward runs; kernels: the one set outside (default "cuda")
 PATH_OF = {"torch": "torch"}
-
-
-def check_compile(compile: str, mode: str = "default") -> None:
-    """One UserError line for a value outside COMPILES / COMPILE_MODES."""
-    if compile not in COMPILES:
-        raise UserError(f"--compile must be one of {', '.join(COMPILES)}, got {compile!r}")
-    if mode not in COMPILE_MODES:
-        raise UserError(f"--compile-mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
 
 def default_compile(cfg) -> str:

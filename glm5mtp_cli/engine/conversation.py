@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5mtp_cli.engine.carry import CARRY_MODES, CarryStore
-from glm5mtp_cli.engine.draft_vocab import load_draft_ids
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_jsonl
-from glm5mtp_cli.engine.runtime import Runtime, make_engine
-from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.runtime import Runtime, make_engine, resolve
 from glm5mtp_cli.engine.sequence import Request, budget_tokens
 
 
@@ -87,26 +86,18 @@ def check_carry_flags(carry: str, carry_budget: int | None) -> None:
         raise UserError(f"--carry-budget must be >= 0, got {carry_budget}")
 
 
-def run_conversations(rt: Runtime, convs: list[list], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
-                      max_seq_len: int, alloc: str, carry: str, carry_budget: int | None, use_template: bool,
-                      ignore_eos: bool, draft_conf_tau: float | None = None, draft_vocab: int | None = None,
-                      draft_vocab_file: Path | None = None, graphs: str = "eager", compile: str = "off",
-                      compile_mode: str = "default", gamma_policy: str = "fixed") -> tuple[list[Chat], dict]:
-    """Every turn of every chat (round-robin), with generate's flags: draft_conf_tau, draft_vocab
-    (+ draft_vocab_file) and graphs reach the engine as in a single run."""
+def run_conversations(rt: Runtime, convs: list[list], config: EngineConfig, carry: str, carry_budget: int | None,
+                      use_template: bool) -> tuple[list[Chat], dict]:
+    """Every turn of every chat (round-robin), each turn through the engine `config` describes."""
     check_carry_flags(carry, carry_budget)
-    draft_ids = None
-    if draft_vocab is not None and gamma > 0:
-        draft_ids = load_draft_ids(rt.resolved.folder, draft_vocab, rt.cfg.vocab_size, rt.device, path=draft_vocab_file)
+    config = resolve(rt, config)
+    gamma, max_new_tokens, max_seq_len = config.gamma, config.max_new_tokens, config.max_seq_len
     # Every chat may hold a carry while one turn runs: size the pools for all of them at their longest.
     longest = max(sum(len(t) if isinstance(t, list) else 4 * len(t) + 8 for t in c) + len(c) * (max_new_tokens + gamma)
                   for c in convs)
-    per_seq = min(max_seq_len, budget_tokens(longest, 0, 0)) if alloc == "budget" else max_seq_len
+    per_seq = min(max_seq_len, budget_tokens(longest, 0, 0)) if config.alloc == "budget" else max_seq_len
     pools = rt.make_pools(per_seq, len(convs) + 1)
-    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
-                        alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
-                        device=rt.device, draft_ids=draft_ids, graphs=graphs, compile=compile, compile_mode=compile_mode,
-                        gamma_policy=gamma_policy)
+    engine = make_engine(rt, pools, config)
     store = CarryStore(engine.head, carry_budget)
     chats = [Chat(list(c)) for c in convs]
     try:

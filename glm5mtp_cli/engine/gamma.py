@@ -63,9 +63,6 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-POLICIES = ("fixed", "adaptive")
-
-
 def expected_tokens(rates: list[float], g: int) -> float:
     """E(g): tokens a step with g drafts emits, from a_k = rates[k-1], the acceptance of draft k given
     drafts 1..k-1 were accepted (also bench's gamma recommendation, diagnostics/recommend.py)."""
@@ -85,10 +82,6 @@ class GammaPolicy:
     def __init__(self, max_gamma: int, policy: str = "fixed", window: int = 64, probe_every: int = 32,
                  probe_max: int = 128, cost_window: int = 9, warm: int = 3, warm_judged: int = 32,
                  margin: float = 0.05):
-        if policy not in POLICIES:
-            from glm5mtp_cli.errors import UserError
-
-            raise UserError(f"--gamma-policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.max_gamma = max_gamma
         self.adaptive = policy == "adaptive" and max_gamma > 0
         self.decay = 1.0 - 1.0 / window

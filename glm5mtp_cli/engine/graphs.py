@@ -52,7 +52,7 @@ from collections import defaultdict
 
 from glm5mtp_cli.engine.cache import (BlockPool, CachedRows, CachedSlots, CachePools, SlotPool, cached_rows,
                                       table_slots, to_device)
-from glm5mtp_cli.engine.compiled import PATH_OF, check_compile, compile_forward
+from glm5mtp_cli.engine.compiled import PATH_OF, compile_forward
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.glm5.layers import sync_free
 from kernels._triton import kernel_path
@@ -366,13 +366,11 @@ class ForwardRunner:
     MODES = ("eager", "static", "cuda")
 
     def __init__(self, mode: str, device: torch.device, compile: str = "off", compile_mode: str = "default"):
+        """mode, compile, compile_mode: a resolved EngineConfig's (runtime.resolve)."""
         if mode not in self.MODES:
-            raise UserError(f"forward mode must be one of {', '.join(self.MODES)}, got {mode!r}")
+            raise ValueError(f"forward mode must be one of {', '.join(self.MODES)}, got {mode!r}")
         if mode == "cuda" and device.type != "cuda":
             raise UserError("CUDA graphs need --device cuda")
-        check_compile(compile, compile_mode)
-        if compile != "off" and mode == "eager":
-            raise UserError(f"--compile {compile} compiles the static forwards: eager mode has none")
         self.mode = mode
         self.device = device
         self.compile = compile

@@ -1,6 +1,6 @@
 """`--tp N`: a command starts its own N ranks (no external launcher), or runs as one rank of torchrun.
 
-Each rank is a spawned process running the same command function with the same arguments; the
+Each rank is a spawned process running the same function over the command's config (run); the
 model inside is this rank's shard (parallel.py) and every rank runs the same loop in lockstep, so
 the collectives line up. Rank 0 prints; the other ranks' stdout/stderr go to /dev/null.
 
@@ -18,7 +18,6 @@ import os
 import socket
 import sys
 from datetime import timedelta
-from typing import Annotated
 
 import torch
 import typer
@@ -26,8 +25,6 @@ import typer
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.parallel import Comm, check_tp
 
-TpOpt = Annotated[int, typer.Option("--tp", help="Tensor/expert parallel ranks (one GPU each; gloo processes on "
-                                                 "the CPU). Started by the command itself, or by torchrun.")]
 _COMM: Comm | None = None  # set inside a rank
 TIMEOUT_ENV = "GLM5MTP_TP_TIMEOUT_S"
 
@@ -73,18 +70,14 @@ def precheck(tp: int, model: str, device: str) -> None:
             raise UserError(f"--tp {tp} needs {tp} GPUs (one per rank); this machine has {n}")
 
 
-def maybe_spawn(tp: int, device: str, model: str, fn, kwargs: dict) -> bool:
-    """Start tp ranks running fn(**kwargs) when needed. True: the ranks ran (the caller returns);
-    False: run here (tp 1, or already a rank, or under torchrun)."""
-    if tp < 1:
-        raise UserError(f"--tp must be >= 1, got {tp}")
-    if _COMM is not None or under_torchrun():
-        return False
-    if tp == 1:
-        return False
-    precheck(tp, model, device)
-    spawn(tp, _backend(device), fn, kwargs)
-    return True
+def run(spec, fn, arg) -> None:
+    """fn(arg) here, or on spec.tp spawned ranks when needed (tp > 1, not already a rank, not under
+    torchrun): `arg` is the command's whole config (it pickles), `fn` a module-level function."""
+    if _COMM is not None or under_torchrun() or spec.tp == 1:
+        fn(arg)
+        return
+    precheck(spec.tp, spec.name, spec.device)
+    spawn(spec.tp, _backend(spec.device), fn, arg)
 
 
 def rank_comm(tp: int, device: str) -> Comm | None:
@@ -132,8 +125,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(tp: int, backend: str, fn, kwargs: dict) -> None:
-    """Run fn(**kwargs) on tp spawned ranks; wait for all. Raises UserError (a rank's), typer.Exit
+def spawn(tp: int, backend: str, fn, arg) -> None:
+    """Run fn(arg) on tp spawned ranks; wait for all. Raises UserError (a rank's), typer.Exit
     (a rank's non-zero exit code) or KeyboardInterrupt after terminating every rank."""
     import typer
     import logging
@@ -146,7 +139,7 @@ def spawn(tp: int, backend: str, fn, kwargs: dict) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    pc = mp.start_processes(_rank_main, args=(tp, port, backend, fn, kwargs, errors, _timeout().total_seconds()),
+    pc = mp.start_processes(_rank_main, args=(tp, port, backend, fn, arg, errors, _timeout().total_seconds()),
                             nprocs=tp, join=False, start_method="spawn")
     try:
         while not pc.join():
@@ -176,7 +169,7 @@ def _terminate(pc) -> None:
             p.kill()
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, fn, kwargs: dict, errors, timeout_s: float) -> None:
+def _rank_main(rank: int, world: int, port: int, backend: str, fn, arg, errors, timeout_s: float) -> None:
     global _COMM
     import torch.distributed as dist
 
@@ -191,7 +184,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, fn, kwargs: dict,
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s), device_id=_eager_device(backend, rank))
         _COMM = Comm(rank, world, None, rank)
-        fn(**kwargs)
+        fn(arg)
         dist.barrier(device_ids=[rank]) if backend == "nccl" else dist.barrier()
         dist.destroy_process_group()
     except UserError as e:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from glm5mtp_cli.engine.cache import CachePools
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner
 from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards, takes_padding
@@ -28,9 +29,10 @@ from glm5mtp_cli.errors import UserError
 
 class MtpHead:
     def __init__(self, layer: nn.Module, embed: nn.Embedding, head: nn.Linear, pools: CachePools,
-                 max_seq_len: int, sampling: SamplingParams = SamplingParams(),
-                 draft_conf_tau: float | None = None, generator: torch.Generator | None = None,
-                 batch_max: int = 256, draft_ids: torch.Tensor | None = None, carry_normed: bool = True):
+                 config: EngineConfig, draft_ids: torch.Tensor | None = None, carry_normed: bool = True):
+        """config: the engine's (sampling, draft_conf_tau, max_seq_len: the rows a state may reserve);
+        draft_ids: --draft-vocab's token ids; carry_normed: chain on the post-norm hidden (GLM),
+        else the pre-norm one (DeepSeek)."""
         self.layer = layer
         self.embed = embed
         self.head = head
@@ -38,12 +40,13 @@ class MtpHead:
         # except the last, which drafts too, so every drafting forward uses the subset head)
         self.draft_head = SubsetHead(head, draft_ids) if draft_ids is not None else None
         self.pools = pools
-        self.max_seq_len = max_seq_len
-        self.sampling = sampling
-        self.tau = draft_conf_tau
-        self.gen = generator
-        self.batch_max = batch_max
-        self.carry_normed = carry_normed  # chain on the post-norm hidden (GLM); False: pre-norm (DeepSeek)
+        self.max_seq_len = config.max_seq_len
+        self.sampling = config.sampling
+        self.tau = config.draft_conf_tau
+        # the proposer's own stream serves only direct propose() calls: the engine's requests each
+        # bring theirs (sampling.request_stream)
+        self.gen = torch.Generator(device=embed.weight.device).manual_seed(config.sampling.seed)
+        self.carry_normed = carry_normed
 
     # ---- state ------------------------------------------------------------------------------
     def alloc_state(self) -> ProposerState:
@@ -65,7 +68,6 @@ class MtpHead:
         if state.cache is not None:
             state.cache.release()
             state.cache = None
-        state.freed = True
 
     def drafter_rows(self, state: ProposerState) -> int:
         return state.cache.length
@@ -169,9 +171,6 @@ class MtpHead:
         return self.propose_batch([tokens], [hidden.reshape(tokens.shape[0], -1)], [position], num_drafts, [state],
                                   runner)[0]
 
-    def propose_batch_max(self) -> int:
-        return self.batch_max
-
     def propose_batch(self, tokens, hiddens, positions: list[int], num_drafts: int, states: list[ProposerState],
                       runner: ForwardRunner) -> list[DraftChain] | DraftBatch:
         """Drafts for many sequences. tokens[b]/hiddens[b] (lists, or graphs.BatchRows): the pending
@@ -179,8 +178,6 @@ class MtpHead:
         before it), starting at drafter row positions[b]. Chain steps run batched, so each weight is
         read once per draft position for the whole batch; `runner` runs the forwards (eager, static
         or captured). A runner's fused greedy chain returns its drafts as one DraftBatch."""
-        if len(states) > self.batch_max:
-            raise ValueError(f"propose_batch takes at most {self.batch_max} sequences")
         for pos, st in zip(positions, states):
             self._check_aligned(pos, st)
         caches = [st.cache for st in states]
@@ -265,7 +262,6 @@ class MtpHead:
         cache.truncate(state.real_rows)
         kv = DrafterKV(cache, state.real_rows, _host_tokens(state.row_tokens))
         state.cache = None
-        state.freed = True
         return kv
 
     def install_drafter_kv(self, kv: DrafterKV, state: ProposerState) -> None:

@@ -6,15 +6,13 @@ Lives in the engine (not in a command) so that diagnostics can drive exactly wha
 from __future__ import annotations
 
 import resource
-from pathlib import Path
 
 import torch
 
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.draft_vocab import load_draft_ids
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.metrics import Acceptance, Latency
-from glm5mtp_cli.engine.runtime import Runtime, make_engine
-from glm5mtp_cli.engine.sampling import SamplingParams
+from glm5mtp_cli.engine.runtime import Runtime, make_engine, resolve
 from glm5mtp_cli.engine.sequence import Request, SeqResult, budget_tokens, reserve_tokens
 
 
@@ -54,43 +52,31 @@ def summarize(results: list[SeqResult], gamma: int, engine) -> tuple[Acceptance,
     return acc, lat
 
 
-def check_fits(token_lists: list[list[int]], max_new_tokens: int, gamma: int, limit: int, limit_name: str) -> None:
+def check_fits(token_lists: list[list[int]], config: EngineConfig, limit: int, limit_name: str) -> None:
     """Refuse a prompt that cannot fit, before anything is allocated. limit_name says where the limit
     comes from in the user's terms: "--max-seq-len" when given, else "the model's limit"."""
     for i, ids in enumerate(token_lists):
-        need = budget_tokens(len(ids), max_new_tokens, gamma)
+        need = budget_tokens(len(ids), config.max_new_tokens, config.gamma)
         if need > limit:
-            raise UserError(f"prompt {i}: {len(ids)} tokens + {max_new_tokens} new + gamma {gamma} = {need} rows, "
-                            f"over {limit_name} ({limit})")
+            raise UserError(f"prompt {i}: {len(ids)} tokens + {config.max_new_tokens} new + gamma {config.gamma} = "
+                            f"{need} rows, over {limit_name} ({limit})")
 
 
-def run_generate(rt: Runtime, prompts: list[list[int]], *, gamma: int, max_new_tokens: int, sampling: SamplingParams,
-                 batch_size: int, max_seq_len: int, alloc: str, draft_conf_tau: float | None, ignore_eos: bool,
-                 on_tokens=None, draft_vocab: int | None = None, graphs: str = "eager",
-                 draft_vocab_file: Path | None = None, schedule: str = "continuous", gamma_policy: str = "fixed",
-                 prefill_tokens: int = 8192, compile: str = "off", compile_mode: str = "default",
-                 prefill_graphs: bool = False):
-    """One engine over all prompts. Returns (results, acceptance, latency json, per-sequence bytes, pool bytes).
-
-    draft_vocab_file: the token counts for --draft-vocab (default: token_counts.json beside the checkpoint)."""
-    draft_ids = None
-    if draft_vocab is not None and gamma > 0:
-        draft_ids = load_draft_ids(rt.resolved.folder, draft_vocab, rt.cfg.vocab_size, rt.device,
-                                   path=draft_vocab_file)
-    requests = [Request(p, max_new_tokens, i) for i, p in enumerate(prompts)]
-    per_seq = max(reserve_tokens(len(r.prompt), r.max_new_tokens, gamma, alloc, max_seq_len) for r in requests)
-    pools = rt.make_pools(per_seq, min(batch_size, len(requests)), prefill_graphs=prefill_graphs)
-    engine = make_engine(rt, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
-                        alloc=alloc, draft_conf_tau=draft_conf_tau, eos_ids=[] if ignore_eos else None,
-                        device=rt.device, draft_ids=draft_ids, graphs=graphs, schedule=schedule,
-                        gamma_policy=gamma_policy, prefill_tokens=prefill_tokens, compile=compile,
-                        compile_mode=compile_mode, prefill_graphs=prefill_graphs)
+def run_generate(rt: Runtime, prompts: list[list[int]], config: EngineConfig, on_tokens=None):
+    """One engine over all prompts, as `config` says. Returns (results, acceptance, latency json,
+    per-sequence bytes, pool bytes)."""
+    config = resolve(rt, config)
+    requests = [Request(p, config.max_new_tokens, i) for i, p in enumerate(prompts)]
+    per_seq = max(reserve_tokens(len(r.prompt), r.max_new_tokens, config.gamma, config.alloc, config.max_seq_len)
+                  for r in requests)
+    pools = rt.make_pools(per_seq, min(config.batch_size, len(requests)), prefill_graphs=config.prefill_graphs)
+    engine = make_engine(rt, pools, config)
     engine.on_tokens = on_tokens
     try:
-        results = engine.generate(requests, batch_size=batch_size)
+        results = engine.generate(requests)
     finally:
         engine.close()
-    acc, lat = summarize(results, gamma, engine)
+    acc, lat = summarize(results, config.gamma, engine)
     leftover = pools.blocks_held()
     if any(leftover.values()):
         raise RuntimeError(f"cache blocks still held after generate: {leftover}")

@@ -13,23 +13,23 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools
-from glm5mtp_cli.engine.compiled import check_compile, default_compile
+from glm5mtp_cli.engine.compiled import default_compile
+from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec
+from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.engine.graphs import takes_slots
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import ResolvedModel, resolve_model
-from glm5mtp_cli.models.glm5.config import ModelConfig
-from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.family import SLOT
 from glm5mtp_cli.models.fp8 import fp8_config
 
-DEFAULT_MODEL = "glm5-nano"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 
@@ -148,7 +148,7 @@ def module_bytes(module: torch.nn.Module) -> int:
 @dataclass
 class Runtime:
     resolved: ResolvedModel
-    cfg: ModelConfig
+    cfg: Any  # the family's config object (models.load_config)
     target: torch.nn.Module
     mtp: torch.nn.Module | None
     tokenizer: Tokenizer | None
@@ -193,23 +193,34 @@ def check_pools(rt: "Runtime", pools: CachePools) -> None:
                             f"{rt.tp} rank(s), reads {list(want[name])}: its pools were not built for --tp {rt.tp}")
 
 
-def make_engine(rt: "Runtime", pools: CachePools, *, gamma: int, sampling: SamplingParams = SamplingParams(),
-                max_seq_len: int, draft_conf_tau: float | None = None, draft_ids: torch.Tensor | None = None,
-                **options) -> SpecEngine:
-    """The engine over rt's target with its family's proposer (none at gamma 0); `options` are
-    SpecEngine's (alloc, eos_ids, graphs, inject_leak, ...)."""
+def make_engine(rt: "Runtime", pools: CachePools, config: EngineConfig) -> SpecEngine:
+    """The engine over rt's target with its family's proposer (none at gamma 0), as `config` says
+    (resolved for rt first: `resolve`)."""
+    config = resolve(rt, config)
     check_pools(rt, pools)
-    device = options.pop("device", rt.device)
-    # the proposer's own stream serves only direct propose() calls: the engine's requests each
-    # bring theirs (sampling.request_stream)
-    gen = torch.Generator(device=torch.device(device)).manual_seed(sampling.seed)
     proposer = None
-    if gamma > 0 and rt.mtp is not None:
-        proposer = family_of(rt.cfg).make_proposer(rt.target, rt.mtp, pools, max_seq_len=max_seq_len,
-                                                   sampling=sampling, draft_conf_tau=draft_conf_tau,
-                                                   generator=gen, draft_ids=draft_ids)
-    return SpecEngine(rt.cfg, rt.target, proposer, pools, gamma=gamma, sampling=sampling, max_seq_len=max_seq_len,
-                      device=device, comm=rt.comm, **options)
+    if config.drafts and rt.mtp is not None:
+        draft_ids = None
+        if config.draft_vocab is not None:
+            path = Path(config.draft_vocab_file) if config.draft_vocab_file is not None else None
+            draft_ids = load_draft_ids(rt.resolved.folder, config.draft_vocab, rt.cfg.vocab_size, rt.device, path=path)
+        proposer = family_of(rt.cfg).make_proposer(rt.target, rt.mtp, pools, config, draft_ids)
+    return SpecEngine(rt.cfg, rt.target, proposer, pools, config, rt.device, rt.comm)
+
+
+def resolve(rt: "Runtime", config: EngineConfig) -> EngineConfig:
+    """`config` with what depends on the loaded model made concrete (idempotent): max_seq_len (the
+    model's limit when not given), compile (the family's default) and the forward mode (graph_mode,
+    for "auto" and "off")."""
+    limit = rt.cfg.max_position_embeddings
+    compile = default_compile(rt.cfg) if config.compile is None else config.compile
+    graphs = config.graphs
+    if graphs in ("auto", "off"):
+        graphs = graph_mode(rt, graphs == "auto", compile)
+        if config.prefill_graphs and graphs != "cuda":
+            raise UserError("--prefill-graphs replays the prefill from CUDA graphs: it needs --device cuda with CUDA "
+                            "graphs on")
+    return config.replace(max_seq_len=config.max_seq_len or limit, compile=compile, graphs=graphs)
 
 
 def graph_mode(rt: "Runtime", cuda_graphs: bool, compile: str = "off") -> str:
@@ -230,14 +241,6 @@ def graph_mode(rt: "Runtime", cuda_graphs: bool, compile: str = "off") -> str:
     return "eager"
 
 
-def forward_options(rt: "Runtime", cuda_graphs: bool, compile: str | None, compile_mode: str = "default") -> dict:
-    """The engine's forward settings (graphs, compile, compile_mode) for make_engine or run_generate:
-    compile None is the model family's default (engine/compiled.default_compile)."""
-    compile = default_compile(rt.cfg) if compile is None else compile
-    check_compile(compile, compile_mode)
-    return {"graphs": graph_mode(rt, cuda_graphs, compile), "compile": compile, "compile_mode": compile_mode}
-
-
 def freeze_startup_heap() -> None:
     """Move every object alive now (imported modules, the models) out of the cyclic collector's
     reach, as vLLM does after its start-up. Those ~300k objects are never garbage, but each full
@@ -252,20 +255,21 @@ def freeze_startup_heap() -> None:
     atexit.register(gc.unfreeze)
 
 
-def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: int | None = None,
-                 revision: str | None = None, with_mtp: bool = True, progress: bool = True, comm=None,
-                 random_weights: bool = False, fp8: bool = False) -> Runtime:
-    """comm (parallel.Comm): this rank's shard on its own GPU (cuda:local_rank) or the CPU.
-    random_weights: the model's config with random tensors (checkpoint.RandomReader), built on the
-    device (under --tp each rank draws its own slices); fp8: those of the family's FP8 layout as
-    GLM-5-FP8 stores them (models/fp8.fp8_config)."""
-    if fp8 and not random_weights:
-        raise ValueError("fp8 describes random weights (the commands refuse --fp8 alone: options.check_fp8)")
-    dev = rank_device(device, comm)
-    dt = pick_dtype(dtype, dev)
-    resolved = resolve_model(model, revision=revision, need="all" if with_mtp else "target", layers=layers,
-                             progress=progress)
-    if fp8:  # the random reader draws by the untruncated config (--layers keeps the MTP layer's name)
+def load_runtime(spec: ModelSpec, with_mtp: bool = True, progress: bool = True, comm=None) -> Runtime:
+    """The model `spec` names, loaded. comm (parallel.Comm): this rank's shard on its own GPU
+    (cuda:local_rank) or the CPU. Random weights (spec.random_weights): the model's config with
+    random tensors (checkpoint.RandomReader), built on the device (under --tp each rank draws its
+    own slices); spec.fp8: those of the family's FP8 layout as GLM-5-FP8 stores them
+    (models/fp8.fp8_config)."""
+    dev = rank_device(spec.device, comm)
+    dt = pick_dtype(spec.dtype, dev)
+    resolved = resolve_model(spec.name, revision=spec.revision, need="all" if with_mtp else "target",
+                             layers=spec.layers, progress=progress)
+    share = spec.mtp_index_share
+    if share is not None and not hasattr(resolved.config, "index_share_for_mtp_iteration"):
+        raise UserError(f"--{'' if share else 'no-'}mtp-index-share: only GLM-5-Next models have "
+                        f"index_share_for_mtp_iteration; this one is {resolved.config.model_type}")
+    if spec.fp8:  # the random reader draws by the untruncated config (--layers keeps the MTP layer's name)
         source = resolved.source_config
         resolved = dataclasses.replace(resolved, config=fp8_config(resolved.config),
                                        source_config=fp8_config(source) if source is not None else None)
@@ -273,7 +277,7 @@ def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: 
         from glm5mtp_cli.engine.parallel import check_tp
 
         check_tp(resolved.config, comm.world)
-    target, mtp, extras = load_models(resolved, device=dev, dtype=dt, comm=comm, random_weights=random_weights)
+    target, mtp, extras = load_models(resolved, device=dev, dtype=dt, comm=comm, random_weights=spec.random_weights)
     if extras:
         # DeepSeek-style checkpoints carry the MTP layer's own head/embeddings; GLM-5's share the target's.
         raise UserError(f"{resolved.folder}: the MTP layer has its own {', '.join(sorted(extras))}; "
@@ -281,5 +285,7 @@ def load_runtime(model: str, device: str = "auto", dtype: str = "auto", layers: 
     target.eval()
     if mtp is not None:
         mtp.eval()
+        if share is not None:
+            mtp.share_topk = share
     freeze_startup_heap()
     return Runtime(resolved, resolved.config, target, mtp, Tokenizer.maybe(resolved.folder), dev, dt, comm)

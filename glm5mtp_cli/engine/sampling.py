@@ -9,20 +9,10 @@ row b's stream, so what a request samples does not depend on which requests shar
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
+from glm5mtp_cli.engine.config import SamplingParams  # noqa: F401  (where the engine's callers find it)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -17,8 +17,6 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     request_id: int = 0
-    cancel_after_steps: int | None = None  # leak-check: stop mid-way as a client would
-    fail_at_step: int | None = None  # leak-check: raise inside a verify step
     carry: Carry | None = None  # the previous turn's caches of this conversation (consumed)
     carry_mode: str = "none"  # what to hand back for the next turn: none | drafter | all
 
@@ -43,14 +41,6 @@ class SeqResult:
     carried_target_rows: int = 0
     carried_drafter_rows: int = 0
     carry_out: Carry | None = None
-
-
-class InjectedFailure(RuntimeError):
-    """Raised inside a verify step by leak-check's failure injection; `results` holds the generate
-    call's results so far (None for requests it aborted)."""
-
-    results: list = []
-    request_id: int | None = None
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch
 from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
 from glm5mtp_cli.engine.clock import Clock, StepTimes
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
@@ -43,58 +44,38 @@ from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs, graph_rows
 from glm5mtp_cli.engine.proposer import DraftBatch, DraftProposer, ProposerState, draft_counts
 from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose, request_stream
-from glm5mtp_cli.engine.sequence import (InjectedFailure, LiveSequence, Request, SeqResult, budget_tokens,
-                                          reserve_tokens)
+from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, budget_tokens, reserve_tokens
 from glm5mtp_cli.errors import UserError
-
-SCHEDULES = ("continuous", "static")
-
 
 class SpecEngine:
     """The loop over any model family: `target` appends rows to its SequenceCaches and returns
     logits and final hiddens; `proposer` (a DraftProposer, None for gamma 0) drafts; `runner`
     decides how the decode forwards run (eager, static buffers, CUDA graphs)."""
 
-    def __init__(self, cfg, target, proposer: DraftProposer | None, pools: CachePools, *, gamma: int,
-                 sampling: SamplingParams = SamplingParams(), max_seq_len: int, alloc: str = "budget",
-                 eos_ids: list[int] | None = None, prefill_chunk: int = 1024, prefill_tokens: int = 8192,
-                 device: torch.device | str = "cpu", check_invariants: bool = False, inject_leak: str | None = None,
-                 graphs: str = "eager", compile: str = "off", compile_mode: str = "default",
-                 schedule: str = "continuous", gamma_policy: str = "fixed", comm=None, prefill_graphs: bool = False):
-        if gamma < 0:
-            raise UserError(f"--gamma must be >= 0, got {gamma}")
-        if gamma > 0 and proposer is None:
-            raise UserError(f"gamma {gamma} needs a draft proposer (the checkpoint's MTP layer)")
-        if alloc not in ("budget", "ceiling"):
-            raise UserError(f"--alloc must be 'budget' or 'ceiling', got {alloc!r}")
-        if schedule not in SCHEDULES:
-            raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-        self.cfg = cfg
+    def __init__(self, model_cfg, target, proposer: DraftProposer | None, pools: CachePools, config: EngineConfig,
+                 device: torch.device | str = "cpu", comm=None):
+        """model_cfg: the family's config (vocab, EOS); config: resolved (runtime.resolve: max_seq_len,
+        compile and the forward mode concrete); comm: parallel.Comm under --tp (the adaptive gamma and
+        the admission decision are rank 0's)."""
+        if config.gamma > 0 and proposer is None:
+            raise UserError(f"gamma {config.gamma} needs a draft proposer (the checkpoint's MTP layer)")
+        self.cfg = model_cfg
+        self.config = config
         self.target = target
         self.pools = pools
-        self.gamma = gamma
-        self.sampling = sampling
-        self.max_seq_len = max_seq_len
-        self.alloc = alloc
-        self.eos = set(cfg.eos_token_id if eos_ids is None else eos_ids)
-        if prefill_tokens < 1:
-            raise UserError(f"--prefill-tokens must be >= 1, got {prefill_tokens}")
-        self.prefill_chunk = prefill_chunk
-        self.prefill_tokens = prefill_tokens  # prompt rows per admission batch and per prefill forward
+        self.gamma = config.gamma
+        self.sampling = config.sampling
+        self.max_seq_len = config.max_seq_len
+        self.eos = set(model_cfg.eos_token_id if config.eos_ids is None else config.eos_ids)
         self.device = torch.device(device)
-        self.check = check_invariants
-        self.inject_leak = inject_leak
-        self.schedule = schedule
-        self.policy = GammaPolicy(gamma if proposer is not None else 0, gamma_policy)
-        self.comm = comm  # parallel.Comm under --tp: the adaptive gamma is rank 0's
+        self.policy = GammaPolicy(config.gamma, config.gamma_policy)
+        self.comm = comm
+        self.hooks = None  # diagnostics' EngineHooks (leak-check's faults); None costs one check per step
         self._admission_s = 0.0  # wall time of the last admission (the rent-or-buy rule's price)
         self._idle_s = 0.0  # free-slot seconds since then
-        self.runner = ForwardRunner(graphs, self.device, compile, compile_mode)
-        if prefill_graphs:
-            if graphs == "eager":
-                raise UserError("--prefill-graphs runs the prefill as static forwards: it needs CUDA graphs")
-            check_prefill_graphs(pools, ["target"] + (["drafter"] if proposer is not None and gamma > 0 else []))
-        self.prefill_graphs = prefill_graphs
+        self.runner = ForwardRunner(config.graphs, self.device, config.compile, config.compile_mode)
+        if config.prefill_graphs:
+            check_prefill_graphs(pools, ["target"] + (["drafter"] if proposer is not None and config.gamma > 0 else []))
         self._prefill: PrefillForwards | None = None  # built by generate, with the tables' width
         self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
@@ -102,14 +83,15 @@ class SpecEngine:
         self.wall_decode_s = 0.0
         self.wall_capture_s = 0.0  # building (compiling: runner.compile_s) and capturing the graphs (one-time setup)
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
-        self.head = proposer if gamma > 0 else None
+        self.results: list[SeqResult | None] = []  # the last generate call's (see there)
+        self.head = proposer if config.gamma > 0 else None
 
     # ---- sizing -----------------------------------------------------------------------------
     def budget_tokens(self, req: Request) -> int:
         return budget_tokens(len(req.prompt), req.max_new_tokens, self.gamma)
 
     def reserve_tokens(self, req: Request) -> int:
-        return reserve_tokens(len(req.prompt), req.max_new_tokens, self.gamma, self.alloc, self.max_seq_len)
+        return reserve_tokens(len(req.prompt), req.max_new_tokens, self.gamma, self.config.alloc, self.max_seq_len)
 
     def check_request(self, req: Request) -> None:
         if not req.prompt:
@@ -126,10 +108,10 @@ class SpecEngine:
                 f"gamma {self.gamma} needs {need} rows, over --max-seq-len {self.max_seq_len}")
 
     # ---- the loop ---------------------------------------------------------------------------
-    def generate(self, requests: list[Request], batch_size: int = 1) -> list[SeqResult]:
-        """Every request through `batch_size` slots (module docstring); results in request order."""
-        if batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    def generate(self, requests: list[Request], batch_size: int | None = None) -> list[SeqResult]:
+        """Every request through `batch_size` slots (default: the config's; module docstring);
+        results in request order."""
+        batch_size = batch_size or self.config.batch_size
         batch_size = min(batch_size, max(len(requests), 1))  # no slot (nor graph bucket) that nothing could fill
         for r in requests:
             self.check_request(r)  # refuse before anything is allocated
@@ -137,13 +119,15 @@ class SpecEngine:
         width = max(self._table_blocks(requests), built.max_blocks if built is not None else 0)
         if built is not None and (built.slots < batch_size or built.max_blocks < width):
             self.runner.close()  # built for fewer slots or shorter sequences: built again below
-        if self.prefill_graphs and (self._prefill is None or self._prefill.width < width):
+        if self.config.prefill_graphs and (self._prefill is None or self._prefill.width < width):
             self._close_prefill()
             self._prefill = PrefillForwards(self.target, self.head, self.pools, width, self.device,
                                             capture=self.runner.mode == "cuda",
                                             max_rows=graph_rows(self.cfg.hidden_size))
         waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
+        # the call's results as requests end: after an exception, what ended before it (None: aborted)
         results: list[SeqResult | None] = [None] * len(requests)
+        self.results = results
         slots: list[LiveSequence | None] = [None] * batch_size
         arrive = self.clock.now()
         w0 = self._wall()
@@ -179,9 +163,6 @@ class SpecEngine:
                 for s in active:
                     if s.done is not None:
                         slots[s.slot] = None
-        except InjectedFailure as e:
-            e.results = results  # leak-check: what ended before the failure (None: aborted by it)
-            raise
         finally:
             for s in slots:
                 if s is not None:
@@ -193,7 +174,7 @@ class SpecEngine:
 
     def _admit_now(self, free: int, slots: int, waiting: int, running: bool) -> bool:
         """Whether to admit before the next step (module docstring: the schedules)."""
-        if self.schedule == "static":
+        if self.config.schedule == "static":
             return free == slots
         if not running or free >= waiting:
             return True
@@ -208,7 +189,7 @@ class SpecEngine:
         batch, tokens = [], 0
         while waiting and len(batch) < free:
             n = len(waiting[-1][1].prompt)
-            if batch and tokens + n > self.prefill_tokens:
+            if batch and tokens + n > self.config.prefill_tokens:
                 break
             batch.append(waiting.pop())
             tokens += n
@@ -298,7 +279,7 @@ class SpecEngine:
         state_bytes = [self._state_bytes(s) for s in seqs]
         logits, hiddens = prefill_targets(self.target, [s.cache for s in seqs],
                                           [s.req.prompt[pl.target_start:] for s, pl in zip(seqs, plans)],
-                                          self.prefill_chunk, self.prefill_tokens, self.device, self._prefill)
+                                          self.config.prefill_chunk, self.config.prefill_tokens, self.device, self._prefill)
         if self.sampling.greedy:
             first = logits.argmax(-1)
         else:
@@ -316,7 +297,7 @@ class SpecEngine:
                 feeds.append((prompts[at + d + 1: at + p], hiddens[i][d - pl.target_start: p - 1 - pl.target_start]))
                 at += p
             self.head.catchup_batch([f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
-                                    self.prefill_chunk, self.prefill_tokens, self._prefill)
+                                    self.config.prefill_chunk, self.config.prefill_tokens, self._prefill)
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             req, p, d = seq.req, len(seq.req.prompt), drafted[i]
             seq.last = firsts[i]
@@ -335,7 +316,7 @@ class SpecEngine:
                 self.on_tokens(req.request_id, list(seq.out))
 
     def _alloc_state(self, req: Request) -> ProposerState:
-        if self.alloc == "budget":
+        if self.config.alloc == "budget":
             return self.head.alloc_state_for(self.budget_tokens(req))
         return self.head.alloc_state()
 
@@ -410,7 +391,7 @@ class SpecEngine:
                 late.append((s, s.pending_rows - (self.gamma + 1), *s.pend()))
         if late:
             self.head.catchup_batch([t[:e] for _, e, t, _ in late], [h[:e] for _, e, _, h in late],
-                                    [s.state for s, *_ in late], self.prefill_chunk, self.prefill_tokens, self._prefill)
+                                    [s.state for s, *_ in late], self.config.prefill_chunk, self.config.prefill_tokens, self._prefill)
             for s, e, t, h in late:
                 s.set_pend(t[e:], h[e:])
             self._wall()
@@ -433,7 +414,7 @@ class SpecEngine:
         self.runner.step([s.slot for s in active])
         if g > 0:
             chains = self.draft(active, g)
-            if self.check:
+            if self.config.check_invariants:
                 for s in active:
                     assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
         v0 = self.clock.now()
@@ -445,11 +426,8 @@ class SpecEngine:
             drafts = None
             ids = last[:, None]
         starts = [s.cache.length for s in active]
-        for s in active:
-            if s.req.fail_at_step is not None and s.steps == s.req.fail_at_step:
-                e = InjectedFailure(f"injected failure in verify step {s.steps} of request {s.req.request_id}")
-                e.request_id = s.req.request_id
-                raise e
+        if self.hooks is not None:
+            self.hooks.before_verify(active)
         out = self.runner.verify(self.target, ids, [s.cache for s in active])
         counts = draft_counts(chains, len(active))
         accepted, nxt, draft_ids, nxt_dev, acc_dev = self._accept(drafts, chains, out.logits, counts,
@@ -541,7 +519,7 @@ class SpecEngine:
                 break
         if s.done is None and len(s.out) >= req.max_new_tokens:
             s.done = "length"
-        if s.done is None and req.cancel_after_steps is not None and s.steps >= req.cancel_after_steps:
+        if s.done is None and self.hooks is not None and self.hooks.cancels(s):
             s.done = "cancelled"
         if s.done is not None:
             self._finalize(s)
@@ -577,10 +555,7 @@ class SpecEngine:
         return out
 
     def release(self, s: LiveSequence) -> None:
-        """Give back every per-sequence allocation; safe to call twice (finish, then finally).
-
-        inject_leak (leak-check's self-test) names one component whose blocks are not given back.
-        """
+        """Give back every per-sequence allocation; safe to call twice (finish, then finally)."""
         self.runner.retire(s.slot)  # before the blocks its tables name go back
         self._release_cache(s.cache, "target")
         if s.state is not None and self.head is not None:
@@ -590,7 +565,4 @@ class SpecEngine:
             self.head.free_state(s.state)
 
     def _release_cache(self, cache: SequenceCache, owner: str) -> None:
-        leaked = None
-        if self.inject_leak is not None and self.inject_leak.startswith(owner + "_"):
-            leaked = self.inject_leak[len(owner) + 1:]
-        cache.release(keep=leaked)
+        cache.release(keep=self.hooks.kept_component(owner) if self.hooks is not None else None)

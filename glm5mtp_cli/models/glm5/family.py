@@ -78,9 +78,9 @@ class Glm5Family:
     def shard_mtp(self, layer, comm, prefix: str):
         return sharding.shard_mtp(layer, comm, prefix)
 
-    def make_proposer(self, target, mtp, pools, **options) -> MtpHead:
-        return MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools,
-                       carry_normed=mtp.cfg.mtp_carry_normed_hidden, **options)
+    def make_proposer(self, target, mtp, pools, config, draft_ids=None) -> MtpHead:
+        return MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools, config, draft_ids,
+                       carry_normed=mtp.cfg.mtp_carry_normed_hidden)
 
 
 FAMILY = Glm5Family()

@@ -98,9 +98,10 @@ class Glm5NextFamily:
     def shard_mtp(self, layer: PooledMtp, comm, prefix: str):
         return sharding.shard_mtp(layer, comm, prefix)
 
-    def make_proposer(self, target: PooledTarget, mtp: PooledMtp, pools, **options) -> MtpHead:
+    def make_proposer(self, target: PooledTarget, mtp: PooledMtp, pools, config, draft_ids=None) -> MtpHead:
         # GLM-5-Next chains drafts on the post-shared_head.norm hidden (REFERENCE-glm5next section 9)
-        return MtpHead(mtp, target.model.embed_tokens, target.model.lm_head, pools, carry_normed=True, **options)
+        return MtpHead(mtp, target.model.embed_tokens, target.model.lm_head, pools, config, draft_ids,
+                       carry_normed=True)
 
 
 FAMILY = Glm5NextFamily()
