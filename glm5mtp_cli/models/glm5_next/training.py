@@ -1,7 +1,7 @@
 """The cache-free, differentiable forward of GLM-5-Next over whole windows [B, T] (`glm5mtp train`).
 
-The same math as the inference path (decoder.forward_rows over an empty state), batched over B and
-with no SequenceState, pending rows or @torch.no_grad:
+The same math as the inference path (pooled.PooledTarget's forward over empty caches), batched over B
+and with no caches, pending rows or @torch.no_grad:
 
 - KDA: the chunked (WY) form of kda.kda_chunked with the B*H heads of the batch as independent heads
   and a zero initial state, its within-chunk part (decay ratios, the triangular solves) computed for
