@@ -9,7 +9,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, Compile
                                           PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.errors import UserError
+
+if TYPE_CHECKING:  # the engine's modules import torch: not for --help
+    from glm5mtp_cli.diagnostics.bench import BenchConfig
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
 
@@ -195,7 +198,7 @@ class BenchRun:
     """Everything `bench` decided from its flags: what each rank runs (run_bench_command)."""
 
     model: ModelSpec
-    bench: "BenchConfig"
+    bench: BenchConfig
     items: list | None  # prompts (--prompts), None: the shipped model's
     draft_context: int
     draft_vocab_sizes: tuple[int, ...]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -17,6 +17,9 @@ from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.units import fmt_bytes
 from glm5mtp_cli.errors import UserError
+
+if TYPE_CHECKING:  # the engine's modules import torch: not for --help
+    from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig
 
 _SHORT = {"target_mla": "tgt mla", "target_indexer": "tgt idx", "drafter_mla": "drf mla", "drafter_indexer": "drf idx"}
 
@@ -93,7 +96,7 @@ def leakcheck_cmd(
 @dataclass(frozen=True)
 class LeakCheckRun:
     model: ModelSpec
-    check: "LeakCheckConfig"
+    check: LeakCheckConfig
     json_out: bool
 
 

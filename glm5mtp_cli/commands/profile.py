@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -20,6 +20,9 @@ from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.engine.config import ModelSpec
 from glm5mtp_cli.units import fmt_bytes as _fmt
 from glm5mtp_cli.errors import UserError
+
+if TYPE_CHECKING:  # the engine's modules import torch: not for --help
+    from glm5mtp_cli.diagnostics.profile import ProfileConfig
 
 _SHORT = {"scratch": "scratch", "cuda_graphs": "CUDA graphs"}
 
@@ -117,8 +120,6 @@ def profile_cmd(
         budget = min(2048, min(lengths) // 2)
     c = ProfileConfig(lengths, budget, gamma, block_size, 0, repeats, seed)
     check_flags(c, limit)
-    import torch
-
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import set_threads
 
@@ -139,7 +140,7 @@ class ProfileRun:
     """Everything `profile` decided from its flags: what each rank runs (run_profile_command)."""
 
     model: ModelSpec
-    profile: "ProfileConfig"
+    profile: ProfileConfig
     lengths: list[int]
     note: str | None  # how the default lengths were clipped
     predict_only: bool

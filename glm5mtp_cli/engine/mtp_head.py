@@ -23,7 +23,7 @@ from glm5mtp_cli.engine.draft_vocab import SubsetHead
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner
 from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards, takes_padding
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftBatch, DraftChain, DrafterKV, ProposerState
-from glm5mtp_cli.engine.sampling import SamplingParams, choose
+from glm5mtp_cli.engine.sampling import choose
 from glm5mtp_cli.errors import UserError
 
 

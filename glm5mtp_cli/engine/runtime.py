@@ -19,7 +19,7 @@ import torch
 
 from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.compiled import default_compile
-from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec
+from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec  # noqa: F401  (DEFAULT_MODEL: the runtime's default)
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.engine.graphs import takes_slots
 from glm5mtp_cli.checkpoint.load import load_models

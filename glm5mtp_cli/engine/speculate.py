@@ -43,7 +43,7 @@ from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs, graph_rows
 from glm5mtp_cli.engine.proposer import DraftBatch, DraftProposer, ProposerState, draft_counts
-from glm5mtp_cli.engine.sampling import SamplingParams, accept_rejection, choose, request_stream
+from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, budget_tokens, reserve_tokens
 from glm5mtp_cli.errors import UserError
 
