@@ -101,8 +101,7 @@ def profile_cmd(
     from glm5mtp_cli.diagnostics.profile import ProfileConfig, check_flags, parse_lengths
 
     lengths = parse_lengths(max_seq_len) if max_seq_len is not None else None
-    if tp < 1:
-        raise UserError(f"--tp must be >= 1, got {tp}")
+    spec = ModelSpec(model, device, dtype, layers, tp=tp)
     if plot is not None:
         check_output(plot, "--plot")
         try:
@@ -127,7 +126,6 @@ def profile_cmd(
 
     set_threads(threads)
     gpu_bytes = parse_size(gpu_mem) if gpu_mem is not None else None
-    spec = ModelSpec(model, device, dtype, layers, tp=tp)
     run = ProfileRun(spec, c, lengths, note, predict_only, gpu_bytes, plot, json_out)
     if predict_only:
         run_profile_command(run)  # nothing loads: no ranks

@@ -52,10 +52,6 @@ def _backend(device: str) -> str:
 
 def precheck(tp: int, model: str, device: str) -> None:
     """Everything that can be refused before a rank starts: one line, no processes left behind."""
-    if tp < 1:
-        raise UserError(f"--tp must be >= 1, got {tp}")
-    if tp == 1:
-        return
     from glm5mtp_cli.checkpoint.resolve import resolve_config
 
     cfg, _ = resolve_config(model)
