@@ -21,7 +21,7 @@ from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, CachePools, table_slots, to_device  # noqa: E402
 from glm5mtp_cli.errors import UserError  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
-from glm5mtp_cli.models.glm5.layers import sync_free  # noqa: E402
+from glm5mtp_cli.engine.sync_free import sync_free  # noqa: E402
 from glm5mtp_cli.models.glm5_next.indexer import pool_scores  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
 from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget  # noqa: E402

@@ -54,7 +54,7 @@ from glm5mtp_cli.engine.cache import (BlockPool, CachedRows, CachedSlots, CacheP
                                       table_slots, to_device)
 from glm5mtp_cli.engine.compiled import PATH_OF, compile_forward
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models.glm5.layers import sync_free
+from glm5mtp_cli.engine.sync_free import sync_free
 from kernels._triton import kernel_path
 
 

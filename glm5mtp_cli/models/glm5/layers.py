@@ -7,7 +7,6 @@ bias but weighted without it.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
 from kernels.rmsnorm import rmsnorm
 
+from glm5mtp_cli.engine import sync_free
 from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, joined, scale_grid
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.overlap import side_by_side
@@ -137,16 +137,13 @@ class Experts(nn.Module):
         self.register_state_dict_post_hook(_split_experts)
         self.register_load_state_dict_pre_hook(_stack_experts)
 
-    # True inside a captured (or capturable) forward: never take the looped path, whose per-expert
-    # token counts are read on the host.
-    sync_free = False
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
         if self._on_kernels(x):
             x = x.contiguous()
             return self._grouped(x, weights, ids) if pays(n * k, self.n_experts) else self._gemv(x, weights, ids)
-        if n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
+        # a static forward (sync_free) never loops: the looped path reads per-expert counts on the host
+        if n * k <= self.GATHER_MAX_PAIRS or sync_free.active():
             return self._gathered(x, weights, ids)
         return self._looped(x, weights, ids)
 
@@ -158,7 +155,7 @@ class Experts(nn.Module):
         kernels = self._on_kernels(x)
         if kernels and pays(n * k, self.n_experts):
             return self._grouped(x.contiguous(), weights, torch.where(mine, local, self.n_experts))  # E: skipped
-        if kernels or n * k <= self.GATHER_MAX_PAIRS or Experts.sync_free:
+        if kernels or n * k <= self.GATHER_MAX_PAIRS or sync_free.active():
             # Other ranks' pairs point at a clamped local expert with weight 0 (no host sync).
             weights, ids = weights * mine, local.clamp(0, self.n_experts - 1)
             return self._gemv(x.contiguous(), weights, ids) if kernels else self._gathered(x, weights, ids)
@@ -248,16 +245,6 @@ class Fp8Experts(Experts):
         """Only the chosen experts dequantized (fp32 products, then `dtype`): [N, k, ...] or one expert's."""
         return tuple(fp8_block_dequant_ref(getattr(self, n)[index], getattr(self, n + SCALE_SUFFIX)[index],
                                            self.block, torch.float32).to(dtype) for n in ("gate", "up", "down"))
-
-
-@contextlib.contextmanager
-def sync_free():
-    """Forwards run inside take only paths with no host reads (CUDA-graph capturable)."""
-    before, Experts.sync_free = Experts.sync_free, True
-    try:
-        yield
-    finally:
-        Experts.sync_free = before
 
 
 def _split_experts(module: Experts, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -47,7 +47,7 @@ import torch
 
 from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, cached_rows, cached_slots
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models.glm5.layers import Experts
+from glm5mtp_cli.engine import sync_free
 from glm5mtp_cli.models.glm5_next.decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM
 from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
 from glm5mtp_cli.models.glm5_next.layout import LM_HEAD, PREFIX
@@ -205,7 +205,7 @@ class PooledMtp(torch.nn.Module):
     def forward_batch(self, token_ids, hidden, ctx: PagedContext, embed, head, rows="all") -> ForwardOut:
         """token_ids [B, T] (t[i+1]) with hidden [B, T, D] (h[i]): a function of device tensors alone
         inside sync_free(); eager, share_topk keeps its step-0 selections on the host (class doc)."""
-        static = Experts.sync_free
+        static = sync_free.active()
         reuse = None
         if self.share_topk and self._chaining:
             reuse = self._step0_rows if static else self._reused(ctx)
