@@ -20,7 +20,7 @@ from torch import nn
 
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachePools, cached_rows
-from glm5mtp_cli.engine.proposer import DraftChain, DraftProposer, ProposerState
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
 from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.engine.sequence import Request
 from glm5mtp_cli.models import register_family
@@ -121,7 +121,7 @@ class SpoilingProposer:
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         pass
 
-    def propose_batch(self, tokens, hiddens, positions, num_drafts, states, runner) -> list[DraftChain]:
+    def propose_batch(self, tokens, hiddens, positions, num_drafts, states, runner) -> Drafts:
         out = []
         for tok, hid, st in zip(tokens, hiddens, states):
             st.real_rows += tok.shape[0]
@@ -131,8 +131,8 @@ class SpoilingProposer:
                 h = self.target.advance(h, t, pos + k)
                 t = self.target.logits(h).argmax()
                 drafts.append((t + 1) % self.target.cfg.vocab_size if (pos + k + 1) % 3 == 0 else t)
-            out.append(DraftChain(torch.stack(drafts), None, num_drafts))
-        return out
+            out.append(torch.stack(drafts))
+        return Drafts(torch.stack(out), [num_drafts] * len(out))
 
     def greedy_fusable(self) -> bool:
         return False

@@ -229,26 +229,26 @@ def test_load_rows_writes_each_view_into_its_row():
 
 
 def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
-    """Static forwards, greedy: propose_batch returns the fused chain's [A, g] output as a
-    DraftBatch (no per-sequence views), every state's last_chain is it, a row read from it is that
+    """Static forwards, greedy: propose_batch returns the fused chain's [A, g] output as one
+    Drafts (no per-sequence views), every state's last_drafts is it, a row read from it is that
     sequence's DraftChain, and the tokens are eager's."""
     from glm5mtp_cli.engine.mtp_head import MtpHead
-    from glm5mtp_cli.engine.proposer import DraftBatch
+    from glm5mtp_cli.engine.proposer import Drafts
 
     seen, real = [], MtpHead.propose_batch
 
     def spy(self, tokens, hiddens, positions, g, states, runner):
         out = real(self, tokens, hiddens, positions, g, states, runner)
         seen.append(out)
-        if isinstance(out, DraftBatch):
-            assert all(st.last_chain is out for st in states) and len(out) == len(states)
+        if isinstance(out, Drafts):
+            assert all(st.last_drafts is out for st in states) and len(out) == len(states)
             assert out.tokens.shape == (len(states), g) and torch.equal(out[len(states) - 1].tokens, out.tokens[-1])
             assert out[0].num_drafts == g and out[0].probs is None
         return out
 
     monkeypatch.setattr(MtpHead, "propose_batch", spy)
     static = _run(rt, 3, "static", 2)
-    assert seen and all(isinstance(c, DraftBatch) for c in seen)
+    assert seen and all(isinstance(c, Drafts) for c in seen)
     monkeypatch.undo()
     assert [r.tokens for r in static] == [r.tokens for r in _run(rt, 3, "eager", 2)]
 

@@ -154,7 +154,7 @@ def measure_latency(rt: Runtime, c: ProfileConfig, context: int) -> dict:
         if state is not None:
             state.cache.truncate(context)
             state.real_rows = context
-            state.last_chain = None
+            state.last_drafts = None
 
     vocab = cfg.vocab_size
     prompt = torch.randint(0, vocab, (1, PREFILL_TOKENS), device=dev, generator=gen)

@@ -22,7 +22,7 @@ from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner
 from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards, takes_padding
-from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftBatch, DraftChain, DrafterKV, ProposerState
+from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftChain, DrafterKV, Drafts, ProposerState
 from glm5mtp_cli.engine.sampling import choose
 from glm5mtp_cli.errors import UserError
 
@@ -172,22 +172,19 @@ class MtpHead:
                                   runner)[0]
 
     def propose_batch(self, tokens, hiddens, positions: list[int], num_drafts: int, states: list[ProposerState],
-                      runner: ForwardRunner) -> list[DraftChain] | DraftBatch:
+                      runner: ForwardRunner) -> Drafts:
         """Drafts for many sequences. tokens[b]/hiddens[b] (lists, or graphs.BatchRows): the pending
         real rows of sequence b (at least one: the newest accepted token and the target hidden
         before it), starting at drafter row positions[b]. Chain steps run batched, so each weight is
         read once per draft position for the whole batch; `runner` runs the forwards (eager, static
-        or captured). A runner's fused greedy chain returns its drafts as one DraftBatch."""
+        or captured), a greedy batch's whole chain in one forward where the runner has it."""
         for pos, st in zip(positions, states):
             self._check_aligned(pos, st)
         caches = [st.cache for st in states]
         fused = runner.fused_chain(tokens, hiddens, caches, num_drafts) if num_drafts else None
         if fused is not None:
             self._mark_fed(states, tokens)
-            batch = DraftBatch(fused, num_drafts)
-            for st in states:
-                st.last_chain = batch
-            return batch
+            return self._record(states, Drafts(fused, [num_drafts] * len(states)))
         logits, carried = runner.catchup(self, tokens, hiddens, caches)
         self._mark_fed(states, tokens)
         b = len(states)
@@ -215,14 +212,10 @@ class MtpHead:
                 break
             with self.chained():
                 logits, carried = runner.chain_step(self, d, carried, caches)
-        chains = []
-        dev = logits.device
-        for i in range(b):
-            toks = torch.stack([d[i] for d in drafts]) if drafts else torch.empty(0, dtype=torch.long, device=dev)
-            pr = torch.stack([q[i] for q in probs]) if drafts and probs[0] is not None else None
-            conf = float(min(c[i] for c in confs[: max(counts[i], 1)])) if confs else None
-            chains.append(self._chain(states[i], DraftChain(toks, pr, counts[i] if num_drafts else 0, conf)))
-        return chains
+        tokens = torch.stack(drafts, 1) if drafts else torch.empty(b, 0, dtype=torch.long, device=logits.device)
+        probs = torch.stack(probs, 1) if drafts and probs[0] is not None else None
+        confs = [float(min(c[i] for c in confs[: max(counts[i], 1)])) for i in range(b)] if confs else None
+        return self._record(states, Drafts(tokens, counts, probs, confs))
 
     def chained(self):
         """Marks a chained draft step for a layer that treats those apart (GLM-5-Next's
@@ -230,9 +223,10 @@ class MtpHead:
         return self.layer.chained() if hasattr(self.layer, "chained") else nullcontext()
 
     @staticmethod
-    def _chain(state: ProposerState, chain: DraftChain) -> DraftChain:
-        state.last_chain = chain
-        return chain
+    def _record(states: list[ProposerState], drafts: Drafts) -> Drafts:
+        for i, st in enumerate(states):
+            st.last_drafts, st.row = drafts, i
+        return drafts
 
     def greedy_fusable(self) -> bool:
         """Whether a batch's whole draft chain can be one forward (greedy, no confidence stop)."""
@@ -241,12 +235,14 @@ class MtpHead:
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         """Drop the chain's speculative rows. Accepted drafts get real rows (built from the target's
         hiddens) at the next catch-up, so only rows from target hiddens survive."""
-        if state.last_chain is not None and num_accepted > state.last_chain.num_drafts:
-            raise ValueError(f"accepted {num_accepted} of {state.last_chain.num_drafts} drafts")
+        proposed = state.last_drafts.counts[state.row] if state.last_drafts is not None else None
+        if proposed is not None and num_accepted > proposed:
+            raise ValueError(f"accepted {num_accepted} of {proposed} drafts")
         state.cache.truncate(state.real_rows)
 
     def last_confidence(self, state: ProposerState) -> float | None:
-        return state.last_chain.confidence if state.last_chain is not None else None
+        drafts = state.last_drafts
+        return drafts.confidence[state.row] if drafts is not None and drafts.confidence is not None else None
 
     def needs_comm(self) -> bool:
         """True when the layer is sharded over ranks: every rank must then run each propose call in

@@ -26,38 +26,29 @@ class DraftChain:
     confidence: float | None = None  # min top-1 probability over the chain, when computed
 
 
-class DraftBatch:
-    """The drafts of one fused propose call (every sequence `num_drafts` of them, greedy) as the
-    one [A, num_drafts] device tensor the draft chain wrote, standing for the list of its rows'
-    DraftChains: one is made only when read. Reading the batch row by row (a view per sequence,
-    then checking the views back into one tensor) was host time in every step at batch 32 and 64.
-    A state's last_chain is then the batch: what after_verify and last_confidence read of it."""
+class Drafts:
+    """The drafts of one propose call for the whole batch, as the device tensors the chain wrote:
+    tokens [A, g] (row i's first counts[i] are proposed; fewer than g after a confidence stop),
+    probs [A, g, V] (sampling: the distributions they were drawn from) or None, confidence (the
+    chain's min top-1 probability per row, --draft-conf-tau) or None. One object for every way of
+    drafting, read row by row (a DraftChain) only where a row is needed: a view per sequence per
+    step was host time at batch 32 and 64 (diagnostics/host_time)."""
 
-    __slots__ = ("tokens", "num_drafts")
-    probs = None
-    confidence = None
+    __slots__ = ("tokens", "counts", "probs", "confidence")
 
-    def __init__(self, tokens: torch.Tensor, num_drafts: int):
-        self.tokens, self.num_drafts = tokens, num_drafts
+    def __init__(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor | None = None,
+                 confidence: list[float] | None = None):
+        self.tokens, self.counts, self.probs, self.confidence = tokens, counts, probs, confidence
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def __getitem__(self, i: int) -> DraftChain:
-        return DraftChain(self.tokens[i], None, self.num_drafts, None)
+        return DraftChain(self.tokens[i], None if self.probs is None else self.probs[i], self.counts[i],
+                          None if self.confidence is None else self.confidence[i])
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
-
-
-def draft_counts(chains, active: int) -> list[int]:
-    """Drafts proposed per sequence by one propose call (chains: a list of DraftChain, a
-    DraftBatch, or None for a step without drafts over `active` sequences)."""
-    if not chains:
-        return [0] * active
-    if isinstance(chains, DraftBatch):
-        return [chains.num_drafts] * active
-    return [c.num_drafts for c in chains]
 
 
 @dataclass
@@ -74,7 +65,8 @@ class ProposerState:
     cache: SequenceCache | None
     budget_tokens: int
     real_rows: int = 0  # rows built from target hiddens; rows past this are speculative
-    last_chain: DraftChain | DraftBatch | None = None
+    last_drafts: Drafts | None = None  # the last propose call's, this state's row `row` of them
+    row: int = 0
     row_tokens: list = field(default_factory=list)  # chunks of t[i+1], one per real row i (MtpHead._mark_real)
     gen: torch.Generator | None = None  # the request's random stream (sampled drafts); None: the proposer's
 
@@ -99,9 +91,9 @@ class DraftProposer(Protocol):
     def catchup_batch(self, tokens: list, hiddens: list, states: list[ProposerState], chunk: int,
                       budget: int, static=None) -> None: ...
     # drafting: tokens/hiddens are one tensor per sequence, as a list or as graphs.BatchRows; `runner`
-    # is the engine's ForwardRunner; the result a list of DraftChain, or a DraftBatch (fused chain)
+    # is the engine's ForwardRunner
     def propose_batch(self, tokens, hiddens, positions: list[int], num_drafts: int,
-                      states: list[ProposerState], runner) -> list[DraftChain] | DraftBatch: ...
+                      states: list[ProposerState], runner) -> Drafts: ...
     def greedy_fusable(self) -> bool: ...
     def after_verify(self, num_accepted: int, state: ProposerState) -> None: ...
     # the math the runner runs: contexts over cached rows, one forward, the fused greedy chain

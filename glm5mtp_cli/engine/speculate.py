@@ -30,6 +30,7 @@ steps' propose + verify times.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -42,10 +43,24 @@ from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs, graph_rows
-from glm5mtp_cli.engine.proposer import DraftBatch, DraftProposer, ProposerState, draft_counts
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, budget_tokens, reserve_tokens
 from glm5mtp_cli.errors import UserError
+
+@dataclass
+class Verdict:
+    """What one verify decided per sequence: on the host, drafts proposed and accepted, the
+    target's next token and the drafted ids (None without drafts); on the device, the next tokens
+    and the accepted counts (the drafter's next feed is built from them without a host copy)."""
+
+    proposed: list[int]
+    accepted: list[int]
+    next: list[int]
+    draft_ids: list[list[int]] | None
+    next_dev: torch.Tensor
+    accepted_dev: torch.Tensor | None
+
 
 class SpecEngine:
     """The loop over any model family: `target` appends rows to its SequenceCaches and returns
@@ -361,7 +376,7 @@ class SpecEngine:
         tokens = s.all_tokens[: target.length] if target is not None else list(s.all_tokens)
         s.res.carry_out = Carry(target, tokens, drafter)
 
-    def draft(self, active: list[LiveSequence], g: int):
+    def draft(self, active: list[LiveSequence], g: int) -> Drafts:
         """The proposer's drafts for the active sequences' next verify (g of them each). An unchanged
         batch passes the last step's feed as it is (graphs.BatchRows): no per-sequence views."""
         src = active[0].pend_src
@@ -370,8 +385,12 @@ class SpecEngine:
             tokens, hiddens = BatchRows(src[0], n), BatchRows(src[1], n)
         else:
             tokens, hiddens = map(list, zip(*(s.pend() for s in active)))
-        return self.head.propose_batch(tokens, hiddens, [s.state.real_rows for s in active], g,
-                                       [s.state for s in active], self.runner)
+        drafts = self.head.propose_batch(tokens, hiddens, [s.state.real_rows for s in active], g,
+                                         [s.state for s in active], self.runner)
+        if self.config.check_invariants:
+            for s in active:
+                assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
+        return drafts
 
     def _choose_gamma(self, active: int) -> int:
         """This step's gamma for the whole batch (engine/gamma.py); under --tp rank 0's, broadcast."""
@@ -405,63 +424,69 @@ class SpecEngine:
             s.backlog = []
 
     def _step(self, active: list[LiveSequence]) -> None:
+        """One decode step: draft, verify [t_n, d1..dg] in one target forward, accept (the step's
+        one host read), commit both caches to the accepted prefix, then emit and finish."""
         g = self._choose_gamma(len(active))
         if g > 0:
             self._catch_up_backlog(active)
-        h0 = time.perf_counter()  # the step's cost for the gamma policy: host wall time, bookkeeping included
-        p0 = self.clock.now()
-        chains = None
+        h0, p0 = time.perf_counter(), self.clock.now()  # h0: the step's cost for the gamma policy
         self.runner.step([s.slot for s in active])
-        if g > 0:
-            chains = self.draft(active, g)
-            if self.config.check_invariants:
-                for s in active:
-                    assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
+        drafts = self.draft(active, g) if g > 0 else None
         v0 = self.clock.now()
-        last = self._last_tokens(active)
-        if chains:
-            drafts = chains.tokens if isinstance(chains, DraftBatch) else torch.stack([c.tokens for c in chains])
-            ids = torch.cat([last[:, None], drafts], dim=1)
-        else:
-            drafts = None
-            ids = last[:, None]
-        starts = [s.cache.length for s in active]
         if self.hooks is not None:
             self.hooks.before_verify(active)
-        out = self.runner.verify(self.target, ids, [s.cache for s in active])
-        counts = draft_counts(chains, len(active))
-        accepted, nxt, draft_ids, nxt_dev, acc_dev = self._accept(drafts, chains, out.logits, counts,
-                                                                  [s.gen for s in active])
-        v1 = self.clock.now()
-        if self.policy.adaptive:
-            self.policy.record_acceptance(counts, accepted)
-        times = StepTimes(p0, v0, v1)
-        fed = (self._drafter_feed(drafts, acc_dev, nxt_dev), out.hidden_all) if chains else None  # chains: a drafter
+        starts = [s.cache.length for s in active]
+        out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
+        verdict = self._accept(drafts, out.logits, active)
+        times = StepTimes(p0, v0, self.clock.now())
+        self._commit(active, verdict, drafts, out.hidden_all, starts)
         for i, s in enumerate(active):
-            a = accepted[i]
-            new = draft_ids[i][:a] + [nxt[i]] if a else [nxt[i]]
-            s.cache.truncate(starts[i] + a + 1)
-            s.last_src, s.last_i = nxt_dev, i
-            if s.state is not None and chains:
-                self.head.after_verify(a, s.state)
-                s.pend_src, s.pend_i, s.pend_n = fed, i, a + 1  # views of `fed` only if needed (draft)
-            elif s.state is not None:  # a step without drafts: its row waits for the next drafting step
-                s.backlog.append((s.last_dev, out.hidden_all[i, :1]))
-            s.acc.record(counts[i], a)
-            s.marks.append(("step", times, counts[i], a, starts[i], new,
-                            draft_ids[i][: counts[i]] if draft_ids is not None else []))
-            s.steps += 1
-            s.last = new[-1]
-            s.all_tokens.extend(new)
-            before = len(s.out)
-            s.out.extend(new)
-            self._maybe_finish(s, before)
-            if self.on_tokens is not None and len(s.out) > before:
-                self.on_tokens(s.req.request_id, s.out[before:])
+            self._emit(s, verdict, i, times, starts[i])
         # a step ends in a host read of its tokens, so its host wall time is its device time plus the
         # per-sequence bookkeeping, which at batch 64 outweighs the graph replay (and drafting
         # amortizes it over more tokens): the device time alone undervalued drafting there
         self.policy.record_cost(len(active), g, time.perf_counter() - h0)
+
+    def _verify_ids(self, active: list[LiveSequence], drafts: Drafts | None) -> torch.Tensor:
+        """[A, g + 1]: each sequence's newest token, then its drafts."""
+        last = self._last_tokens(active)
+        return last[:, None] if drafts is None else torch.cat([last[:, None], drafts.tokens], dim=1)
+
+    def _commit(self, active: list[LiveSequence], v: "Verdict", drafts: Drafts | None, hidden_all: torch.Tensor,
+                starts: list[int]) -> None:
+        """Both caches back to each sequence's accepted prefix: the target keeps n + a + 1 rows (its
+        fixed-size state commits the same prefix), the drafter drops its speculative rows and is fed
+        the accepted ones at the next draft (or, after a step without drafts, at the next drafting one)."""
+        if self.policy.adaptive:
+            self.policy.record_acceptance(v.proposed, v.accepted)
+        fed = (self._drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
+        for i, s in enumerate(active):
+            a = v.accepted[i]
+            s.cache.truncate(starts[i] + a + 1)
+            s.last_src, s.last_i = v.next_dev, i
+            if s.state is None:
+                continue
+            if drafts is not None:
+                self.head.after_verify(a, s.state)
+                s.pend_src, s.pend_i, s.pend_n = fed, i, a + 1  # views of `fed` only if needed (draft)
+            else:
+                s.backlog.append((s.last_dev, hidden_all[i, :1]))
+
+    def _emit(self, s: LiveSequence, v: "Verdict", i: int, times: StepTimes, start: int) -> None:
+        """Sequence i's tokens of this step (a accepted drafts and the target's own), its record of
+        the step, then whether it finished."""
+        a, drafted = v.accepted[i], v.draft_ids[i] if v.draft_ids is not None else []
+        new = drafted[:a] + [v.next[i]]
+        s.acc.record(v.proposed[i], a)
+        s.marks.append(("step", times, v.proposed[i], a, start, new, drafted[: v.proposed[i]]))
+        s.steps += 1
+        s.last = new[-1]
+        s.all_tokens.extend(new)
+        before = len(s.out)
+        s.out.extend(new)
+        self._maybe_finish(s, before)
+        if self.on_tokens is not None and len(s.out) > before:
+            self.on_tokens(s.req.request_id, s.out[before:])
 
     @staticmethod
     def _last_tokens(active: list[LiveSequence]) -> torch.Tensor:
@@ -480,33 +505,33 @@ class SpecEngine:
         pos = torch.arange(drafts.shape[1] + 1, device=drafts.device)
         return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
 
-    def _accept(self, drafts, chains, logits, counts, gens):
-        """(accepted, next token, draft ids) per sequence on the host, and the next tokens and the
-        accepted counts (None without drafts) on the device; greedy reads the device once per step."""
+    def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence]) -> "Verdict":
+        """Greedy match or rejection sampling over the verified logits [A, g + 1, V]; greedy reads
+        the device once per step."""
+        proposed = drafts.counts if drafts is not None else [0] * logits.shape[0]
         if self.sampling.greedy:
             target_tokens = logits.argmax(-1)  # [B, g+1]
             if drafts is None:
                 nxt = target_tokens[:, 0]
-                return [0] * logits.shape[0], nxt.tolist(), None, nxt, None
-            match = (target_tokens[:, :-1] == drafts).int()
-            if min(counts) < drafts.shape[1]:  # a confidence stop proposed fewer drafts somewhere
-                n = torch.tensor(counts, device=logits.device)
-                match = match * (torch.arange(drafts.shape[1], device=logits.device)[None, :] < n[:, None])
+                return Verdict(proposed, proposed, nxt.tolist(), None, nxt, None)
+            tokens = drafts.tokens
+            match = (target_tokens[:, :-1] == tokens).int()
+            if min(proposed) < tokens.shape[1]:  # a confidence stop proposed fewer drafts somewhere
+                n = torch.tensor(proposed, device=logits.device)
+                match = match * (torch.arange(tokens.shape[1], device=logits.device)[None, :] < n[:, None])
             acc = match.cumprod(1).sum(1)
             nxt = target_tokens.gather(1, acc[:, None])[:, 0]
-            host = torch.cat([acc[:, None], nxt[:, None], drafts], dim=1).tolist()  # the one sync
-            return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt, acc
+            host = torch.cat([acc[:, None], nxt[:, None], tokens], dim=1).tolist()  # the one sync
+            return Verdict(proposed, [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt, acc)
         acc, nxt = [], []
-        for i in range(logits.shape[0]):
-            if drafts is None:
-                a, t = accept_rejection(logits.new_empty(0, dtype=torch.long), None, logits[i], 0,
-                                        self.sampling, gens[i])
-            else:
-                a, t = accept_rejection(drafts[i], chains[i].probs, logits[i], counts[i], self.sampling, gens[i])
+        no_drafts = logits.new_empty(0, dtype=torch.long)
+        for i, s in enumerate(active):
+            d, q = (no_drafts, None) if drafts is None else (drafts.tokens[i], drafts.probs[i])
+            a, t = accept_rejection(d, q, logits[i], proposed[i], self.sampling, s.gen)
             acc.append(a)
             nxt.append(t)
         both = torch.tensor([acc, nxt], dtype=torch.long, device=logits.device)  # one copy for both
-        return acc, nxt, None if drafts is None else drafts.tolist(), both[1], both[0]
+        return Verdict(proposed, acc, nxt, None if drafts is None else drafts.tokens.tolist(), both[1], both[0])
 
     def _maybe_finish(self, s: LiveSequence, fresh_from: int = 0) -> None:
         """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""
