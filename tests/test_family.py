@@ -45,6 +45,8 @@ class FakeOut:
 
 
 class FakeTarget(nn.Module):
+    reads_slots = False  # eager only: its state is read through the caches, never slot indices
+
     def __init__(self, cfg: FakeConfig):
         super().__init__()
         g = torch.Generator().manual_seed(0)

@@ -253,7 +253,7 @@ def run_bench_command(run: BenchRun) -> None:
         rt = load_runtime(spec, progress=not json_out, comm=comm)
         c = dataclasses.replace(c, engine=resolve(rt, c.engine))
         cfg, dev, dt, folder = rt.cfg, rt.device, rt.dtype, rt.resolved.folder
-        mtp, embed, head = rt.mtp, rt.target.model.embed_tokens, rt.target.lm_head
+        mtp, embed, head = rt.mtp, rt.target.embed_tokens, rt.target.lm_head
         ids = _prompts(rt, run.items, max(list(c.batch_sizes) + [c.num_prompts or 0]))
     for batch in ([] if spec.random_weights else c.batch_sizes):
         if c.with_transformers:

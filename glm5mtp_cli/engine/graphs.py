@@ -42,7 +42,6 @@ reservation, in the scratch block.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -119,16 +118,6 @@ class _SlotIndex:
 
     def slots(self, idx: torch.Tensor) -> CachedSlots:
         return CachedSlots(self.pool.data, self.index.index_select(0, idx))
-
-
-def takes_slots(model) -> bool:
-    """Whether a model's static forwards can read fixed-size state: it has forward_batch,
-    leave_pending (the commit after a run) and a context that takes the slot indices (GLM-5-Next),
-    not only the block tables (GLM-5)."""
-    context = getattr(model, "context", None)
-    if context is None or not hasattr(model, "forward_batch") or not hasattr(model, "leave_pending"):
-        return False
-    return "slots" in inspect.signature(context).parameters
 
 
 class StaticForward:
@@ -247,23 +236,23 @@ class EngineGraphs:
         self.buckets: dict[int, _Bucket] = {}
         self.mempool = None
         try:
-            self._tables("target", target, max_blocks)
+            self._tables("target", target.reads_slots, max_blocks)
             if proposer is not None:
-                self._tables("drafter", proposer, max_blocks)
+                self._tables("drafter", False, max_blocks)  # no proposer's forwards read slot state
             for b in buckets_for(slots):
                 self.buckets[b] = self._bucket(b, target, proposer, gammas, hidden, greedy)
         except BaseException:
             self.close()
             raise
 
-    def _tables(self, owner: str, model, max_blocks: int) -> None:
-        """The owner's block tables, and its slot indices when `model`'s forwards take them."""
+    def _tables(self, owner: str, reads_slots: bool, max_blocks: int) -> None:
+        """The owner's block tables, and its slot indices when its forwards read them."""
         self.tables[owner], self.slot_index[owner] = {}, {}
         for component in self.pools.owners[owner]:
             pool = self.pools.pools[component]
             short = component[len(owner) + 1:]
             if isinstance(pool, SlotPool):
-                if not takes_slots(model):
+                if not reads_slots:
                     raise UserError("this model keeps fixed-size state slots its static forwards cannot read: "
                                     "run it with --no-cuda-graphs")
                 self.scratch_slots[component] = pool.take()
@@ -439,7 +428,7 @@ class ForwardRunner:
         for c in caches:
             c.prepare(f.t)  # commits a pending prefill state whole; within capacity (_starts): reserves nothing
         out = f.run()
-        if getattr(out, "pending", None) is not None:
+        if out.pending is not None:
             # the commit records are the graph's outputs: the engine's truncate after this verify
             # commits them, before the graph's next replay
             target.leave_pending(caches, out.pending)

@@ -21,10 +21,10 @@ from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.compiled import default_compile
 from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec  # noqa: F401  (DEFAULT_MODEL: the runtime's default)
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
-from glm5mtp_cli.engine.graphs import takes_slots
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import ResolvedModel, resolve_model
 from glm5mtp_cli.engine.speculate import SpecEngine
+from glm5mtp_cli.engine.target import Target
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.family import SLOT
@@ -147,7 +147,7 @@ def module_bytes(module: torch.nn.Module) -> int:
 class Runtime:
     resolved: ResolvedModel
     cfg: Any  # the family's config object (models.load_config)
-    target: torch.nn.Module
+    target: Target
     mtp: torch.nn.Module | None
     tokenizer: Tokenizer | None
     device: torch.device
@@ -160,7 +160,7 @@ class Runtime:
         def size(m):
             return module_bytes(m) if m is not None else 0
 
-        emb = self.target.model.embed_tokens.weight
+        emb = self.target.embed_tokens.weight
         head = self.target.lm_head.weight
         return {"target": size(self.target) - emb.numel() * emb.element_size() - head.numel() * head.element_size(),
                 "embeddings": emb.numel() * emb.element_size(),
@@ -226,10 +226,10 @@ def graph_mode(rt: "Runtime", cuda_graphs: bool, compile: str = "off") -> str:
     captures the same forwards in the same order, its NCCL collectives inside: parallel.Comm);
     eager on the CPU (gloo collectives cannot be captured; static mode runs there only when asked,
     as the tests do) and for a model with fixed-size state slots whose forwards cannot read them
-    through slot indices (graphs.takes_slots; GLM-5-Next's can). With --compile (other than off)
+    through slot indices (Target.reads_slots; GLM-5-Next's can). With --compile (other than off)
     the static forwards run compiled: static mode where no graph is captured."""
     slots = any(c.kind == SLOT for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype))
-    static_ok = not slots or takes_slots(rt.target)
+    static_ok = not slots or rt.target.reads_slots
     if cuda_graphs and rt.device.type == "cuda" and static_ok:
         return "cuda"
     if compile != "off":

@@ -25,6 +25,7 @@ class ForwardOut:
     hidden: torch.Tensor  # [B, R, H] after the final norm (target) / shared_head.norm (MTP)
     prenorm: torch.Tensor | None = None  # MTP only: block output before shared_head.norm
     hidden_all: torch.Tensor | None = None  # target only: normed hiddens of every appended row
+    pending = None  # no fixed-size state to commit (engine/target.py)
 
 
 @dataclass
@@ -78,6 +79,10 @@ class _Body(nn.Module):
 
 
 class Glm5ForCausalLM(nn.Module):
+    """The GLM-5 target as the engine's Target (engine/target.py): paged rows only."""
+
+    reads_slots = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -89,9 +94,16 @@ class Glm5ForCausalLM(nn.Module):
             if cfg.has_indexer(i):
                 self.idx_layer[i] = len(self.idx_layer)
 
-    def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows]) -> BatchContext:
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows], slots=None) -> BatchContext:
         """The context of a forward appending t rows at `starts` through `rows` (static buffers)."""
         return rope_context(self.cfg, starts, t, rows["mla"], rows.get("indexer"))
+
+    def leave_pending(self, caches: list, pending) -> None:
+        """Nothing to commit: every component rolls back by length."""
 
     def _run(self, input_ids, bc: BatchContext, indexer_losses=None):
         h = self.model.embed_tokens(input_ids)

@@ -85,7 +85,9 @@ def _rows(h: torch.Tensor, rows) -> torch.Tensor:
 
 
 class PooledTarget(torch.nn.Module):
-    """Glm5NextForCausalLM's forward over SequenceCaches: the engine's target interface."""
+    """Glm5NextForCausalLM's forward over SequenceCaches: the engine's Target (engine/target.py)."""
+
+    reads_slots = True
 
     def __init__(self, model: Glm5NextForCausalLM):
         super().__init__()
@@ -97,6 +99,10 @@ class PooledTarget(torch.nn.Module):
     @property
     def lm_head(self) -> torch.nn.Linear:
         return self.model.lm_head
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.embed_tokens
 
     def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows],
                 slots: dict[str, CachedSlots]) -> PagedContext:

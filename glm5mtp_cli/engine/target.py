@@ -1,0 +1,36 @@
+"""The Target protocol: what the engine, the runner and the runtime ask of a family's target model
+(models/glm5/decoder.Glm5ForCausalLM, models/glm5_next/pooled.PooledTarget), and nothing more.
+
+Every forward appends rows to SequenceCaches (engine/cache.py). The eager call reads and writes
+them through their block tables; `forward_batch` is the same forward as a function of device
+tensors alone over a `context` (what the runner runs over static buffers or captures in a CUDA
+graph; engine/graphs.py). A target with fixed-size state (GLM-5-Next's KDA layers) whose context
+takes the slot indices (`reads_slots`) can run as static forwards; its forwards return in
+`out.pending` what they advanced;
+`leave_pending` hands that to the caches, whose truncate to the accepted prefix commits it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class Target(Protocol):
+    cfg: object  # the family's config
+    reads_slots: bool  # its context takes slot indices: its static forwards read fixed-size state
+
+    @property
+    def embed_tokens(self) -> nn.Embedding: ...
+    @property
+    def lm_head(self) -> nn.Linear: ...
+    # eager: input_ids [B, T] appended to each cache; -> out.logits [B, R, V] for `rows` ("all",
+    # "last" or a row per sequence [B]), out.hidden_all [B, T, H], out.pending (None without slot state)
+    def __call__(self, input_ids: torch.Tensor, caches: list, rows="all"): ...
+    # the same forward over a runner's buffers: ctx = context(starts [B], t, rows[, slots])
+    def context(self, starts: torch.Tensor, t: int, rows: dict, slots: dict | None = None): ...
+    def forward_batch(self, input_ids: torch.Tensor, ctx, rows="all"): ...
+    def leave_pending(self, caches: list, pending) -> None: ...
