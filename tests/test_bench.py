@@ -232,8 +232,8 @@ def test_host_time_diagnostic_runs():
     """diagnostics/host_time (the step loop's host time, forwards excluded): a number, and the
     forwards' timing hook taken off again."""
     from glm5mtp_cli.diagnostics.host_time import host_us_per_step
-    from glm5mtp_cli.engine import graphs
+    from glm5mtp_cli.engine import static
 
-    run = graphs.StaticForward.run
+    run = static.StaticForward.run
     assert host_us_per_step(gamma=2, batch=2, requests=4, new_tokens=4, repeats=1) > 0
-    assert graphs.StaticForward.run is run
+    assert static.StaticForward.run is run

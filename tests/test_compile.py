@@ -18,7 +18,7 @@ from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.engine.cache import CachePools, write_rows
 from glm5mtp_cli.engine.compiled import compile_forward
-from glm5mtp_cli.engine.graphs import sequence_forward
+from glm5mtp_cli.engine.static import sequence_forward
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
 from kernels import fp8_block, moe, moe_grouped, paged, rmsnorm, rope

@@ -150,7 +150,7 @@ def test_sequence_forward_reads_the_sequences_state_slots(rt):
     """step_bench's one-sequence static forward (graphs.sequence_forward, what bench captures for
     the target step) passes the cache's own KDA slots: its logits equal the eager forward's."""
     from glm5mtp_cli.engine.cache import CachePools
-    from glm5mtp_cli.engine.graphs import sequence_forward
+    from glm5mtp_cli.engine.static import sequence_forward
 
     pools = CachePools.create(rt.cfg, 8, 4, torch.float32, "cpu", with_drafter=False)
     cache = pools.target_cache()

@@ -200,7 +200,7 @@ def _modes_run(rt, gamma, mode, sampling=None, prefill_graphs=False, chunk=1024)
     engine = make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling or SamplingParams(), max_seq_len=128, eos_ids=(), check_invariants=True, graphs=mode, prefill_graphs=prefill_graphs, prefill_chunk=chunk))
     res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(STATIC_REQUESTS)], batch_size=2)
     built = engine.runner.graphs is not None
-    replays = engine._prefill.replays if engine._prefill is not None else 0
+    replays = engine.runner.prefill.replays if engine.runner.prefill is not None else 0
     engine.close()
     return {"tokens": [r.tokens for r in res], "counts": [[r.acceptance.proposed, r.acceptance.accepted] for r in res],
             "built": built, "prefill_replays": replays}

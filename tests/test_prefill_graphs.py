@@ -59,7 +59,7 @@ def test_static_prefill_equals_eager(rt, gamma, batch):
     static = _engine(rt, pools, gamma, "static", prefill_graphs=True)
     try:
         assert _calls(static, batch) == _calls(eager, batch)
-        prefill = static._prefill
+        prefill = static.runner.prefill
         assert prefill.replays > 0, "no prefill forward ran from a bucket"
         owners = {key[0] for key in prefill.forwards}
         assert owners == ({"target", "drafter"} if gamma else {"target"})
@@ -74,10 +74,10 @@ def test_a_bucket_is_built_at_its_first_use_and_not_past_the_row_cap(rt):
     engine = _engine(rt, pools, 0, "static", prefill_graphs=True)
     try:
         engine.generate([Request(list(range(10, 42)), 4)])  # two forwards of 16 rows: both from the bucket
-        assert list(engine._prefill.forwards) == [("target", 1, 16)] and engine._prefill.replays == 2
-        engine._prefill.max_rows = 8  # a forward over the cap stays eager
+        assert list(engine.runner.prefill.forwards) == [("target", 1, 16)] and engine.runner.prefill.replays == 2
+        engine.runner.prefill.max_rows = 8  # a forward over the cap stays eager
         engine.generate([Request(list(range(50, 82)), 4)])
-        assert engine._prefill.replays == 2
+        assert engine.runner.prefill.replays == 2
     finally:
         engine.close()
     assert not any(pools.blocks_held().values())
@@ -115,7 +115,7 @@ def test_captured_prefill_equals_eager_on_cuda(spec_ckpt):
         captured = _engine(grt, pools, gamma, "cuda", prefill_graphs=True, device="cuda")
         try:
             assert _calls(captured, 2) == _calls(plain, 2), gamma
-            assert captured._prefill.replays > 0
+            assert captured.runner.prefill.replays > 0
         finally:
             captured.close()
             plain.close()

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from glm5mtp_cli.engine import graphs
+from glm5mtp_cli.engine import static
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
@@ -31,7 +31,7 @@ def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: in
     reqs = [Request([rnd.randrange(rt.cfg.vocab_size) for _ in range(rnd.randrange(20, 60))], new_tokens, i)
             for i in range(requests)]
     spent, steps = [0.0], [0]
-    run, step = graphs.StaticForward.run, engine._step
+    run, step = static.StaticForward.run, engine._step
 
     def timed_run(f):
         t0 = time.perf_counter()
@@ -43,7 +43,7 @@ def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: in
         steps[0] += 1
         return step(active)
 
-    graphs.StaticForward.run, engine._step = timed_run, counted_step
+    static.StaticForward.run, engine._step = timed_run, counted_step
     try:
         engine.generate(reqs, batch_size=batch)  # warm-up: builds the static forwards
         best = None
@@ -54,7 +54,7 @@ def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: in
             best = host if best is None else min(best, host)
         return best * 1e6
     finally:
-        graphs.StaticForward.run = run
+        static.StaticForward.run = run
         engine.close()
 
 

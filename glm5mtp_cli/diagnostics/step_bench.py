@@ -163,7 +163,7 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
     (compiled: the static forward, _static_step). With `kernels`, also the step's kernel_breakdown
     (else None); then the compile seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
-    from glm5mtp_cli.engine.graphs import sequence_forward
+    from glm5mtp_cli.engine.static import sequence_forward
     from glm5mtp_cli.engine.config import EngineConfig
     from glm5mtp_cli.engine.mtp_head import MtpHead
 
@@ -208,7 +208,7 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     host-timed. With `kernels`, also the step's kernel_breakdown (else None); then the compile
     seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
-    from glm5mtp_cli.engine.graphs import sequence_forward
+    from glm5mtp_cli.engine.static import sequence_forward
 
     cfg = target.cfg
     pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, with_drafter=False, tp=tp)

@@ -37,7 +37,7 @@ import time
 import torch
 
 from glm5mtp_cli.engine.cache import BlockPool, to_device
-from glm5mtp_cli.engine.graphs import StaticForward, _Table
+from glm5mtp_cli.engine.static import StaticForward, Table
 from glm5mtp_cli.errors import UserError
 
 MIN_ROWS = 16  # the shortest bucket: shorter forwards pad up to it
@@ -82,7 +82,7 @@ class PrefillForwards:
         self.max_rows = max_rows
         self.rows = max_rows // MIN_ROWS  # the most sequences a bucket holds
         self.scratch: dict[str, list[int]] = {}
-        self.tables: dict[str, dict[str, _Table]] = {}
+        self.tables: dict[str, dict[str, Table]] = {}
         self.forwards: dict[tuple, StaticForward] = {}
         self.mempool = None
         self.replays = 0  # forwards run from a bucket (tests; a count, not a timing)
@@ -93,7 +93,7 @@ class PrefillForwards:
                 for name in pools.owners[owner]:
                     self.scratch[name] = pools.pools[name].take(1)
                     table = torch.full((self.rows + 1, width), self.scratch[name][0], dtype=torch.long, device=device)
-                    self.tables[owner][name[len(owner) + 1:]] = _Table(pools.pools[name], table, self.scratch[name][0])
+                    self.tables[owner][name[len(owner) + 1:]] = Table(pools.pools[name], table, self.scratch[name][0])
         except BaseException:
             self.close()
             raise

@@ -42,7 +42,7 @@ from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
-from glm5mtp_cli.engine.prefill_graphs import PrefillForwards, check as check_prefill_graphs, graph_rows
+from glm5mtp_cli.engine.prefill_graphs import check as check_prefill_graphs, graph_rows
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, budget_tokens, reserve_tokens
@@ -91,7 +91,6 @@ class SpecEngine:
         self.runner = ForwardRunner(config.graphs, self.device, config.compile, config.compile_mode)
         if config.prefill_graphs:
             check_prefill_graphs(pools, ["target"] + (["drafter"] if proposer is not None and config.gamma > 0 else []))
-        self._prefill: PrefillForwards | None = None  # built by generate, with the tables' width
         self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
         self.admissions = 0
@@ -134,11 +133,8 @@ class SpecEngine:
         width = max(self._table_blocks(requests), built.max_blocks if built is not None else 0)
         if built is not None and (built.slots < batch_size or built.max_blocks < width):
             self.runner.close()  # built for fewer slots or shorter sequences: built again below
-        if self.config.prefill_graphs and (self._prefill is None or self._prefill.width < width):
-            self._close_prefill()
-            self._prefill = PrefillForwards(self.target, self.head, self.pools, width, self.device,
-                                            capture=self.runner.mode == "cuda",
-                                            max_rows=graph_rows(self.cfg.hidden_size))
+        if self.config.prefill_graphs:
+            self.runner.open_prefill(self.target, self.head, self.pools, width, graph_rows(self.cfg.hidden_size))
         waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
         # the call's results as requests end: after an exception, what ended before it (None: aborted)
         results: list[SeqResult | None] = [None] * len(requests)
@@ -158,7 +154,7 @@ class SpecEngine:
                             results[i] = seq.res
                             if seq.done is None:
                                 self._seat(seq, free.pop(0), slots)
-                    captured = self._prefill.take_capture_s() if self._prefill else 0.0
+                    captured = self.runner.take_capture_s()
                     self._admission_s = self._wall() - a0 - captured
                     self._idle_s = 0.0
                     prefill += self._admission_s
@@ -167,14 +163,14 @@ class SpecEngine:
                 active = [s for s in slots if s is not None]
                 if not active:
                     continue
-                if self.runner.mode != "eager" and self.runner.graphs is None:
+                if not self.runner.ready:
                     c0 = self._wall()
                     self._open_graphs(active, batch_size, width)
                     capture += self._wall() - c0
                 s0 = time.perf_counter()  # the step ends in a host read of its tokens: no sync needed
                 self._step(active)
                 self._idle_s += (batch_size - len(active)) * (time.perf_counter() - s0)
-                capture += self._prefill.take_capture_s() if self._prefill else 0.0  # a catch-up's bucket
+                capture += self.runner.take_capture_s()  # a catch-up's bucket
                 for s in active:
                     if s.done is not None:
                         slots[s.slot] = None
@@ -243,12 +239,7 @@ class SpecEngine:
         """Drop the engine's graphs and give their scratch blocks back (the pools' ledger is then
         what the sequences hold); generate builds them again if called after."""
         self.runner.close()
-        self._close_prefill()
-
-    def _close_prefill(self) -> None:
-        if self._prefill is not None:
-            self._prefill.close()
-            self._prefill = None
+        self.runner.close_prefill()
 
     def _wall(self) -> float:
         """Host time after the device caught up: read around admissions and captures, never inside a step."""
@@ -294,7 +285,7 @@ class SpecEngine:
         state_bytes = [self._state_bytes(s) for s in seqs]
         logits, hiddens = prefill_targets(self.target, [s.cache for s in seqs],
                                           [s.req.prompt[pl.target_start:] for s, pl in zip(seqs, plans)],
-                                          self.config.prefill_chunk, self.config.prefill_tokens, self.device, self._prefill)
+                                          self.config.prefill_chunk, self.config.prefill_tokens, self.device, self.runner.prefill)
         if self.sampling.greedy:
             first = logits.argmax(-1)
         else:
@@ -312,7 +303,7 @@ class SpecEngine:
                 feeds.append((prompts[at + d + 1: at + p], hiddens[i][d - pl.target_start: p - 1 - pl.target_start]))
                 at += p
             self.head.catchup_batch([f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
-                                    self.config.prefill_chunk, self.config.prefill_tokens, self._prefill)
+                                    self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             req, p, d = seq.req, len(seq.req.prompt), drafted[i]
             seq.last = firsts[i]
@@ -410,7 +401,7 @@ class SpecEngine:
                 late.append((s, s.pending_rows - (self.gamma + 1), *s.pend()))
         if late:
             self.head.catchup_batch([t[:e] for _, e, t, _ in late], [h[:e] for _, e, _, h in late],
-                                    [s.state for s, *_ in late], self.config.prefill_chunk, self.config.prefill_tokens, self._prefill)
+                                    [s.state for s, *_ in late], self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
             for s, e, t, h in late:
                 s.set_pend(t[e:], h[e:])
             self._wall()

@@ -1,0 +1,156 @@
+"""A static forward: one forward shape (B rows x T new rows) over static device buffers, run
+eagerly or captured as a CUDA graph and replayed; the block tables and slot indices it reads its
+caches through. The runner's graph sets (engine/graphs.py: decode, verify, draft chain;
+engine/prefill_graphs.py: admission prefill) are made of these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from glm5mtp_cli.engine.cache import BlockPool, CachedRows, CachedSlots, SlotPool, table_slots, to_device
+from glm5mtp_cli.engine.compiled import PATH_OF, compile_forward
+from glm5mtp_cli.engine.sync_free import sync_free
+from kernels._triton import kernel_path
+
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warmup_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for every capture's warm-up: cuBLAS keeps a workspace per stream
+    it ever ran on (never freed), so a fresh stream per capture grew the allocator each batch."""
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
+
+
+@dataclass
+class Table:
+    """One cache component's block tables: [slots + 1, NB] block ids; the last row is all scratch
+    (padding rows of a bucket read it)."""
+
+    pool: BlockPool
+    table: torch.Tensor
+    scratch: int
+
+    def rows(self, idx: torch.Tensor, starts: torch.Tensor, t: int) -> CachedRows:
+        new, all_ = table_slots(self.table.index_select(0, idx), self.pool.block_size, starts, t, self.scratch)
+        return CachedRows(self.pool.data, new, all_)
+
+    def name_blocks(self, row: int, blocks: list[int], what: str) -> None:
+        """Row `row` names `blocks` (the scratch block past them), copied asynchronously."""
+        width = self.table.shape[1]
+        if len(blocks) > width:
+            raise RuntimeError(f"{what}: {len(blocks)} blocks, over the tables' {width}")
+        self.table[row].copy_(to_device(list(blocks) + [self.scratch] * (width - len(blocks)), self.table.device),
+                              non_blocking=True)
+
+
+@dataclass
+class SlotIndex:
+    """One fixed-size component's slot index: [slots + 1] SlotPool slots; the last is scratch."""
+
+    pool: SlotPool
+    index: torch.Tensor
+    scratch: int
+
+    def slots(self, idx: torch.Tensor) -> CachedSlots:
+        return CachedSlots(self.pool.data, self.index.index_select(0, idx))
+
+
+class StaticForward:
+    """One forward shape (B rows x T new rows) over static buffers: a CUDA graph on CUDA (`capture`),
+    the same function run eagerly otherwise. Row b reads table row idx[b]."""
+
+    def __init__(self, context_fn, fn, b: int, t: int, tables: dict[str, Table], device: torch.device,
+                 hidden: tuple[int, torch.dtype] | None = None, pick_row: bool = False,
+                 idx: torch.Tensor | None = None, slots: dict[str, SlotIndex] | None = None):
+        self.context_fn = context_fn  # the model's context(starts, t, rows[, slots])
+        self.fn = fn  # fn(this StaticForward) -> its outputs, from the buffers alone
+        self.b, self.t = b, t
+        self.tables = tables
+        self.slots = slots or {}
+        self.device = device
+        self.idx = idx if idx is not None else torch.arange(b, device=device)
+        self.ids = torch.zeros(b, t, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(b, t, hidden[0], dtype=hidden[1], device=device) if hidden else None
+        # each row's cached length, and (pick_row) the row whose logits it takes: one buffer, so
+        # that a step's host values for both go in one copy
+        self._host_in = torch.zeros(2 if pick_row else 1, b, dtype=torch.long, device=device)
+        self.starts = self._host_in[0]
+        self.rows = self._host_in[1] if pick_row else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out = None
+        self.path: str | None = None  # the kernel path a compiled forward runs (None: as set outside)
+
+    def context(self, starts: torch.Tensor, t: int):
+        """The model's context of a forward appending t rows at `starts` (device) to every row; the
+        slot indices only for an owner with slot components (GLM-5's context takes none)."""
+        rows = {name: table.rows(self.idx, starts, t) for name, table in self.tables.items()}
+        if not self.slots:
+            return self.context_fn(starts, t, rows)
+        return self.context_fn(starts, t, rows, {name: s.slots(self.idx) for name, s in self.slots.items()})
+
+    def _forward(self):
+        with sync_free(), kernel_path(self.path) if self.path else contextlib.nullcontext():
+            return self.fn(self)
+
+    def compile(self, compile: str, mode: str) -> float:
+        """Compile this forward (engine/compiled.py) and run it once, so that the compile happens
+        now (the run writes where the buffers point: the scratch block at engine start); -> its
+        seconds."""
+        self.fn = compile_forward(self.fn, mode)
+        self.path = PATH_OF.get(compile)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda device: None
+        sync(self.device)
+        t0 = time.perf_counter()
+        self._forward()
+        sync(self.device)
+        return time.perf_counter() - t0
+
+    def capture(self, mempool) -> None:
+        """Warm up on a side stream (allocator, cuBLAS workspaces, Triton compiles), then capture.
+        The warm-up writes rows where the buffers point: the scratch block at engine start. Under
+        --tp the forward's collectives run for real in the warm-up and are recorded in the capture:
+        every rank captures the same forwards in the same order (EngineGraphs: buckets and gammas
+        from the engine's arguments alone), so the warm-ups' collectives pair up across ranks."""
+        side = warmup_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool):
+            self.out = self._forward()
+
+    def set_starts(self, lengths: list[int]) -> None:
+        self.starts.copy_(to_device(lengths, self.device), non_blocking=True)
+
+    def set_starts_rows(self, lengths: list[int], rows: list[int]) -> None:
+        self._host_in.copy_(to_device([lengths, rows], self.device), non_blocking=True)
+
+    def run(self):
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return self._forward()
+
+    def close(self) -> None:
+        self.graph = None
+        self.out = None
+
+
+
+def sequence_forward(context_fn, fn, cache, t: int, device: torch.device,
+                     hidden: tuple[int, torch.dtype] | None = None) -> StaticForward:
+    """A static forward over ONE sequence's cache (benchmarks): its own tables and state slots
+    (a forward reads the states; nothing commits them); rows past its
+    reservation would go to its last block, so callers keep starts + t within the reservation."""
+    tables = {name: Table(rows.pool, rows.table[None].clone(), rows.blocks[-1]) for name, rows in cache.rows.items()}
+    slots = {name: SlotIndex(ref.pool, to_device([ref.slot], device), ref.slot) for name, ref in cache.slots.items()}
+    return StaticForward(context_fn, fn, 1, t, tables, device, hidden, slots=slots)
