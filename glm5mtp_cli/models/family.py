@@ -57,6 +57,9 @@ class ModelFamily(Protocol):
     name: str
     model_types: tuple[str, ...]
     compile_default: str  # --compile without the flag: off | kernels | torch (engine/compiled.py; optional)
+    # its byte formulas for diagnostics/sizing (models/glm5/sizing.py is the model): draft_step_bytes,
+    # target_step_bytes, scratch_bytes, verify_record_bytes, TP_NOTES
+    sizing: Any
 
     def parse_config(self, raw: dict[str, Any], source: str) -> Any: ...
     # per rank: `tp` ranks each hold their share of head-split state (a KDA state's heads); rows and
@@ -67,7 +70,8 @@ class ModelFamily(Protocol):
     def build_target(self, cfg) -> torch.nn.Module: ...
     def build_mtp(self, cfg) -> torch.nn.Module: ...
     def keeps_fp32(self, name: str) -> bool: ...  # checkpoint tensors held in fp32 whatever the dtype
-    def check_tp(self, cfg, tp: int) -> None: ...  # one UserError line when cfg cannot split tp (> 1) ways
+    def check_tp(self, cfg, tp: int) -> None: ...
+    def split_over_ranks(self, name: str) -> bool: ...  # whether --tp splits a checkpoint tensor  # one UserError line when cfg cannot split tp (> 1) ways
     def shard_target(self, model, comm): ...
     def shard_mtp(self, layer, comm, prefix: str): ...
     def make_proposer(self, target, mtp, pools, config, draft_ids=None): ...  # config: engine.config.EngineConfig

@@ -12,7 +12,7 @@ from glm5mtp_cli.models.glm5 import layout
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.decoder import Glm5ForCausalLM, Glm5MtpLayer
 from glm5mtp_cli.engine.mtp_head import MtpHead
-from glm5mtp_cli.models.glm5 import sharding
+from glm5mtp_cli.models.glm5 import sharding, sizing
 
 
 class Glm5Family:
@@ -20,6 +20,7 @@ class Glm5Family:
     model_types = ("glm_moe_dsa",)
     # --compile without the flag (engine/compiled.py): off until measured faster on the H200
     compile_default = "off"
+    sizing = sizing  # the family's byte formulas (diagnostics/sizing asks them)
 
     def parse_config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig.from_dict(raw, source)
@@ -81,6 +82,10 @@ class Glm5Family:
     def make_proposer(self, target, mtp, pools, config, draft_ids=None) -> MtpHead:
         return MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools, config, draft_ids,
                        carry_normed=mtp.cfg.mtp_carry_normed_hidden)
+
+
+    def split_over_ranks(self, name: str) -> bool:
+        return sharding.split_over_ranks(name)
 
 
 FAMILY = Glm5Family()

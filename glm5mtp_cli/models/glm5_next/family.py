@@ -11,7 +11,7 @@ import torch
 from glm5mtp_cli.engine.mtp_head import MtpHead
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
-from glm5mtp_cli.models.glm5_next import layout, sharding
+from glm5mtp_cli.models.glm5_next import layout, sharding, sizing
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from glm5mtp_cli.models.glm5_next.decoder import Glm5NextForCausalLM
 from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
@@ -23,6 +23,7 @@ class Glm5NextFamily:
     model_types = ("glm5_next", "glm5_next_text")
     # --compile without the flag (engine/compiled.py): off until measured faster on the H200
     compile_default = "off"
+    sizing = sizing  # the family's byte formulas (diagnostics/sizing asks them)
 
     def parse_config(self, raw: dict[str, Any], source: str) -> NextConfig:
         cfg = NextConfig.from_dict(raw, source)
@@ -102,6 +103,10 @@ class Glm5NextFamily:
         # GLM-5-Next chains drafts on the post-shared_head.norm hidden (REFERENCE-glm5next section 9)
         return MtpHead(mtp, target.model.embed_tokens, target.model.lm_head, pools, config, draft_ids,
                        carry_normed=True)
+
+
+    def split_over_ranks(self, name: str) -> bool:
+        return layout.split_over_ranks(name)
 
 
 FAMILY = Glm5NextFamily()

@@ -1,0 +1,49 @@
+"""The byte counts every family's formulas share: an element's size, one weight tensor's bytes as
+its family stores or holds it (fp32 where the family keeps fp32, FP8 matrices with their block
+scales), and a tensor's or the head's share on one of --tp ranks. diagnostics/sizing asks each
+family (its `sizing` module) for what differs between families; both build on these."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from glm5mtp_cli.models import family_of
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes of one element of a torch dtype or a config.json dtype name (unknown names: 2)."""
+    if isinstance(dtype, torch.dtype):
+        return torch.empty(0, dtype=dtype).element_size()
+    return _DTYPE_BYTES.get(str(dtype).lower(), 2)
+
+
+def tensor_bytes(cfg, name: str, shape: tuple[int, ...], elem_bytes: int,
+                 fp8_block: tuple[int, int] | None = None, held: bool = False) -> int:
+    """Bytes of one weight tensor of cfg's family: fp32 for the tensors the checkpoint stores in fp32
+    (held=False) or the model keeps in fp32 (held=True: routers, indexer weighting); the matrices the
+    family's FP8 checkpoint quantizes (is_fp8_quantized) at 1 byte plus one fp32 scale per block when
+    fp8_block is given; else `elem_bytes` each."""
+    family = family_of(cfg)
+    n = math.prod(shape)
+    if (family.keeps_fp32(name) if held else family.stored_fp32(name)):
+        return 4 * n
+    if fp8_block is not None and family.is_fp8_quantized(cfg, name, shape):
+        b0, b1 = fp8_block
+        return n + 4 * (-(-shape[0] // b0)) * (-(-shape[1] // b1))
+    return elem_bytes * n
+
+
+def rank_share(cfg, name: str, nbytes: int, tp: int) -> int:
+    """One rank's bytes of a tensor's `nbytes` under --tp: 1/tp of what the family's sharding splits
+    (heads, experts, MLP columns; rounded up), all of what every rank holds whole."""
+    return -(-nbytes // tp) if tp > 1 and family_of(cfg).split_over_ranks(name) else nbytes
+
+
+def head_bytes(cfg, rows: int, elem_bytes: int, tp: int) -> int:
+    """One rank's lm_head bytes over `rows` vocabulary rows: ceil(rows/tp) rows (rank 0 holds the
+    most: parallel.vocab_range)."""
+    return -(-rows // tp) * cfg.hidden_size * elem_bytes
