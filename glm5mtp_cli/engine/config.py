@@ -25,7 +25,7 @@ GRAPHS = ("auto", "off", "eager", "static", "cuda")
 COMPILES = ("off", "kernels", "torch")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 MAX_GAMMA = 16
-SEED_MAX = (1 << 63) - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 def _one_of(flag: str, value, choices) -> None:
@@ -44,8 +44,8 @@ class SamplingParams:
             raise UserError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed <= SEED_MAX:
-            raise UserError(f"--seed must be in 0..{SEED_MAX}, got {self.seed}")
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise UserError(f"--seed must be in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
