@@ -43,6 +43,17 @@ class SeqResult:
     carry_out: Carry | None = None
 
 
+class StepRecord:
+    """One verify step of one sequence, as the trace and the latency figures read it at its end."""
+
+    __slots__ = ("times", "drafts", "accepted", "position", "emitted", "draft_ids")
+
+    def __init__(self, times, drafts: int, accepted: int, position: int, emitted: list[int], draft_ids: list[int]):
+        self.times = times  # clock.StepTimes, shared by the step's sequences
+        self.drafts, self.accepted, self.position = drafts, accepted, position
+        self.emitted, self.draft_ids = emitted, draft_ids
+
+
 @dataclass
 class LiveSequence:
     req: Request
@@ -69,7 +80,8 @@ class LiveSequence:
     done: str | None = None
     steps: int = 0
     res: SeqResult | None = None
-    marks: list = field(default_factory=list)  # ("prefill", start, end), then ("step", StepTimes, ...) per step
+    prefill_marks: tuple | None = None  # clock marks (start, end) of its admission's prefill
+    records: list[StepRecord] = field(default_factory=list)  # one per verify step
     slot: int | None = None  # the engine slot it holds (its rows of the graphs' block tables)
     gen: torch.Generator | None = None  # its own random stream (sampling)
     arrive: object = None  # clock mark of the generate call that brought it

@@ -45,7 +45,7 @@ from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import check as check_prefill_graphs, graph_rows
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
-from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, budget_tokens, reserve_tokens
+from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, StepRecord, budget_tokens, reserve_tokens
 from glm5mtp_cli.errors import UserError
 
 @dataclass
@@ -316,7 +316,7 @@ class SpecEngine:
                                 state_bytes=state_bytes[i], prefilled_target_rows=p - pl.target_start,
                                 prefilled_drafter_rows=max(p - 1 - d, 0) if seq.state is not None else 0,
                                 carried_target_rows=pl.target_start, carried_drafter_rows=d)
-            seq.marks.append(("prefill", seq.t0, t1))
+            seq.prefill_marks = (seq.t0, t1)
             self._maybe_finish(seq)
             if self.on_tokens is not None:
                 self.on_tokens(req.request_id, list(seq.out))
@@ -469,7 +469,7 @@ class SpecEngine:
         a, drafted = v.accepted[i], v.draft_ids[i] if v.draft_ids is not None else []
         new = drafted[:a] + [v.next[i]]
         s.acc.record(v.proposed[i], a)
-        s.marks.append(("step", times, v.proposed[i], a, start, new, drafted[: v.proposed[i]]))
+        s.records.append(StepRecord(times, v.proposed[i], a, start, new, drafted[: v.proposed[i]]))
         s.steps += 1
         s.last = new[-1]
         s.all_tokens.extend(new)
@@ -546,21 +546,20 @@ class SpecEngine:
     def _finalize(self, s: LiveSequence) -> None:
         res = s.res
         res.finish_reason = s.done
-        prefill = s.marks[0]
-        res.prefill_s = self.clock.seconds(prefill[1], prefill[2])
-        res.queue_s = self.clock.seconds(s.arrive, prefill[1]) if s.arrive is not None else 0.0
+        start, end = s.prefill_marks
+        res.prefill_s = self.clock.seconds(start, end)
+        res.queue_s = self.clock.seconds(s.arrive, start) if s.arrive is not None else 0.0
         res.ttft_s = res.queue_s + res.prefill_s
         decode = 0.0
-        for m in s.marks[1:]:
-            _, times, nd, a, pos, emitted, drafted = m
-            prop, ver = times.read(self.clock)
+        for r in s.records:
+            prop, ver = r.times.read(self.clock)
             decode += prop + ver
-            if nd:
-                res.propose_s.append(prop / nd)
+            if r.drafts:
+                res.propose_s.append(prop / r.drafts)
             res.verify_s.append(ver)
-            res.trace.append({"step": len(res.trace), "request": s.req.request_id, "position": pos,
-                              "drafts": nd, "accepted": a, "emitted": len(emitted),
-                              "draft_ids": drafted, "emitted_ids": emitted,
+            res.trace.append({"step": len(res.trace), "request": s.req.request_id, "position": r.position,
+                              "drafts": r.drafts, "accepted": r.accepted, "emitted": len(r.emitted),
+                              "draft_ids": r.draft_ids, "emitted_ids": r.emitted,
                               "propose_ms": prop * 1e3, "verify_ms": ver * 1e3})
         res.decode_s = decode
 
