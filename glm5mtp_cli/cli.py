@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 from typing import Annotated, Optional
 
@@ -64,25 +65,42 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+def _help(ctx: typer.Context, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
+
+
+# Our own --help: Typer's (0.29) shows a "<bool>" placeholder beside it, and a flag's metavar="" is the
+# only public way to drop that; every command and the root take this one instead (add_help_option=False)
+HelpOpt = Annotated[bool, typer.Option("--help", metavar="", callback=_help, is_eager=True, expose_value=False,
+                                       help="Show this message and exit.")]
+
+
+@app.callback(add_help_option=False)
 def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[Optional[bool], typer.Option("--version", metavar="", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
+    _show_help: HelpOpt = False,
 ) -> None:
     """Speculative generation with the GLM-5 multi-token-prediction (MTP) draft head."""
 
 
 def guarded(fn):
-    """Turn a UserError raised by a command into one red line and exit code 2 (also under CliRunner)."""
+    """The command as Typer builds it: a UserError it raises becomes one red line and exit code 2 (also
+    under CliRunner), and its signature gains HelpOpt."""
 
     @functools.wraps(fn)
-    def run(*args, **kwargs):
+    def run(*args, _show_help=None, **kwargs):  # Typer passes every parameter it knows, HelpOpt's too
         try:
             return fn(*args, **kwargs)
         except UserError as e:
             err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
 
+    sig = inspect.signature(fn, eval_str=True)
+    helps = inspect.Parameter("_show_help", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=HelpOpt)
+    run.__signature__ = sig.replace(parameters=[*sig.parameters.values(), helps])
     return run
 
 
@@ -95,7 +113,7 @@ def load_command(name: str):
 def command_app(name: str) -> typer.Typer:
     """A Typer app holding just this command, built from the function's signature and docstring."""
     sub = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    sub.command(name)(guarded(load_command(name)))
+    sub.command(name, add_help_option=False)(guarded(load_command(name)))
     return sub
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
-from glm5mtp_cli.cli import app
+from glm5mtp_cli.cli import COMMANDS, app, command_app
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,15 +49,60 @@ def test_help_and_version_do_not_import_torch(args):
 
 
 def test_help_has_examples_and_no_bool_placeholders():
-    for cmd in ("generate", "bench", "acceptance", "profile", "leak-check", "info", "init-random", "train",
-                "draft-vocab", "quantize"):
+    for cmd in COMMANDS:
         r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "120"})
         assert r.exit_code == 0, r.output
-        ours = [line for line in r.output.splitlines() if "Show this message" not in line]  # Typer's own --help
-        assert "Examples" in r.output and not any("<bool>" in line for line in ours), (cmd, r.output)
+        assert "Examples" in r.output and "<bool>" not in r.output, (cmd, r.output)  # --help's own line too
         assert "Usage: glm5mtp " + cmd in r.output
+    r = runner.invoke(app, ["--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0 and "<bool>" not in r.output and "--version" in r.output, r.output
     r = runner.invoke(app, ["info", "--help"], env={"COLUMNS": "120"})
     assert "{model}" not in r.output and "MODEL" in r.output
+
+
+def _params(cmd: str):
+    """The command as Typer builds it (typer.main.get_command) and its parameters, --help included (ours)."""
+    built = typer.main.get_command(command_app(cmd))
+    return built, built.params
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_at_80_columns_shows_every_option_name_whole(cmd):
+    """Each option's row starts with its full name(s), its negative beside it, and nothing is cut (…)."""
+    r = runner.invoke(app, [cmd, "--help"], env=NARROW)
+    assert r.exit_code == 0, r.output
+    _fits_80(r.output)
+    rows = [line.lstrip("│ *") for line in r.output.splitlines()]
+    for p in _params(cmd)[1]:
+        if p.param_type_name != "option":
+            continue
+        names = ",".join(o for o in p.opts if o.startswith("--"))
+        negative = ",".join(p.secondary_opts)
+        row = re.compile(re.escape(names) + r"\s" + (r".*\s" + re.escape(negative) + r"\s" if negative else ""))
+        assert any(row.match(line) for line in rows), (cmd, names, r.output)
+
+
+def test_help_markup_drops_no_bracketed_text():
+    """Rich markup would swallow '[plot]' in "pip install 'glm5mtp[plot]'": every help text renders to
+    itself, escapes aside."""
+    from rich.text import Text
+
+    for cmd in COMMANDS:
+        built, params = _params(cmd)
+        for text in [built.help] + [p.help for p in params if getattr(p, "help", None)]:
+            assert Text.from_markup(text).plain == text.replace("\\[", "["), (cmd, text)
+    r = runner.invoke(app, ["profile", "--help"], env={"COLUMNS": "200"})
+    assert "pip install 'glm5mtp[plot]'" in r.output, r.output
+
+
+def test_model_help_lists_every_profile_of_the_registry():
+    import profiles
+
+    names = profiles.names()
+    assert {"glm5", "glm5-nano", "glm5-tiny", "glm5next", "glm5next-nano", "glm5next-tiny"} <= set(names)
+    for cmd in ("generate", "bench", "profile"):
+        model = next(p for p in _params(cmd)[1] if "--model" in p.opts)
+        assert all(n in model.help for n in names), (cmd, model.help)
 
 
 # ---- flags and paths refused before any weights load --------------------------------------------------------

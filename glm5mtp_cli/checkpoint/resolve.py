@@ -34,7 +34,9 @@ def profiles_dir() -> Path:
 
 
 def list_profiles() -> list[str]:
-    return sorted(p.name for p in profiles_dir().iterdir() if (p / "config.json").is_file())
+    import profiles
+
+    return profiles.names()
 
 
 def profile_path(name: str) -> Path | None:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
-                                          Fp8Opt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt,
+                                          DtypeOpt, Fp8Opt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
                                           PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.errors import UserError
@@ -23,6 +23,10 @@ from glm5mtp_cli.errors import UserError
 if TYPE_CHECKING:  # the engine's modules import torch: not for --help
     from glm5mtp_cli.diagnostics.bench import BenchConfig
 from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
+
+# bench's own help panels (options.py holds the shared ones)
+BASELINE = "Baseline"
+STEPS = "Single steps"
 
 
 def _ints(text: str, flag: str, low: int) -> list[int]:
@@ -105,43 +109,50 @@ def _print_recommendations(out, recs: list[dict]) -> None:
 
 def bench_cmd(
     model: ModelOpt = DEFAULT_MODEL,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts",
-        metavar="FILE", help="JSONL prompts, as for generate (default: the shipped model's code prompts).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", metavar="FILE",
+        help="JSONL prompts, as for generate (default: the shipped model's code prompts).")] = None,
     num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", metavar="N",
         help="Run N prompts (the file's first N, repeated if short) through each batch size's slots, end to end "
              "(default: one prompt per slot).")] = None,
-    gammas: Annotated[str, typer.Option("--gammas", metavar="LIST", help="Comma-separated gammas; 0 is the baseline.")] = "0,1,2,3,4",
-    batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST", help="Comma-separated batch sizes.")] = "1,8",
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per request (at least 2).")] = 128,
-    repeats: Annotated[int, typer.Option(help="Timed runs per configuration (after one warm-up).")] = 3,
-    transformers: Annotated[bool, typer.Option("--transformers/--no-transformers", metavar="",
+    gammas: Annotated[str, typer.Option("--gammas", metavar="LIST",
+                                        help="Comma-separated gammas; 0 is the baseline.")] = "0,1,2,3,4",
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST",
+                                             help="Comma-separated batch sizes.")] = "1,8",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N",
+                                                help="Tokens to generate per request (at least 2).")] = 128,
+    repeats: Annotated[int, typer.Option("--repeats", metavar="N",
+                                         help="Timed runs per configuration (after one warm-up).")] = 3,
+    transformers: Annotated[bool, typer.Option("--transformers/--no-transformers", metavar="", rich_help_panel=BASELINE,
                                                help="Also time transformers' generate (target only).")] = True,
-    draft_context: Annotated[int, typer.Option(help="Drafter rows behind the timed single draft step.")] = 4096,
+    draft_context: Annotated[int, typer.Option("--draft-context", metavar="N", rich_help_panel=STEPS,
+                                               help="Drafter rows behind the timed single draft step.")] = 4096,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     layers: LayersOpt = None,
     json_out: JsonOpt = False,
-    random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", help="Draft step and one target decode "
-                                                 "step only, with random weights of the model's config built on the "
-                                                 "device (e.g. --model glm5, --model glm5next); with --tp N each "
-                                                 "rank builds and times its own shard.")] = False,
+    random_weights: Annotated[bool, typer.Option("--random-weights", metavar="", rich_help_panel=MODEL,
+        help="Draft step and one target decode step only, with random weights of the model's config built on the "
+             "device (e.g. --model glm5, --model glm5next); with --tp N each rank builds and times its own "
+             "shard.")] = False,
     fp8: Fp8Opt = False,
-    draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", help="Draft-step vocabularies to time; 0 is the "
-                                                                        "full vocabulary.")] = "0",
-    draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file",
-        metavar="FILE", help="Token counts for --draft-vocab-sizes (default: token_counts.json beside the checkpoint).")] = None,
-    target_layers: Annotated[Optional[int], typer.Option("--target-layers", metavar="N", help="With --random-weights: "
-        "also time one decode step of the target truncated to its first N layers, which must hold every kind of layer "
-        "(default: 4, or all of a smaller model; 0: skip).")] = None,
-    kernels: Annotated[bool, typer.Option("--kernels", metavar="", help="Also profile the draft (and target) step: "
-                                          "the top kernels by time per step and their share (torch.profiler).")] = False,
+    draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", rich_help_panel=STEPS,
+                                                   help="Draft-step vocabularies to time; 0 is the full "
+                                                        "vocabulary.")] = "0",
+    draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file", metavar="FILE", rich_help_panel=STEPS,
+        help="Token counts for --draft-vocab-sizes (default: token_counts.json beside the checkpoint).")] = None,
+    target_layers: Annotated[Optional[int], typer.Option("--target-layers", metavar="N", rich_help_panel=STEPS,
+        help="With --random-weights: also time one decode step of the target truncated to its first N layers, "
+             "which must hold every kind of layer (default: 4, or all of a smaller model; 0: skip).")] = None,
+    kernels: Annotated[bool, typer.Option("--kernels", metavar="", rich_help_panel=STEPS,
+                                          help="Also profile the draft (and target) step: the top kernels by time "
+                                               "per step and their share (torch.profiler).")] = False,
     cuda_graphs: CudaGraphsOpt = True,
     compile: CompileOpt = None,
     compile_mode: CompileModeOpt = "default",
     schedule: ScheduleOpt = "continuous",
-    gamma_policy: Annotated[str, typer.Option(
-        "--gamma-policy", metavar="LIST",
-        help="fixed, adaptive, or fixed,adaptive: each gamma > 0 runs under each, in turns with the others.")] = "fixed",
+    gamma_policy: Annotated[str, typer.Option("--gamma-policy", metavar="LIST",
+        help="fixed, adaptive, or fixed,adaptive: each gamma > 0 runs under each, in turns with the "
+             "others.")] = "fixed",
     prefill_tokens: PrefillTokensOpt = 8192,
     prefill_graphs: PrefillGraphsOpt = False,
     tp: TpOpt = 1,

@@ -18,8 +18,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt,
-                                          Fp8Opt, GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, MtpIndexShareOpt,
+from glm5mtp_cli.commands.options import (BATCHING, CONVERSATION, DEFAULT_MODEL, MODEL, OUTPUT, SAMPLING, SPECULATION,
+                                          CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, Fp8Opt,
+                                          GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, MtpIndexShareOpt,
                                           PrefillGraphsOpt, PrefillTokensOpt, PromptIdsOpt, PromptOpt, RandomWeightsOpt,
                                           ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
@@ -69,50 +70,58 @@ def generate_cmd(
         metavar="FILE", help='JSONL, one per line: {"prompt": "text"}, {"prompt": \\[token ids]} or '
                              '{"messages": [...]}.')] = None,
     chat: Annotated[bool, typer.Option("--chat", metavar="", help="Wrap text prompts in the checkpoint's chat template.")] = False,
-    gamma: Annotated[int, typer.Option(help="Drafts per verify step (0: no speculation; the most with "
+    gamma: Annotated[int, typer.Option("--gamma", metavar="N", rich_help_panel=SPECULATION,
+                                       help="Drafts per verify step (0: no speculation; the most with "
                                             "--gamma-policy adaptive).")] = 3,
     gamma_policy: GammaPolicyOpt = "fixed",
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per request.")] = 64,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens whose "
-                                              "probabilities reach this (1: all; used with --temperature > 0).")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Seed of the sampler (same seed, same output).")] = 0,
-    draft_conf_tau: Annotated[Optional[float], typer.Option("--draft-conf-tau",
-        metavar="P", help="Stop a draft chain below this top-1 probability (default: never).")] = None,
-    batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = 1,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N", rich_help_panel=SAMPLING,
+                                                help="Tokens to generate per request.")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", metavar="T", rich_help_panel=SAMPLING,
+                                               help="Sampling temperature; 0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", metavar="P", rich_help_panel=SAMPLING,
+                                         help="Nucleus sampling: keep the smallest set of tokens whose probabilities "
+                                              "reach this (1: all; used with --temperature > 0).")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", rich_help_panel=SAMPLING,
+                                      help="Seed of the sampler (same seed, same output).")] = 0,
+    draft_conf_tau: Annotated[Optional[float], typer.Option("--draft-conf-tau", metavar="P", rich_help_panel=SPECULATION,
+        help="Stop a draft chain below this top-1 probability (default: never).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", metavar="N", rich_help_panel=BATCHING,
+                                            help="Requests decoded together (slots).")] = 1,
     schedule: ScheduleOpt = "continuous",
     prefill_tokens: PrefillTokensOpt = 8192,
     prefill_graphs: PrefillGraphsOpt = False,
-    max_seq_len: Annotated[Optional[int], typer.Option("--max-seq-len",
-        metavar="N", help="Ceiling on prompt + new tokens (default: the model's max_position_embeddings).")] = None,
-    alloc: Annotated[str, typer.Option("--alloc", metavar="budget|ceiling",
+    max_seq_len: Annotated[Optional[int], typer.Option("--max-seq-len", metavar="N", rich_help_panel=BATCHING,
+        help="Ceiling on prompt + new tokens (default: the model's max_position_embeddings).")] = None,
+    alloc: Annotated[str, typer.Option("--alloc", metavar="NAME", rich_help_panel=BATCHING,
                                        help="budget: size state to each request; ceiling: to --max-seq-len.")] = "budget",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     layers: LayersOpt = None,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", metavar="",
+    revision: Annotated[Optional[str], typer.Option("--revision", metavar="REV", rich_help_panel=MODEL,
+                                                    help="Hub revision (branch, tag or commit).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=SAMPLING,
                                              help="Generate --max-new-tokens whatever the model says.")] = False,
-    compare: Annotated[bool, typer.Option("--compare", metavar="", help="Also run gamma 0 on the same engine; report the "
-                                                            "speedup and whether the tokens matched.")] = False,
+    compare: Annotated[bool, typer.Option("--compare", metavar="", rich_help_panel=OUTPUT,
+                                          help="Also run gamma 0 on the same engine; report the speedup and whether "
+                                               "the tokens matched.")] = False,
     json_out: JsonOpt = False,
-    trace: Annotated[Optional[Path], typer.Option("--trace", metavar="FILE",
+    trace: Annotated[Optional[Path], typer.Option("--trace", metavar="FILE", rich_help_panel=OUTPUT,
                                                   help="Write JSON lines, one per verify step per request.")] = None,
     tp: TpOpt = 1,
-    conversation: Annotated[Optional[Path], typer.Option("--conversation",
-        metavar="FILE", help='JSONL: {"turns": ["...", ...]} per line (text or token id lists); each reply is '
-                             'appended before the next turn. Honours every flag except --batch-size and --compare, '
-                             'which it refuses.')] = None,
-    carry: Annotated[str, typer.Option("--carry", metavar="all|drafter|none", help="With --conversation: keep caches between "
-                                                                        "turns: all (target + drafter), drafter, none.")] = "none",
-    carry_budget: Annotated[Optional[int], typer.Option("--carry-budget",
-        metavar="BYTES", help="With --conversation: bytes of held carries; least recently used are freed past it "
-                              "(default: no limit).")] = None,
-    draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab",
-        metavar="K", help="Draft over the K most frequent tokens (counts: token_counts.json beside the checkpoint, "
-                          "or --draft-vocab-file).")] = None,
-    draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file",
-        metavar="FILE", help="Token counts written by `glm5mtp draft-vocab --out FILE`, for --draft-vocab.")] = None,
+    conversation: Annotated[Optional[Path], typer.Option("--conversation", metavar="FILE", rich_help_panel=CONVERSATION,
+        help='JSONL: {"turns": ["...", ...]} per line (text or token id lists); each reply is appended before the '
+             'next turn. Honours every flag except --batch-size and --compare, which it refuses.')] = None,
+    carry: Annotated[str, typer.Option("--carry", metavar="NAME", rich_help_panel=CONVERSATION,
+                                       help="Caches kept between turns: all (target + drafter), drafter, "
+                                            "none.")] = "none",
+    carry_budget: Annotated[Optional[int], typer.Option("--carry-budget", metavar="BYTES", rich_help_panel=CONVERSATION,
+        help="Bytes of held carries; least recently used are freed past it (default: no limit).")] = None,
+    draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", metavar="K", rich_help_panel=SPECULATION,
+        help="Draft over the K most frequent tokens (counts: token_counts.json beside the checkpoint, or "
+             "--draft-vocab-file).")] = None,
+    draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file", metavar="FILE",
+        rich_help_panel=SPECULATION,
+        help="Token counts written by `glm5mtp draft-vocab --out FILE`, for --draft-vocab.")] = None,
     cuda_graphs: CudaGraphsOpt = True,
     compile: CompileOpt = None,
     compile_mode: CompileModeOpt = "default",

@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+import profiles
+
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.errors import UserError
 
@@ -77,7 +79,8 @@ def _render_cache(cache: dict, console: Console) -> None:
 
 
 def info_cmd(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="Profile name, local folder, or Hub repo id (org/name).")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help=f"Profile ({', '.join(profiles.names())}), local folder, "
+                                                                "or Hub repo id (org/name).")],
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON document only.")] = False,
     tokens: Annotated[Optional[int], typer.Option("--tokens",
         metavar="N", help=f"Context length for the cache totals (default: {DEFAULT_TOKENS}, or the model's "

@@ -11,8 +11,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, DeviceOpt, DtypeOpt, Fp8Opt, JsonOpt,
-                                          LayersOpt, ModelOpt, RandomWeightsOpt, ThreadsOpt, TpOpt)
+from glm5mtp_cli.commands.options import (BATCHING, DEFAULT_MODEL, GRAPHS, CompileModeOpt, CompileOpt, DeviceOpt,
+                                          DtypeOpt, Fp8Opt, JsonOpt, LayersOpt, ModelOpt, RandomWeightsOpt, ThreadsOpt,
+                                          TpOpt)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.units import fmt_bytes
@@ -21,6 +22,7 @@ from glm5mtp_cli.errors import UserError
 if TYPE_CHECKING:  # the engine's modules import torch: not for --help
     from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig
 
+SELF_TEST = "Self-test"  # leak-check's own help panel (options.py holds the shared ones)
 _SHORT = {"target_mla": "tgt mla", "target_indexer": "tgt idx", "drafter_mla": "drf mla", "drafter_indexer": "drf idx"}
 
 
@@ -30,25 +32,31 @@ def _fmt(n: float | int | None) -> str:
 
 def leakcheck_cmd(
     model: ModelOpt = DEFAULT_MODEL,
-    sequences: Annotated[int, typer.Option(help="Sequences after the warm-up, cycling length/eos/cancelled/failed.")] = 24,
-    gamma: Annotated[int, typer.Option(help="Drafts per verify step.")] = 3,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence (the 'length' lifecycle's end).")] = 16,
-    alloc: Annotated[str, typer.Option("--alloc", metavar="budget|ceiling",
+    sequences: Annotated[int, typer.Option("--sequences", metavar="N",
+                                           help="Sequences after the warm-up, cycling length, eos, cancelled and "
+                                                "failed.")] = 24,
+    gamma: Annotated[int, typer.Option("--gamma", metavar="N", help="Drafts per verify step.")] = 3,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N",
+                                                help="Tokens per sequence (the 'length' lifecycle's end).")] = 16,
+    alloc: Annotated[str, typer.Option("--alloc", metavar="NAME", rich_help_panel=BATCHING,
                                        help="budget: state sized to each request; ceiling: to --max-seq-len.")] = "budget",
-    max_seq_len: Annotated[int, typer.Option(help="Ceiling on prompt + new tokens (what ceiling allocation sizes to).")] = 256,
+    max_seq_len: Annotated[int, typer.Option("--max-seq-len", metavar="N", rich_help_panel=BATCHING,
+                                             help="Ceiling on prompt + new tokens (what ceiling allocation sizes "
+                                                  "to).")] = 256,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    inject_leak: Annotated[Optional[str], typer.Option("--inject-leak",
+    inject_leak: Annotated[Optional[str], typer.Option("--inject-leak", rich_help_panel=SELF_TEST,
         metavar="COMPONENT",
         help="Self-test: never free this state component (GLM-5: target_mla, target_indexer, drafter_mla, "
              "drafter_indexer; GLM-5-Next also target_kda, target_conv, ...); the check must catch it.")] = None,
     json_out: JsonOpt = False,
-    seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Engine slots; above 1 the sequences run in rounds of twice as many "
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random prompts.")] = 0,
+    batch_size: Annotated[int, typer.Option("--batch-size", metavar="N", rich_help_panel=BATCHING,
+                                            help="Engine slots; above 1 the sequences run in rounds of twice as many "
                                                  "requests, continuously batched, so slots are re-occupied.")] = 1,
     layers: LayersOpt = None,
     tp: TpOpt = 1,
-    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="", rich_help_panel=GRAPHS,
                                               help="On CUDA, run the engine with CUDA graphs (their slot reuse is "
                                                    "checked too).")] = True,
     compile: CompileOpt = None,

@@ -1,7 +1,13 @@
-"""Flags shared by several commands, as `Annotated` aliases (one wording everywhere).
+"""Flags shared by several commands, as `Annotated` aliases (one wording everywhere), and the help panels
+that group every command's flags.
 
 Nothing here imports torch: `glm5mtp CMD --help` builds its help from these and the command's signature
 alone; a command imports the engine inside its body, when it runs.
+
+Help at 80 columns: Typer lays each panel out as one table whose option, negative-flag and metavar
+columns are as wide as the panel's longest entry, and the help column gets what is left; so flags
+are grouped into panels (a long name or metavar widens only its own panel) and metavars are short
+words, the values they take listed in the help text.
 """
 
 from __future__ import annotations
@@ -10,62 +16,85 @@ from typing import Annotated, Optional
 
 import typer
 
-
+import profiles
 from glm5mtp_cli.engine.config import DEFAULT_MODEL  # noqa: F401  (torch-free: the commands' defaults)
 
-ModelOpt = Annotated[str, typer.Option("--model", "-m", metavar="MODEL",
-                                       help="Profile name (glm5, glm5-tiny, glm5-nano), local folder or Hub repo id.")]
-DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto (cuda when available).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16.")]
-LayersOpt = Annotated[Optional[int], typer.Option("--layers", metavar="K", help="Use only the first K target layers.")]
-JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="One JSON document on stdout, nothing else there "
-                                                      "(progress and notes go to stderr).")]
-TpOpt = Annotated[int, typer.Option("--tp", metavar="N", help="Tensor/expert parallel ranks (one GPU each; gloo "
-                                                             "processes on the CPU). Started by the command itself, "
-                                                             "or by torchrun.")]
-RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="", help="Random weights of the model's config, "
-                                                 "built on the device, each rank its own slices under --tp (real "
-                                                 "dimensions without a checkpoint, e.g. --model glm5 --layers 4).")]
-Fp8Opt = Annotated[bool, typer.Option("--fp8", metavar="", help="With --random-weights: the family's FP8 layout as "
-                                      "GLM-5-FP8 stores it (e4m3, 128x128 block scales; lm_head bf16), kept FP8.")]
+# Help panels, in the order commands mostly meet them; a command's main inputs stay in Typer's
+# default "Options" panel, beside --help.
+MODEL = "Model and device"
+SPECULATION = "Speculation"
+SAMPLING = "Sampling"
+BATCHING = "Batching and memory"
+GRAPHS = "CUDA graphs"
+COMPILE = "Compile"
+GLM5NEXT = "GLM-5-Next"
+CONVERSATION = "Conversation"
+OUTPUT = "Output"
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", metavar="NAME", rich_help_panel=MODEL,
+                                       help=f"Profile ({', '.join(profiles.names())}), local folder or Hub repo "
+                                            "id.")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", rich_help_panel=MODEL,
+                                        help="cpu, cuda, cuda:N or auto (cuda when available).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", rich_help_panel=MODEL,
+                                       help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16.")]
+LayersOpt = Annotated[Optional[int], typer.Option("--layers", metavar="K", rich_help_panel=MODEL,
+                                                  help="Use only the first K target layers.")]
+JsonOpt = Annotated[bool, typer.Option("--json", metavar="", rich_help_panel=OUTPUT,
+                                       help="One JSON document on stdout, nothing else there (progress and notes go "
+                                            "to stderr).")]
+TpOpt = Annotated[int, typer.Option("--tp", metavar="N", rich_help_panel=MODEL,
+                                    help="Tensor/expert parallel ranks (one GPU each; gloo processes on the CPU). "
+                                         "Started by the command itself, or by torchrun.")]
+RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="", rich_help_panel=MODEL,
+                                                help="Random weights of the model's config, built on the device, each "
+                                                     "rank its own slices under --tp (real dimensions without a "
+                                                     "checkpoint, e.g. --model glm5 --layers 4).")]
+Fp8Opt = Annotated[bool, typer.Option("--fp8", metavar="", rich_help_panel=MODEL,
+                                      help="With --random-weights: the family's FP8 layout as GLM-5-FP8 stores it "
+                                           "(e4m3, 128x128 block scales; lm_head bf16), kept FP8.")]
 
 
 ThreadsOpt = Annotated[Optional[int], typer.Option(
-    "--threads", metavar="N", help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the cores, at most 4: "
-                      "torch's own default, every core, collapses when another process is busy).")]
-CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="",
+    "--threads", metavar="N", rich_help_panel=MODEL,
+    help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the cores, at most 4: torch's own "
+         "default, every core, collapses when another process is busy).")]
+CudaGraphsOpt = Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", metavar="", rich_help_panel=GRAPHS,
                                              help="On CUDA (one device, or every rank under --tp), replay decode, "
                                                   "verify and draft forwards as CUDA graphs (ignored on the CPU).")]
 MtpIndexShareOpt = Annotated[Optional[bool], typer.Option(
-    "--mtp-index-share/--no-mtp-index-share", metavar="",
-    help="GLM-5-Next: chained draft steps reuse the pool top-k of the propose's first draft row (on) or score "
-         "their own (off). Default: the config's index_share_for_mtp_iteration.")]
+    "--mtp-index-share/--no-mtp-index-share", metavar="", rich_help_panel=GLM5NEXT,
+    help="Chained draft steps reuse the pool top-k of the propose's first draft row (on) or score their own "
+         "(off). Default: the model config's choice.")]
 CompileOpt = Annotated[Optional[str], typer.Option(
-    "--compile", metavar="off|kernels|torch",
+    "--compile", metavar="MODE", rich_help_panel=COMPILE,
     help="Compile the decode, verify and draft forwards with torch.compile before their capture: kernels (the "
          "Triton kernels as custom ops, inductor fuses the rest), torch (the pure-PyTorch path compiled whole), "
          "off. Default: the model family's (off). Compile time is reported apart (compile_s).")]
-CompileModeOpt = Annotated[str, typer.Option("--compile-mode", metavar="default|max-autotune-no-cudagraphs",
-                                             help="inductor's mode for --compile.")]
+CompileModeOpt = Annotated[str, typer.Option("--compile-mode", metavar="MODE", rich_help_panel=COMPILE,
+                                             help="inductor's mode for --compile: default or "
+                                                  "max-autotune-no-cudagraphs.")]
 # On/off flags pass metavar="" so that help shows no "<bool>" beside them.
 
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT", help="Prompt text (needs the checkpoint's tokenizer).")]
-PromptIdsOpt = Annotated[Optional[str], typer.Option("--prompt-ids", metavar="IDS", help="Comma-separated token ids, e.g. 3,17,99.")]
-ScheduleOpt = Annotated[str, typer.Option("--schedule", metavar="continuous|static",
-                                           help="continuous: a finished request's slot goes to the next waiting one "
-                                                "between decode steps; static: the next requests start only when the "
-                                                "whole batch has finished (for comparison).")]
-PrefillTokensOpt = Annotated[int, typer.Option("--prefill-tokens", metavar="N",
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", metavar="TEXT",
+                                                  help="Prompt text (needs the checkpoint's tokenizer).")]
+PromptIdsOpt = Annotated[Optional[str], typer.Option("--prompt-ids", metavar="IDS",
+                                                     help="Comma-separated token ids, e.g. 3,17,99.")]
+ScheduleOpt = Annotated[str, typer.Option("--schedule", metavar="NAME", rich_help_panel=BATCHING,
+                                          help="continuous: a finished request's slot goes to the next waiting one "
+                                               "between decode steps; static: the next requests start only when the "
+                                               "whole batch has finished (for comparison).")]
+PrefillTokensOpt = Annotated[int, typer.Option("--prefill-tokens", metavar="N", rich_help_panel=BATCHING,
                                                help="Prompt tokens admitted together, whose prompts share prefill "
                                                     "forwards (also the most rows one prefill forward holds).")]
-PrefillGraphsOpt = Annotated[bool, typer.Option("--prefill-graphs", metavar="",
+PrefillGraphsOpt = Annotated[bool, typer.Option("--prefill-graphs", metavar="", rich_help_panel=GRAPHS,
                                                 help="Run the admission prefill's forwards (target and drafter) from "
                                                      "CUDA graphs, one per (sequences, rows) bucket up to 16384 rows "
                                                      "(fewer for models wider than 768), captured at its first use; "
                                                      "GLM-5 family (paged caches); needs CUDA graphs.")]
 
 
-GammaPolicyOpt = Annotated[str, typer.Option("--gamma-policy", metavar="fixed|adaptive",
-                                              help="fixed: every step drafts --gamma; adaptive: each step drafts "
-                                                   "0..--gamma, whatever the rolling acceptance and the measured "
-                                                   "step costs predict to be fastest (output unchanged).")]
+GammaPolicyOpt = Annotated[str, typer.Option("--gamma-policy", metavar="NAME", rich_help_panel=SPECULATION,
+                                             help="fixed: every step drafts --gamma; adaptive: each step drafts "
+                                                  "0..--gamma, whatever the rolling acceptance and the measured "
+                                                  "step costs predict to be fastest (output unchanged).")]

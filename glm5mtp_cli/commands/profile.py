@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from glm5mtp_cli.commands.generate import check_output
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, DeviceOpt, JsonOpt, LayersOpt, ModelOpt, ThreadsOpt,
-                                          TpOpt)
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, MODEL, OUTPUT, DeviceOpt, JsonOpt, LayersOpt, ModelOpt,
+                                          ThreadsOpt, TpOpt)
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.engine.config import ModelSpec
 from glm5mtp_cli.units import fmt_bytes as _fmt
@@ -70,21 +70,24 @@ def profile_cmd(
     budget: Annotated[Optional[int], typer.Option("--budget",
         metavar="TOKENS", help="The request budget in tokens (prompt + new) for budget allocation "
                                "(default: 2048, at most half the smallest --max-seq-len).")] = None,
-    gamma: Annotated[int, typer.Option(help="Drafts per verify step.")] = 3,
+    gamma: Annotated[int, typer.Option("--gamma", metavar="N", help="Drafts per verify step.")] = 3,
     device: DeviceOpt = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bf16 on CUDA, fp32 on CPU; bf16 with "
-                                                             "--predict-only), fp32, bf16, fp16.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", rich_help_panel=MODEL,
+                                       help="auto (bf16 on CUDA, fp32 on CPU; bf16 with --predict-only), fp32, bf16, "
+                                            "fp16.")] = "auto",
     layers: LayersOpt = None,
     predict_only: Annotated[bool, typer.Option("--predict-only", metavar="",
                                                help="From the config only: no weights loaded, nothing measured.")] = False,
     gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", metavar="SIZE", help="Memory for the concurrency estimate, e.g. "
                                                    "141GB (default: the device's total on CUDA, else 141GB).")] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
-    repeats: Annotated[int, typer.Option(help="Timed runs per phase (the median is reported).")] = 5,
+    block_size: Annotated[int, typer.Option("--block-size", metavar="N", help="Tokens per cache block.")] = 16,
+    repeats: Annotated[int, typer.Option("--repeats", metavar="N",
+                                         help="Timed runs per phase (the median is reported).")] = 5,
     json_out: JsonOpt = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Write a bar chart PNG of the per-sequence "
-                                                 "bytes (needs the plot extra: pip install 'glm5mtp[plot]').")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the random cache rows and tokens.")] = 0,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", rich_help_panel=OUTPUT,
+                                                 help="Write a bar chart PNG of the per-sequence bytes (needs the plot "
+                                                      "extra: pip install 'glm5mtp\\[plot]').")] = None,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random cache rows and tokens.")] = 0,
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
 ) -> None:

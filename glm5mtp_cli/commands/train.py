@@ -12,6 +12,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from glm5mtp_cli.commands.options import MODEL, OUTPUT
+
+# train's own help panels (options.py holds the shared ones)
+SCHEDULE = "Optimization"
+EVALUATION = "Held-out evaluation"
+CORPUS = "Corpus and tokenizer"
+SAMPLES = "Chat samples"
+
 
 
 
@@ -45,32 +53,32 @@ class _Bar:
 
 
 def train_cmd(
-    out: Annotated[Path, typer.Option("--out", help="Folder to write the trained checkpoint into.")],
-    profile: Annotated[str, typer.Option("--profile", "--config",
+    out: Annotated[Path, typer.Option("--out", metavar="DIR", help="Folder to write the trained checkpoint into.")],
+    profile: Annotated[str, typer.Option("--profile", "--config", metavar="NAME",
                                          help="Model size: a profile name (its train_config.json) or a config .json.")] = "glm5-nano",
-    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps (the cosine schedule's length) (default from the profile's train_config.json: glm5-nano 900; else 2000).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default from the profile's train_config.json: glm5-nano 16; else 32).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per training sequence (default from the profile's train_config.json: glm5-nano 2048; else 512).")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (AdamW) (default from the profile's train_config.json: glm5-nano 0.002; else 0.002).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for weights and batches.")] = 0,
-    device: Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", help="cuda | cuda:N | cpu (default: cuda when available).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="bf16 (autocast, fp32 master weights) | fp32; default bf16 on CUDA.")] = None,
-    mtp_weight: Annotated[Optional[float], typer.Option(help="Weight of the MTP loss (DeepSeek-V3: 0.3) (default from the profile's train_config.json: glm5-nano 0.3; else 0.3).")] = None,
-    indexer_weight: Annotated[Optional[float], typer.Option(help="Weight of the DSA indexer KL loss (default from the profile's train_config.json: glm5-nano 1.0; else 1.0).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", metavar="N", rich_help_panel=SCHEDULE, help="Optimizer steps (the cosine schedule's length) (default from the profile's train_config.json: glm5-nano 900; else 2000).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", metavar="N", rich_help_panel=SCHEDULE, help="Sequences per step (default from the profile's train_config.json: glm5-nano 16; else 32).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", metavar="N", rich_help_panel=SCHEDULE, help="Tokens per training sequence (default from the profile's train_config.json: glm5-nano 2048; else 512).")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", metavar="X", rich_help_panel=SCHEDULE, help="Peak learning rate (AdamW) (default from the profile's train_config.json: glm5-nano 0.002; else 0.002).")] = None,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", rich_help_panel=SCHEDULE, help="Seed for weights and batches.")] = 0,
+    device: Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", rich_help_panel=MODEL, help="cuda | cuda:N | cpu (default: cuda when available).")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", rich_help_panel=MODEL, help="bf16 (autocast, fp32 master weights) | fp32; default bf16 on CUDA.")] = None,
+    mtp_weight: Annotated[Optional[float], typer.Option("--mtp-weight", metavar="X", rich_help_panel=SCHEDULE, help="Weight of the MTP loss (DeepSeek-V3: 0.3) (default from the profile's train_config.json: glm5-nano 0.3; else 0.3).")] = None,
+    indexer_weight: Annotated[Optional[float], typer.Option("--indexer-weight", metavar="X", rich_help_panel=SCHEDULE, help="Weight of the DSA indexer KL loss (default from the profile's train_config.json: glm5-nano 1.0; else 1.0).")] = None,
     mtp_only: Annotated[bool, typer.Option("--mtp-only", metavar="", help="Train only a fresh MTP layer against the frozen target from --init.")] = False,
-    init: Annotated[Optional[Path], typer.Option(help="With --mtp-only: the trained checkpoint whose target is frozen.")] = None,
-    time_budget: Annotated[Optional[float], typer.Option(help="Stop after this many seconds of training (the schedule ends there) (default from the profile's train_config.json: glm5-nano 420; else none).")] = None,
-    eval_every: Annotated[Optional[int], typer.Option(help="Held-out evaluation every N steps (default from the profile's train_config.json: glm5-nano 200; else 250).")] = None,
-    eval_tokens: Annotated[Optional[int], typer.Option(help="Held-out tokens per evaluation (default: the train config's).")] = None,
-    warmup: Annotated[Optional[int], typer.Option(help="Linear warm-up steps (default min(200, steps/10)).")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Tokenizer and token-id cache (default ~/.cache/glm5mtp/train).")] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="Use this tokenizer folder instead of training one.")] = None,
-    corpus_files: Annotated[Optional[int], typer.Option(help="Use only the first N files of each split (smoke runs).")] = None,
-    chat_samples: Annotated[bool, typer.Option("--chat-samples/--no-chat-samples", metavar="",
+    init: Annotated[Optional[Path], typer.Option("--init", metavar="DIR", help="With --mtp-only: the trained checkpoint whose target is frozen.")] = None,
+    time_budget: Annotated[Optional[float], typer.Option("--time-budget", metavar="S", rich_help_panel=SCHEDULE, help="Stop after this many seconds of training (the schedule ends there) (default from the profile's train_config.json: glm5-nano 420; else none).")] = None,
+    eval_every: Annotated[Optional[int], typer.Option("--eval-every", metavar="N", rich_help_panel=EVALUATION, help="Held-out evaluation every N steps (default from the profile's train_config.json: glm5-nano 200; else 250).")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", metavar="N", rich_help_panel=EVALUATION, help="Held-out tokens per evaluation (default: the train config's).")] = None,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", metavar="N", rich_help_panel=SCHEDULE, help="Linear warm-up steps (default min(200, steps/10)).")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", metavar="DIR", rich_help_panel=CORPUS, help="Tokenizer and token-id cache (default ~/.cache/glm5mtp/train).")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", metavar="DIR", rich_help_panel=CORPUS, help="Use this tokenizer folder instead of training one.")] = None,
+    corpus_files: Annotated[Optional[int], typer.Option("--corpus-files", metavar="N", rich_help_panel=CORPUS, help="Use only the first N files of each split (smoke runs).")] = None,
+    chat_samples: Annotated[bool, typer.Option("--chat-samples/--no-chat-samples", metavar="", rich_help_panel=SAMPLES,
                                                help="Add chat-formatted docstring->function samples.")] = True,
-    corpus_packages: Annotated[str, typer.Option(help="Comma-separated installed packages whose .py sources join the "
+    corpus_packages: Annotated[str, typer.Option("--corpus-packages", metavar="LIST", rich_help_panel=CORPUS, help="Comma-separated installed packages whose .py sources join the "
                                                  "train split (e.g. torch,numpy); held-out stays the stdlib's.")] = "",
-    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard.")] = "2GB",
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", rich_help_panel=OUTPUT, help="Largest safetensors shard.")] = "2GB",
     force: Annotated[bool, typer.Option("--force", metavar="", help="Overwrite a folder that already holds a checkpoint.")] = False,
 ) -> None:
     """Train a GLM-5 or GLM-5-Next model (the config's model_type) jointly with its MTP layer; write a Hub-layout checkpoint.
