@@ -114,6 +114,8 @@ def test_model_help_lists_every_profile_of_the_registry():
     (["--prompt", "x", "--draft-vocab-file", "/nonexistent/c.json", "--draft-vocab", "8"], "--draft-vocab-file"),
     (["--prompt", "x", "--draft-vocab-file", "/nonexistent/c.json"], "--draft-vocab"),
     (["--prompt", "x", "--carry", "all"], "--carry needs --conversation"),
+    (["--prompt", "x", "--carry-budget", "1KB"], "--carry-budget needs --conversation"),  # units parsed first
+    (["--prompt", "x", "--carry-budget", "2x"], "--carry-budget '2x' not understood"),
 ])
 def test_generate_refuses_before_loading(args, needle, monkeypatch):
     import glm5mtp_cli.engine.runtime as runtime
@@ -127,6 +129,26 @@ def test_conversation_refuses_what_it_cannot_honour(tmp_path, extra, needle):
     conv = tmp_path / "c.jsonl"
     conv.write_text('{"turns": [[1, 2, 3], [4, 5]]}\n')
     _one_line(runner.invoke(app, ["generate", "--model", "no-such-model", "--conversation", str(conv), *extra]), needle)
+
+
+def test_byte_flags_take_units():
+    from glm5mtp_cli.errors import UserError
+    from glm5mtp_cli.units import parse_size
+
+    assert parse_size("1KB", "--carry-budget", zero_ok=True) == 1000 and parse_size("64KiB") == 65536
+    assert parse_size("0", "--carry-budget", zero_ok=True) == 0  # a budget may hold nothing
+    with pytest.raises(UserError, match="--max-shard-size '0' must be positive"):
+        parse_size("0", "--max-shard-size")
+
+
+def test_conversation_carry_budget_in_units(spec_ckpt, tmp_path):
+    folder, _ = spec_ckpt
+    conv = tmp_path / "c.jsonl"
+    conv.write_text('{"turns": [[1, 2, 3, 4], [5, 6]]}\n')
+    r = runner.invoke(app, ["generate", "--model", str(folder), "--conversation", str(conv), "--max-new-tokens", "3",
+                            "--carry", "all", "--carry-budget", "1KB", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["carry"]["carry_budget"] == 1000
 
 
 def test_profile_checks_flags_against_the_model_before_loading(monkeypatch):

@@ -1,9 +1,15 @@
-"""init-random / save_checkpoint: Hub layout, determinism, streaming, FP8 block quantization."""
+"""init-random / save_checkpoint: Hub layout, determinism, streaming, FP8 block quantization; the
+commands' safe writes (quantize's source stays, Ctrl-C leaves nothing)."""
 
 from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,11 +118,18 @@ def test_save_streams_shard_by_shard(tmp_path):
     assert not list(tmp_path.glob(".partial-*"))
 
 
-def test_rewrite_removes_stale_shards(tmp_path):
-    init_random("glm5-tiny", tmp_path, max_shard_size="40KB")
-    init_random("glm5-tiny", tmp_path)
-    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
-    assert not (tmp_path / "model.safetensors.index.json").exists()
+def test_force_replaces_stale_shards(tmp_path):
+    out = tmp_path / "m"
+    runner = CliRunner()
+    assert runner.invoke(app, ["init-random", "glm5-tiny", str(out), "--max-shard-size", "40KB"]).exit_code == 0
+    (out / "notes.txt").write_text("mine")
+    r = runner.invoke(app, ["init-random", "glm5-tiny", str(out), "--force"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    with pytest.raises(ValueError, match="holds weights already"):  # the library never mixes shards
+        init_random("glm5-tiny", out)
 
 
 def _dequant_by_hand(w, s, b0, b1):
@@ -219,3 +232,61 @@ def test_cli_init_random(tmp_path):
     r = runner.invoke(app, ["init-random", "glm5-tiny", str(out), "--force", "--layers", "1"])
     assert r.exit_code == 0 and (out / "model.safetensors").is_file()
     assert not (out / "model.safetensors.index.json").exists()
+
+
+def _one_line_error(r, needle: str) -> None:
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert needle in r.output, r.output
+
+
+def test_quantize_never_writes_over_its_source(tmp_path):
+    src = tmp_path / "src"
+    init_random("glm5-tiny", src, seed=1)
+    before = sorted((p.name, p.stat().st_size) for p in src.iterdir())
+    runner = CliRunner()
+    for out, relation in ((src, "is"), (tmp_path, "contains"), (src / "fp8", "is inside")):
+        r = runner.invoke(app, ["quantize", str(src), str(out), "--force"])
+        _one_line_error(r, f"OUT_DIR {out} {relation} the source checkpoint's folder")
+    assert sorted((p.name, p.stat().st_size) for p in src.iterdir()) == before
+    r = runner.invoke(app, ["quantize", str(src), str(tmp_path / "fp8")])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8", "src"]
+
+
+def test_quantize_of_a_profile_refuses_the_profile_folder(tmp_path):
+    r = CliRunner().invoke(app, ["quantize", "glm5-nano", str(profile_path("glm5-nano")), "--force"])
+    _one_line_error(r, "is the source checkpoint's folder")
+
+
+@pytest.mark.parametrize("cmd", [["init-random", "glm5-tiny"], ["quantize", "glm5-nano"]])
+def test_unwritable_out_dir_is_one_line_before_any_work(tmp_path, cmd):
+    (tmp_path / "afile").write_text("x")
+    _one_line_error(CliRunner().invoke(app, [*cmd, str(tmp_path / "afile" / "out")]), "is a file, not a folder")
+    _one_line_error(CliRunner().invoke(app, [*cmd, "/proc/no-such/out"]), "cannot write there")
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_ctrl_c_during_init_random_leaves_nothing_and_a_rerun_works(tmp_path):
+    """A real SIGINT while the shards of a real-width layer are being written."""
+    cfg = json.loads((profile_path("glm5") / "config.json").read_text())
+    cfg.update(vocab_size=4096, eos_token_id=[1])  # GLM-5's widths; a small embedding so shards come at once
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glm5mtp_cli.cli", "init-random", str(tmp_path / "cfg"), str(out), "--layers", "1",
+         "--dtype", "bf16", "--max-shard-size", "4MB"],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background shell may ignore SIGINT
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.glm5mtp-partial-*/.partial-*.safetensors")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg"]
+    assert err.strip().splitlines() == [f"interrupted: the unfinished output was removed; {out} is as it was"]
+    r = CliRunner().invoke(app, ["init-random", "glm5-tiny", str(out)])  # no "already holds a checkpoint"
+    assert r.exit_code == 0, r.output

@@ -25,28 +25,12 @@ from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.units import parse_size
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
 _HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|chat_template.*)$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
-def parse_size(text: str | int) -> int:
-    """'2GB' -> 2e9 (decimal units, as huggingface_hub uses), '512MiB' -> 512*2**20, '1000' -> 1000."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    unit = (m.group(2) or "").upper() if m else None
-    if not m or unit not in _UNITS:
-        raise UserError(f"size '{text}' not understood: use e.g. 2GB, 500MB, 64KiB or a byte count")
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise UserError(f"size '{text}' must be positive")
-    return n
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -26,6 +26,7 @@ from glm5mtp_cli.commands.options import (BATCHING, CONVERSATION, DEFAULT_MODEL,
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import read_prompts
+from glm5mtp_cli.units import parse_size
 
 EXAMPLES = """
 
@@ -114,8 +115,9 @@ def generate_cmd(
     carry: Annotated[str, typer.Option("--carry", metavar="NAME", rich_help_panel=CONVERSATION,
                                        help="Caches kept between turns: all (target + drafter), drafter, "
                                             "none.")] = "none",
-    carry_budget: Annotated[Optional[int], typer.Option("--carry-budget", metavar="BYTES", rich_help_panel=CONVERSATION,
-        help="Bytes of held carries; least recently used are freed past it (default: no limit).")] = None,
+    carry_budget: Annotated[Optional[str], typer.Option("--carry-budget", metavar="BYTES", rich_help_panel=CONVERSATION,
+        help="Bytes of held carries, e.g. 512MiB, 2GB; least recently used are freed past it (default: no "
+             "limit).")] = None,
     draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", metavar="K", rich_help_panel=SPECULATION,
         help="Draft over the K most frequent tokens (counts: token_counts.json beside the checkpoint, or "
              "--draft-vocab-file).")] = None,
@@ -132,6 +134,8 @@ def generate_cmd(
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
     check_output(trace, "--trace")
+    if carry_budget is not None:  # units as every byte flag takes them (512MiB, 2GB)
+        carry_budget = parse_size(carry_budget, "--carry-budget", zero_ok=True)
     spec = ModelSpec(model, device, dtype, layers, revision, random_weights, fp8, tp, mtp_index_share)
     engine = EngineConfig(
         gamma=gamma, gamma_policy=gamma_policy, max_new_tokens=max_new_tokens, batch_size=batch_size,

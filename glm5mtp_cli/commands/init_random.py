@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from glm5mtp_cli.safe_write import staged_folder
 from glm5mtp_cli.units import fmt_bytes
-from glm5mtp_cli.errors import UserError
 
 
 def init_random_cmd(
@@ -22,9 +22,11 @@ def init_random_cmd(
     layers: Annotated[Optional[int], typer.Option(help="Keep only the first K target layers (the MTP layer stays).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB, 500MB, 64KiB.")] = "5GB",
     tokenizer: Annotated[Optional[Path], typer.Option(help="Copy tokenizer files from this folder.")] = None,
-    force: Annotated[bool, typer.Option("--force", metavar="", help="Overwrite a folder that already holds a checkpoint.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Replace the checkpoint a folder already "
+                                        "holds (once the new one is complete).")] = False,
 ) -> None:
-    """Write random weights for a profile's target and MTP layer, streamed layer by layer.
+    """Write random weights for a profile's target and MTP layer, streamed layer by layer into a hidden
+    folder beside OUT_DIR that takes its place when complete (Ctrl-C leaves OUT_DIR as it was).
 
     Examples:
 
@@ -34,15 +36,12 @@ def init_random_cmd(
     """
     from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size
 
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"output '{out_dir}' exists and is not a folder")
-    holds_checkpoint = out_dir.is_dir() and ((out_dir / "config.json").exists() or any(out_dir.glob("*.safetensors")))
-    if holds_checkpoint and not force:
-        raise UserError(f"output folder '{out_dir}' already holds a checkpoint; pass --force to overwrite it")
     dt = parse_dtype(dtype) if dtype else None
-    summary = init_random(profile, out_dir, seed=seed, dtype=dt, fp8=fp8, layers=layers,
-                          max_shard_size=parse_size(max_shard_size), tokenizer=tokenizer)
-    table = Table(title=f"init-random {profile} -> {summary.out_dir}", show_header=False)
+    shard_size = parse_size(max_shard_size)
+    with staged_folder(out_dir, "OUT_DIR", force) as tmp:
+        summary = init_random(profile, tmp, seed=seed, dtype=dt, fp8=fp8, layers=layers,
+                              max_shard_size=shard_size, tokenizer=tokenizer, progress=True)
+    table = Table(title=f"init-random {profile} -> {out_dir}", show_header=False)
     table.add_row("weight files", str(len(summary.files)))
     table.add_row("tensors", str(summary.tensors))
     table.add_row("bytes", f"{summary.total_bytes} ({fmt_bytes(summary.total_bytes)})")

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.safe_write import refuse_overlap, staged_folder
 from glm5mtp_cli.units import fmt_bytes
 
 
@@ -18,10 +18,12 @@ def quantize_cmd(
     dequantize: Annotated[bool, typer.Option("--dequantize", metavar="", help="Write the fp32 twin of an FP8 "
                                              "checkpoint (its weights dequantized) instead.")] = False,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest shard, e.g. 5GB, 500MB.")] = "5GB",
-    force: Annotated[bool, typer.Option("--force", metavar="", help="Overwrite a folder that already holds a checkpoint.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Replace the checkpoint a folder already "
+                                        "holds (once the new one is complete).")] = False,
 ) -> None:
     """Quantize a checkpoint's matrices to FP8 e4m3 with 128x128 block scales (the tensors its family's
-    official FP8 checkpoint quantizes: GLM-5-FP8's, GLM-5-Next-FP8's).
+    official FP8 checkpoint quantizes: GLM-5-FP8's, GLM-5-Next-FP8's). Written into a hidden folder beside OUT_DIR that takes its place
+    when complete; OUT_DIR must not be, contain or lie inside SRC's folder.
 
     Examples:
 
@@ -31,12 +33,14 @@ def quantize_cmd(
 
       glm5mtp quantize /tmp/nano-fp8 /tmp/nano-fp8-twin --dequantize    (its fp32 twin)
     """
+    from glm5mtp_cli.checkpoint.resolve import profile_path
     from glm5mtp_cli.checkpoint.write import parse_size, rewrite_checkpoint
 
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"output '{out_dir}' exists and is not a folder")
-    if out_dir.is_dir() and ((out_dir / "config.json").exists() or any(out_dir.glob("*.safetensors"))) and not force:
-        raise UserError(f"output folder '{out_dir}' already holds a checkpoint; pass --force to overwrite it")
-    summary = rewrite_checkpoint(src, out_dir, fp8=not dequantize, max_shard_size=parse_size(max_shard_size))
-    Console().print(f"{'fp32 twin' if dequantize else 'fp8 (e4m3, 128x128 blocks)'} of {src} -> {summary.out_dir}: "
+    shard_size = parse_size(max_shard_size)
+    source = profile_path(src) or Path(src).expanduser()
+    if source.is_dir():  # else a Hub id, read from the Hub cache
+        refuse_overlap(out_dir, source, "OUT_DIR")
+    with staged_folder(out_dir, "OUT_DIR", force) as tmp:
+        summary = rewrite_checkpoint(src, tmp, fp8=not dequantize, max_shard_size=shard_size, progress=True)
+    Console().print(f"{'fp32 twin' if dequantize else 'fp8 (e4m3, 128x128 blocks)'} of {src} -> {out_dir}: "
                     f"{summary.tensors} tensors, {len(summary.files)} files, {fmt_bytes(summary.total_bytes)}")
