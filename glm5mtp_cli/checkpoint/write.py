@@ -3,12 +3,16 @@ with checkpoint.random's initialiser).
 
 Memory rule: at most one shard's worth of tensors (plus the tensor being made) is held at a time,
 so a full-width GLM-5 with a few layers can be written on a small machine.
+
+These functions write into a new or empty folder; the commands give them safe_write's staging
+folder, which moves into place only once the checkpoint is complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -25,6 +29,7 @@ from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 from glm5mtp_cli.models.glm5.config import ModelConfig
+from glm5mtp_cli.safe_write import default_mode
 from glm5mtp_cli.units import parse_size
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -68,8 +73,9 @@ def _nbytes(t: torch.Tensor) -> int:
 def save_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
                     out_dir: str | os.PathLike, max_shard_size: int | str = "5GB", fp8: bool = False,
                     tokenizer_dir: str | os.PathLike | None = None) -> WriteSummary:
-    """Write `tensors` as a Hub-layout checkpoint: config.json, generation_config.json, and either
-    one model.safetensors or model-0000i-of-0000K.safetensors shards plus the index.
+    """Write `tensors` as a Hub-layout checkpoint into the new or empty folder `out_dir`:
+    config.json, generation_config.json, and either one model.safetensors or
+    model-0000i-of-0000K.safetensors shards plus the index.
 
     `tensors` may be a generator: shards are flushed as they fill, so memory stays about one shard.
     With fp8, the weights REFERENCE.md lists as quantized become float8_e4m3fn + `_scale_inv`.
@@ -81,7 +87,8 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
     config_json = family.config_dict(config, dict(FP8_QUANT_CONFIG) if fp8 else None)  # refuses before writing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _remove_old_weights(out)
+    if any(out.glob("*.safetensors")):  # a reader trusts the index: old shards would mix with the new
+        raise ValueError(f"{out} holds weights already; write into a new folder (safe_write.staged_folder)")
     limit = parse_size(max_shard_size)
     block = tuple(FP8_QUANT_CONFIG["weight_block_size"])
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
@@ -118,25 +125,11 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
     return WriteSummary(out, files, len(weight_map), total)
 
 
-def _remove_old_weights(out: Path) -> None:
-    """Shards from an earlier write would mix with the new ones (a reader trusts the index)."""
-    for p in out.iterdir():
-        if p.is_file() and (p.name == INDEX_FILE or re.match(r"^(model.*|\.partial-\d+)\.safetensors$", p.name)):
-            p.unlink()
-
-
-def _file_mode() -> int:
-    """0666 less the process umask: the mode an ordinary open() would give."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _finalize_shards(out: Path, temp_files: list[str], weight_map: dict[str, str], total: int) -> list[str]:
     """Rename the temp shards now that their count is known; write the index when there are several."""
     k = len(temp_files)
     names = [SINGLE_FILE] if k == 1 else [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
-    mode = _file_mode()
+    mode = default_mode(folder=False)
     for tmp, final in zip(temp_files, names):
         os.chmod(out / tmp, mode)  # safetensors writes 0600; a checkpoint is shared like any other file
         os.replace(out / tmp, out / final)
@@ -168,6 +161,26 @@ def tokenizer_files(src: str | os.PathLike) -> list[str]:
     return files
 
 
+def _tracked(items: Iterable[tuple[str, torch.Tensor]], total: int, label: str,
+             show: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """`items` passed through, with a Rich bar on stderr over their elements when `show` and
+    stderr is a terminal (a real GLM-5 layer takes minutes to write)."""
+    if not show:
+        yield from items
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task(label, total=total)
+        for name, t in items:
+            yield name, t
+            bar.advance(task, t.numel())
+
+
 # ---- random checkpoints --------------------------------------------------------------------------------
 
 def random_tensors(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -178,8 +191,10 @@ def random_tensors(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> Iterator[
 
 def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
                 dtype: torch.dtype | str | None = None, fp8: bool = False, layers: int | None = None,
-                max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None) -> WriteSummary:
-    """A random target (layers 0..L-1) plus its MTP layer at model.layers.{L}, L after --layers."""
+                max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None,
+                progress: bool = False) -> WriteSummary:
+    """A random target (layers 0..L-1) plus its MTP layer at model.layers.{L}, L after --layers.
+    progress: a bar on stderr (when it is a terminal)."""
     cfg = config_from_spec(profile_or_config) if isinstance(profile_or_config, (str, os.PathLike)) else profile_or_config
     if layers is not None:
         cfg = cfg.with_layers(layers)
@@ -188,19 +203,21 @@ def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     cfg = dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype])
-    return save_checkpoint(random_tensors(cfg, seed, dtype), cfg, out_dir, max_shard_size=max_shard_size,
-                           fp8=fp8, tokenizer_dir=tokenizer)
+    total = sum(math.prod(shape) for _, shape in family_of(cfg).tensor_shapes(cfg))
+    tensors = _tracked(random_tensors(cfg, seed, dtype), total, "init-random", progress)
+    return save_checkpoint(tensors, cfg, out_dir, max_shard_size=max_shard_size, fp8=fp8, tokenizer_dir=tokenizer)
 
 
 # ---- FP8 checkpoints from existing ones, and their dequantized twins ----------------------------------
 
 def rewrite_checkpoint(src: str, out_dir: str | os.PathLike, fp8: bool,
-                       max_shard_size: int | str = "5GB") -> WriteSummary:
+                       max_shard_size: int | str = "5GB", progress: bool = False) -> WriteSummary:
     """`src` (a profile name, folder or Hub id with weights) rewritten into `out_dir`, one tensor at a
     time: with fp8, quantized to float8_e4m3fn + 128x128 block scales (what the family's layout
     quantizes; the rest as stored); without, every tensor in fp32 and FP8 ones dequantized (the
     unquantized twin of an FP8 checkpoint: the weights its FP8 run computes with). Tokenizer files
-    come along."""
+    come along.
+    progress: a bar on stderr (when it is a terminal)."""
     from glm5mtp_cli.checkpoint.read import CheckpointReader
     from glm5mtp_cli.checkpoint.resolve import resolve_model
 
@@ -215,9 +232,11 @@ def rewrite_checkpoint(src: str, out_dir: str | os.PathLike, fp8: bool,
     dtype = None if fp8 else torch.float32
     out_cfg = cfg if fp8 else dataclasses.replace(cfg, torch_dtype="float32", quantization_config=None)
     has_tok = any(TOKENIZER_FILES.match(p.name) for p in Path(resolved.folder).iterdir())
+    total = sum(math.prod(reader.shape(n)) for n in names)
+    tensors = _tracked(((n, reader.get(n, dtype)) for n in names), total, "quantize" if fp8 else "dequantize",
+                       progress)
     try:
-        return save_checkpoint(((n, reader.get(n, dtype)) for n in names), out_cfg, out_dir,
-                               max_shard_size=max_shard_size, fp8=fp8,
+        return save_checkpoint(tensors, out_cfg, out_dir, max_shard_size=max_shard_size, fp8=fp8,
                                tokenizer_dir=resolved.folder if has_tok else None)
     finally:
         reader.close()
