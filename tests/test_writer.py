@@ -243,6 +243,7 @@ def _one_line_error(r, needle: str) -> None:
 def test_quantize_never_writes_over_its_source(tmp_path):
     src = tmp_path / "src"
     init_random("glm5-tiny", src, seed=1)
+    (src / "token_counts.json").write_text('{"ranking": []}')
     before = sorted((p.name, p.stat().st_size) for p in src.iterdir())
     runner = CliRunner()
     for out, relation in ((src, "is"), (tmp_path, "contains"), (src / "fp8", "is inside")):
@@ -251,6 +252,7 @@ def test_quantize_never_writes_over_its_source(tmp_path):
     assert sorted((p.name, p.stat().st_size) for p in src.iterdir()) == before
     r = runner.invoke(app, ["quantize", str(src), str(tmp_path / "fp8")])
     assert r.exit_code == 0, r.output
+    assert (tmp_path / "fp8" / "token_counts.json").read_text() == '{"ranking": []}'  # the counts come along
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8", "src"]
 
 

@@ -25,6 +25,7 @@ import torch
 from glm5mtp_cli.checkpoint.random import random_tensor
 from kernels.fp8_block import fp8_block_quantize
 from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, config_from_spec
+from glm5mtp_cli.engine.draft_vocab import COUNTS_FILE
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
@@ -216,7 +217,7 @@ def rewrite_checkpoint(src: str, out_dir: str | os.PathLike, fp8: bool,
     time: with fp8, quantized to float8_e4m3fn + 128x128 block scales (what the family's layout
     quantizes; the rest as stored); without, every tensor in fp32 and FP8 ones dequantized (the
     unquantized twin of an FP8 checkpoint: the weights its FP8 run computes with). Tokenizer files
-    come along.
+    and the draft-vocab counts (the tokenizer's, so they hold for the copy) come along.
     progress: a bar on stderr (when it is a terminal)."""
     from glm5mtp_cli.checkpoint.read import CheckpointReader
     from glm5mtp_cli.checkpoint.resolve import resolve_model
@@ -236,7 +237,11 @@ def rewrite_checkpoint(src: str, out_dir: str | os.PathLike, fp8: bool,
     tensors = _tracked(((n, reader.get(n, dtype)) for n in names), total, "quantize" if fp8 else "dequantize",
                        progress)
     try:
-        return save_checkpoint(tensors, out_cfg, out_dir, max_shard_size=max_shard_size, fp8=fp8,
-                               tokenizer_dir=resolved.folder if has_tok else None)
+        summary = save_checkpoint(tensors, out_cfg, out_dir, max_shard_size=max_shard_size, fp8=fp8,
+                                  tokenizer_dir=resolved.folder if has_tok else None)
     finally:
         reader.close()
+    counts = Path(resolved.folder) / COUNTS_FILE
+    if counts.is_file():
+        shutil.copyfile(counts, Path(out_dir) / COUNTS_FILE)
+    return summary

@@ -22,7 +22,8 @@ def quantize_cmd(
                                         "holds (once the new one is complete).")] = False,
 ) -> None:
     """Quantize a checkpoint's matrices to FP8 e4m3 with 128x128 block scales (the tensors its family's
-    official FP8 checkpoint quantizes: GLM-5-FP8's, GLM-5-Next-FP8's). Written into a hidden folder beside OUT_DIR that takes its place
+    official FP8 checkpoint quantizes: GLM-5-FP8's, GLM-5-Next-FP8's). Tokenizer files and
+    token_counts.json come along. Written into a hidden folder beside OUT_DIR that takes its place
     when complete; OUT_DIR must not be, contain or lie inside SRC's folder.
 
     Examples:
