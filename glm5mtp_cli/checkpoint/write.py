@@ -25,7 +25,7 @@ import torch
 from glm5mtp_cli.checkpoint.random import random_tensor
 from kernels.fp8_block import fp8_block_quantize
 from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, config_from_spec
-from glm5mtp_cli.engine.draft_vocab import COUNTS_FILE
+from glm5mtp_cli.engine.draft_vocab import COUNTS_FILE, counts_file
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
@@ -241,7 +241,7 @@ def rewrite_checkpoint(src: str, out_dir: str | os.PathLike, fp8: bool,
                                   tokenizer_dir=resolved.folder if has_tok else None)
     finally:
         reader.close()
-    counts = Path(resolved.folder) / COUNTS_FILE
-    if counts.is_file():
+    counts = counts_file(Path(resolved.folder))
+    if counts is not None:
         shutil.copyfile(counts, Path(out_dir) / COUNTS_FILE)
     return summary

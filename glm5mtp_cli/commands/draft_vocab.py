@@ -1,4 +1,4 @@
-"""`glm5mtp draft-vocab`: count token frequencies on a corpus, store them beside the checkpoint."""
+"""`glm5mtp draft-vocab`: count token frequencies on a corpus, store them where `generate` finds them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from rich.console import Console
 
 from glm5mtp_cli.commands.options import DEFAULT_MODEL, ModelOpt
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.safe_write import staged_file
 
 COUNTS_FILE = "token_counts.json"  # engine.draft_vocab.COUNTS_FILE
 
@@ -36,32 +37,38 @@ def _texts(corpus: str):
 def draft_vocab_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     corpus: Annotated[str, typer.Option(help="'stdlib' (the training corpus's train split), a .txt or a .jsonl.")] = "stdlib",
-    out: Annotated[Optional[Path], typer.Option("--out", metavar="FILE", help=f"Where to write (default: {COUNTS_FILE} in the model folder).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", metavar="FILE", help=f"Where to write (default: {COUNTS_FILE} "
+        "beside a checkpoint folder of yours; for a shipped profile or a Hub download, "
+        "$XDG_CACHE_HOME or ~/.cache, then glm5mtp/draft-vocab/<profile or org/name>/).")] = None,
 ) -> None:
     """Count how often each token occurs on a corpus; `generate --draft-vocab K` drafts over the top K.
 
+    By default the counts go where generate looks: beside a checkpoint folder of yours, or, for a
+    shipped profile or a Hub download (never written into), the user cache; generate takes the newer
+    of the two. It prints where it wrote.
+
     Examples:
 
-      glm5mtp draft-vocab    (the stdlib corpus, written beside the shipped model)
+      glm5mtp draft-vocab    (glm5-nano on the stdlib corpus, into ~/.cache/glm5mtp/draft-vocab/glm5-nano/)
 
       glm5mtp draft-vocab --corpus prompts.jsonl --out counts.json
 
       glm5mtp generate --draft-vocab 1024 --draft-vocab-file counts.json --prompt 'import os'
     """
     from glm5mtp_cli.checkpoint.resolve import resolve_model
-    from glm5mtp_cli.engine.draft_vocab import count_tokens, write_counts
+    from glm5mtp_cli.engine.draft_vocab import count_tokens, user_counts_path, write_counts
     from glm5mtp_cli.engine.runtime import Tokenizer
 
-    if out is not None:
-        from glm5mtp_cli.commands.generate import check_output
-
-        check_output(out, "--out")
     resolved = resolve_model(model, need="target", progress=False)
     tok = Tokenizer.maybe(resolved.folder)
     if tok is None:
         raise UserError(f"{resolved.folder}: no tokenizer.json to count tokens with")
-    texts, source = _texts(corpus)
-    counts = count_tokens(tok.encode, texts, resolved.config.vocab_size)
-    path = write_counts(out or resolved.folder / COUNTS_FILE, counts, source)
+    path = out or user_counts_path(resolved.folder) or resolved.folder / COUNTS_FILE
+    with staged_file(path, "--out" if out is not None else "the counts file") as tmp:
+        texts, source = _texts(corpus)
+        counts = count_tokens(tok.encode, texts, resolved.config.vocab_size)
+        if not any(counts):
+            raise UserError(f"--corpus {corpus}: no tokens to count (the corpus is empty)")
+        write_counts(tmp, counts, source)
     seen = sum(1 for c in counts if c)
-    Console().print(f"counted {sum(counts):,} tokens ({seen} of {len(counts)} ids seen) -> {path}")
+    Console().print(f"counted {sum(counts):,} tokens ({seen} of {len(counts)} ids seen) -> {path}", soft_wrap=True)

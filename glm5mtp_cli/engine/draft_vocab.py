@@ -3,13 +3,19 @@
 GLM-5's lm_head is 1.9 GB of the 3.09 GB a draft step reads at batch 1; drafting over the K most
 frequent tokens reads K rows instead. Verification is untouched, so output stays the target's
 (with sampling, the draft distribution is zero outside the K tokens, which rejection sampling
-handles exactly). Token counts come from a corpus and are stored beside the checkpoint as
+handles exactly). Token counts come from a corpus (`glm5mtp draft-vocab`), stored as
 `token_counts.json`, so any K can be taken from one count.
+
+Where counts live: beside a checkpoint in a folder of the user's own; for a model glm5mtp must
+not write into (a shipped profile, a Hub download) in the user's cache, `user_counts_path`. A
+run takes the newer of the two, so a shipped profile's own counts hold until the user writes
+newer ones (and win again after an upgrade ships newer ones).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
@@ -17,6 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from glm5mtp_cli.checkpoint.resolve import profiles_dir
 from glm5mtp_cli.engine.parallel import vocab_range
 from glm5mtp_cli.errors import UserError
 
@@ -37,20 +44,54 @@ def write_counts(path: Path, counts: list[int], source: str) -> Path:
     return path
 
 
+def _model_key(folder: Path) -> str | None:
+    """A shipped profile's name or a Hub download's org/name; None for any other folder."""
+    folder = Path(folder).resolve()
+    if folder.parent == profiles_dir():
+        return folder.name
+    repo = folder.parent.parent.name  # the Hub cache's layout: models--ORG--NAME/snapshots/REVISION
+    if folder.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return None
+
+
+def user_counts_path(folder: Path) -> Path | None:
+    """Where draft-vocab writes the counts of a shipped profile or a Hub download by default:
+    $XDG_CACHE_HOME (else ~/.cache)/glm5mtp/draft-vocab/<profile or org/name>/token_counts.json.
+    None for a folder of the user's own: its counts go beside the checkpoint."""
+    key = _model_key(folder)
+    if key is None:
+        return None
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "glm5mtp" / "draft-vocab" / key / COUNTS_FILE
+
+
+def _candidates(folder: Path) -> list[Path]:
+    return [p for p in (Path(folder) / COUNTS_FILE, user_counts_path(folder)) if p is not None]
+
+
+def counts_file(folder: Path) -> Path | None:
+    """The counts a run over `folder` uses: the newer of its own token_counts.json and
+    user_counts_path's (the checkpoint's own on a tie); None when neither exists."""
+    found = [p for p in _candidates(folder) if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
 def load_draft_ids(folder: Path, k: int, vocab_size: int, device, path: Path | None = None) -> torch.Tensor:
     """Ids of the k most frequent tokens, ascending (so the sliced head keeps the vocabulary's order).
-    path: a counts file written by `draft-vocab --out` (default: token_counts.json in folder)."""
+    path: a counts file written by `draft-vocab --out` (default: counts_file(folder))."""
     if not 1 <= k <= vocab_size:
         raise UserError(f"--draft-vocab must be in 1..{vocab_size}, got {k}")
     if path is not None:
         if not Path(path).is_file():
             raise UserError(f"--draft-vocab-file {path}: no such file")
         return _ranked_ids(Path(path), k, vocab_size, device)
-    path = Path(folder) / COUNTS_FILE
-    if not path.is_file():
-        raise UserError(f"--draft-vocab: no {COUNTS_FILE} beside the checkpoint in {folder}; "
-                        "make one with `glm5mtp draft-vocab`, or give --draft-vocab-file")
-    return _ranked_ids(path, k, vocab_size, device)
+    found = counts_file(folder)
+    if found is None:
+        looked = " or ".join(str(p) for p in _candidates(folder))
+        raise UserError(f"--draft-vocab: no token counts ({looked}); make them with `glm5mtp draft-vocab "
+                        "--model MODEL`, or give --draft-vocab-file")
+    return _ranked_ids(found, k, vocab_size, device)
 
 
 def _ranked_ids(path: Path, k: int, vocab_size: int, device) -> torch.Tensor:
