@@ -150,3 +150,67 @@ def test_mtp_only_trains_a_fresh_head_against_a_frozen_target(tmp_path):
     assert torch.equal(a["model.layers.1.mlp.gate.weight"], b["model.layers.1.mlp.gate.weight"])  # target frozen
     assert torch.equal(a["lm_head.weight"], b["lm_head.weight"])
     assert not torch.equal(a["model.layers.2.eh_proj.weight"], b["model.layers.2.eh_proj.weight"])  # MTP trained
+
+
+def _toy_args(tmp_path, out, *extra):
+    config = tmp_path / "toy.json"
+    config.write_text(json.dumps(TOY))
+    return ["train", "--config", str(config), "--out", str(out), "--batch-size", "2", "--seq-len", "32",
+            "--corpus-files", str(FILES), "--cache-dir", str(tmp_path / "cache"), "--eval-tokens", "512",
+            "--device", "cpu", *extra]
+
+
+def test_an_unwritable_out_is_one_line_before_any_work(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    res = CliRunner().invoke(app, _toy_args(tmp_path, tmp_path / "afile" / "out", "--steps", "2"))
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "--out" in res.output and "is a file, not a folder" in res.output
+    assert not (tmp_path / "cache").exists()  # refused before the tokenizer or the corpus was touched
+
+
+def test_an_interrupted_run_leaves_the_old_checkpoint_as_it_was(tmp_path):
+    from glm5mtp_cli.training.train import TrainOptions, train
+
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, _toy_args(tmp_path, out, "--steps", "2")).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    class Interrupt:  # Ctrl-C at step 2, as the progress bar hears of it
+        def update(self, step, fields):
+            if step == 2:
+                raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    opts = TrainOptions(out=out, profile=str(tmp_path / "toy.json"), steps=4, batch_size=2, seq_len=32,
+                        corpus_files=FILES, cache_dir=tmp_path / "cache", eval_tokens=512, device="cpu", force=True)
+    with pytest.raises(KeyboardInterrupt):
+        train(opts, log=lambda m: None, progress_factory=lambda total: Interrupt())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "toy.json"]
+
+
+def test_a_tokenizer_too_small_for_the_vocabulary_says_what_to_pass(tmp_path):
+    config = tmp_path / "toy.json"
+    config.write_text(json.dumps({**TOY, "vocab_size": 4096}))
+    res = CliRunner().invoke(app, ["train", "--config", str(config), "--out", str(tmp_path / "out"), "--steps", "1",
+                                   "--corpus-files", "2", "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"])
+    error = res.output.strip().splitlines()[-1]  # after the run's log lines
+    assert res.exit_code == 2 and res.output.count("error:") == 1 and error.startswith("error:"), res.output
+    assert "the model's vocab_size is 4096" in error and "pass a larger --corpus-files" in error
+    assert "--tokenizer" in error  # glm5-nano's shipped tokenizer has 4096 tokens
+    assert not (tmp_path / "out").exists()
+
+
+def test_cpu_runs_default_to_small_batches_unless_flags_say_otherwise(tmp_path):
+    from glm5mtp_cli.training.train import CPU_DEFAULTS, TrainOptions
+
+    section = {"batch_size": 16, "seq_len": 2048, "eval_tokens": 131072}  # glm5-nano's, sized for CUDA
+    cuda, cpu, given = TrainOptions(out=tmp_path), TrainOptions(out=tmp_path), TrainOptions(out=tmp_path, seq_len=256)
+    cuda.resolve(section)
+    cpu.resolve(section, on_cpu=True)
+    given.resolve(section, on_cpu=True)
+    assert {k: cuda.hyper[k] for k in CPU_DEFAULTS} == section
+    assert {k: cpu.hyper[k] for k in CPU_DEFAULTS} == CPU_DEFAULTS
+    assert given.hyper["seq_len"] == 256 and given.hyper["batch_size"] == CPU_DEFAULTS["batch_size"]

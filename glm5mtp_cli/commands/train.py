@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from glm5mtp_cli.commands.options import MODEL, OUTPUT
+from glm5mtp_cli.commands.options import MODEL, OUTPUT, ThreadsOpt
 
 # train's own help panels (options.py holds the shared ones)
 SCHEDULE = "Optimization"
@@ -57,11 +57,12 @@ def train_cmd(
     profile: Annotated[str, typer.Option("--profile", "--config", metavar="NAME",
                                          help="Model size: a profile name (its train_config.json) or a config .json.")] = "glm5-nano",
     steps: Annotated[Optional[int], typer.Option("--steps", metavar="N", rich_help_panel=SCHEDULE, help="Optimizer steps (the cosine schedule's length) (default from the profile's train_config.json: glm5-nano 900; else 2000).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", metavar="N", rich_help_panel=SCHEDULE, help="Sequences per step (default from the profile's train_config.json: glm5-nano 16; else 32).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", metavar="N", rich_help_panel=SCHEDULE, help="Tokens per training sequence (default from the profile's train_config.json: glm5-nano 2048; else 512).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", metavar="N", rich_help_panel=SCHEDULE, help="Sequences per step (default on the CPU 4; else from the profile's train_config.json: glm5-nano 16; else 32).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", metavar="N", rich_help_panel=SCHEDULE, help="Tokens per training sequence (default on the CPU 128; else from the profile's train_config.json: glm5-nano 2048; else 512).")] = None,
     lr: Annotated[Optional[float], typer.Option("--lr", metavar="X", rich_help_panel=SCHEDULE, help="Peak learning rate (AdamW) (default from the profile's train_config.json: glm5-nano 0.002; else 0.002).")] = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N", rich_help_panel=SCHEDULE, help="Seed for weights and batches.")] = 0,
     device: Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", rich_help_panel=MODEL, help="cuda | cuda:N | cpu (default: cuda when available).")] = None,
+    threads: ThreadsOpt = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", rich_help_panel=MODEL, help="bf16 (autocast, fp32 master weights) | fp32; default bf16 on CUDA.")] = None,
     mtp_weight: Annotated[Optional[float], typer.Option("--mtp-weight", metavar="X", rich_help_panel=SCHEDULE, help="Weight of the MTP loss (DeepSeek-V3: 0.3) (default from the profile's train_config.json: glm5-nano 0.3; else 0.3).")] = None,
     indexer_weight: Annotated[Optional[float], typer.Option("--indexer-weight", metavar="X", rich_help_panel=SCHEDULE, help="Weight of the DSA indexer KL loss (default from the profile's train_config.json: glm5-nano 1.0; else 1.0).")] = None,
@@ -69,7 +70,7 @@ def train_cmd(
     init: Annotated[Optional[Path], typer.Option("--init", metavar="DIR", help="With --mtp-only: the trained checkpoint whose target is frozen.")] = None,
     time_budget: Annotated[Optional[float], typer.Option("--time-budget", metavar="S", rich_help_panel=SCHEDULE, help="Stop after this many seconds of training (the schedule ends there) (default from the profile's train_config.json: glm5-nano 420; else none).")] = None,
     eval_every: Annotated[Optional[int], typer.Option("--eval-every", metavar="N", rich_help_panel=EVALUATION, help="Held-out evaluation every N steps (default from the profile's train_config.json: glm5-nano 200; else 250).")] = None,
-    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", metavar="N", rich_help_panel=EVALUATION, help="Held-out tokens per evaluation (default: the train config's).")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", metavar="N", rich_help_panel=EVALUATION, help="Held-out tokens per evaluation (default on the CPU 4096; else the train config's, else 131072).")] = None,
     warmup: Annotated[Optional[int], typer.Option("--warmup", metavar="N", rich_help_panel=SCHEDULE, help="Linear warm-up steps (default min(200, steps/10)).")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", metavar="DIR", rich_help_panel=CORPUS, help="Tokenizer and token-id cache (default ~/.cache/glm5mtp/train).")] = None,
     tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", metavar="DIR", rich_help_panel=CORPUS, help="Use this tokenizer folder instead of training one.")] = None,
@@ -79,13 +80,17 @@ def train_cmd(
     corpus_packages: Annotated[str, typer.Option("--corpus-packages", metavar="LIST", rich_help_panel=CORPUS, help="Comma-separated installed packages whose .py sources join the "
                                                  "train split (e.g. torch,numpy); held-out stays the stdlib's.")] = "",
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", rich_help_panel=OUTPUT, help="Largest safetensors shard.")] = "2GB",
-    force: Annotated[bool, typer.Option("--force", metavar="", help="Overwrite a folder that already holds a checkpoint.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Replace the checkpoint a folder already "
+                                        "holds (once the new one is complete).")] = False,
 ) -> None:
     """Train a GLM-5 or GLM-5-Next model (the config's model_type) jointly with its MTP layer; write a Hub-layout checkpoint.
 
+    The checkpoint and train_report.json go into a hidden folder beside --out (made before any work)
+    that takes its place when complete; Ctrl-C leaves --out as it was.
+
     Examples:
 
-      glm5mtp train --out /tmp/nano --steps 50 --corpus-files 20 --device cpu    (a smoke run)
+      glm5mtp train --out /tmp/nano --steps 50 --corpus-files 20 --device cpu    (a smoke run: ~1 GB, ~80 s)
 
       glm5mtp train --out DIR --profile glm5-nano --time-budget 420 --device cuda --tokenizer profiles/glm5-nano
 
@@ -98,7 +103,8 @@ def train_cmd(
     console = Console(stderr=True)
     opts = TrainOptions(
         out=out, profile=profile, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-        device=device, dtype=dtype, mtp_weight=mtp_weight, indexer_weight=indexer_weight, mtp_only=mtp_only,
+        device=device, threads=threads, dtype=dtype, mtp_weight=mtp_weight, indexer_weight=indexer_weight,
+        mtp_only=mtp_only,
         init=init, time_budget=time_budget, eval_every=eval_every, eval_tokens=eval_tokens, warmup=warmup,
         cache_dir=cache_dir, tokenizer=tokenizer, corpus_files=corpus_files, chat_samples=chat_samples,
         corpus_packages=tuple(p.strip() for p in corpus_packages.split(",") if p.strip()),

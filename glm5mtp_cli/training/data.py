@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.training import corpus
 from glm5mtp_cli.training import tokenizer as tt
 from glm5mtp_cli.errors import UserError
@@ -42,8 +43,21 @@ def prepare_tokenizer(opts: Any, vocab_size: int, cache: Path, manifest: dict, l
             log(f"trained byte-level BPE tokenizer (vocab {vocab_size}) in {time.time() - t0:.1f} s -> {tok_dir}")
     n = tt.load_tokenizer(tok_dir).get_vocab_size()
     if n != vocab_size:
-        raise UserError(f"tokenizer in '{tok_dir}' has {n} tokens but the model's vocab_size is {vocab_size}")
+        raise UserError(f"tokenizer in '{tok_dir}' has {n} tokens but the model's vocab_size is {vocab_size}: "
+                        + _vocab_hint(opts, n, vocab_size))
     return tok_dir
+
+
+def _vocab_hint(opts: Any, n: int, vocab_size: int) -> str:
+    if opts.tokenizer is not None:
+        return f"give a --tokenizer of {vocab_size} tokens, or a --config whose vocab_size is {n}"
+    # BPE stops merging when the text runs out of pairs: too few files cannot fill the vocabulary.
+    corpus_given = f"--corpus-files {opts.corpus_files}" if opts.corpus_files else "the corpus"
+    hint = f"{corpus_given} is too little text to learn {vocab_size} tokens; pass a larger --corpus-files"
+    shipped = profile_path("glm5-nano")
+    if shipped is not None and tt.load_tokenizer(shipped).get_vocab_size() == vocab_size:
+        hint += f", or the shipped tokenizer: --tokenizer {shipped}"
+    return hint
 
 
 def _corpus_manifest(opts: Any, cache: Path) -> dict:

@@ -28,8 +28,12 @@ Schedule: linear warm-up, then cosine to `min_lr_ratio * lr`, driven by progress
 max(step / steps, elapsed / time_budget), so the run ends at whichever comes first with a decayed
 learning rate either way. Weights are fp32 masters under bf16 autocast on CUDA; the router runs
 outside autocast (fp32), as at inference. The checkpoint is written in the Hub layout through
-`writer.save_checkpoint` (bf16, `e_score_correction_bias` fp32), with the tokenizer beside it and a
-`train_report.json` that says how it was made.
+`write.save_checkpoint` (bf16, `e_score_correction_bias` fp32), with the tokenizer beside it and a
+`train_report.json` that says how it was made, all into safe_write's staging folder, created
+before any work (an unwritable --out fails at once) and moved into --out only when complete.
+
+On the CPU, CPU_DEFAULTS replace a profile's batch, window and held-out sizes (chosen for CUDA:
+glm5-nano's 16 x 2048 needs more than 24 GB there) unless given as flags.
 """
 
 from __future__ import annotations
@@ -50,10 +54,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5mtp_cli.checkpoint.random import fill_random
-from glm5mtp_cli.checkpoint.resolve import profiles_dir
+from glm5mtp_cli.checkpoint.resolve import profile_path, profiles_dir
 from glm5mtp_cli.diagnostics.sizing import model_tensors, tensor_bytes
+from glm5mtp_cli.engine.runtime import set_threads
 from glm5mtp_cli.models import family_of, parse_config
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.safe_write import refuse_overlap, staged_folder
 from glm5mtp_cli.training.recipes import recipe_of
 from glm5mtp_cli.training.data import (WindowSampler, _corpus_manifest, _file_sha, default_cache_dir, heldout_windows,
                          prepare_tokenizer, tokenize_split)
@@ -75,6 +81,10 @@ DEFAULTS: dict[str, Any] = {
     "eval_tokens": 131072,
 }
 TRAIN_SECTION = "glm5mtp_train"  # optional section of a train config: that profile's defaults
+# A smoke run on the CPU: `train --steps 50 --corpus-files 20 --device cpu` peaked at 1.03 GiB RSS
+# in 81 s on one thread of a 2-core machine (README, `glm5mtp train`); the profile's 16 x 2048 was
+# killed at 24 GB.
+CPU_DEFAULTS: dict[str, Any] = {"batch_size": 4, "seq_len": 128, "eval_tokens": 4096}
 
 
 @dataclass
@@ -87,6 +97,7 @@ class TrainOptions:
     lr: float | None = None
     seed: int = 0
     device: str | None = None              # default: cuda when available
+    threads: int | None = None             # CPU threads (default: engine.runtime.set_threads's)
     dtype: str | None = None               # bf16 (autocast) | fp32; default bf16 on CUDA, fp32 on CPU
     mtp_weight: float | None = None
     indexer_weight: float | None = None
@@ -110,13 +121,15 @@ class TrainOptions:
     command: str | None = None             # the command line, for the report
     hyper: dict = field(default_factory=dict)  # resolved hyperparameters (filled by resolve())
 
-    def resolve(self, train_section: dict) -> None:
-        """Fill `hyper`: explicit option > the train config's section > DEFAULTS."""
+    def resolve(self, train_section: dict, on_cpu: bool = False) -> None:
+        """Fill `hyper`: explicit option > CPU_DEFAULTS (on the CPU) > the train config's section > DEFAULTS."""
         unknown = set(train_section) - set(DEFAULTS)
         if unknown:
             raise UserError(f"unknown keys in '{TRAIN_SECTION}': {', '.join(sorted(unknown))}")
         h = dict(DEFAULTS)
         h.update(train_section)
+        if on_cpu:
+            h.update(CPU_DEFAULTS)
         for k in DEFAULTS:
             v = getattr(self, k)
             if v is not None:
@@ -340,14 +353,14 @@ def _autocast_factory(device: torch.device, dtype: str):
     raise UserError(f"--dtype must be bf16 or fp32, got {dtype!r}")
 
 
-def _check_out(out: Path, force: bool, init: Path | None) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output '{out}' exists and is not a folder")
-    if init is not None and out.resolve() == init.resolve():
-        raise UserError("--out must differ from --init (the frozen target is read from --init)")
-    holds = out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors")))
-    if holds and not force:
-        raise UserError(f"output folder '{out}' already holds a checkpoint; pass --force to overwrite it")
+def _cpu_note(opts: TrainOptions) -> str | None:
+    """Which CPU_DEFAULTS this run took (the flags not given), for the log."""
+    taken = [k for k in CPU_DEFAULTS if getattr(opts, k) is None]
+    if not taken:
+        return None
+    h = opts.hyper
+    return (f"on the CPU: {', '.join(f'{k} {h[k]}' for k in taken)} (sized for a small machine; set "
+            f"{', '.join('--' + k.replace('_', '-') for k in taken)} to change)")
 
 
 def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_factory=None) -> dict:
@@ -355,12 +368,21 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
 
     progress_factory(total_steps) -> object with .update(step, fields: dict) and .close(); None = no bar.
     """
-    t_start = time.time()
     out = Path(opts.out)
-    _check_out(out, opts.force, opts.init)
+    if opts.init is not None:
+        refuse_overlap(out, profile_path(str(opts.init)) or opts.init, "--out")  # --init is read until the end
+    with staged_folder(out, "--out", opts.force) as tmp:
+        return _run(opts, tmp, log, progress_factory)
+
+
+def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_factory) -> dict:
+    """train's work, writing into the staging folder `tmp`."""
+    t_start = time.time()
     cache = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     device = _pick_device(opts.device)
+    if device.type == "cpu":
+        set_threads(opts.threads)
     dtype_name = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
     autocast = _autocast_factory(device, dtype_name)
     torch.manual_seed(opts.seed)
@@ -384,8 +406,11 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
         if opts.init is not None:
             raise UserError("--init is only used with --mtp-only")
         cfg, train_section, config_path = load_train_config(opts.profile)
-    opts.resolve(train_section)
+    opts.resolve(train_section, on_cpu=device.type == "cpu")
     hp = opts.hyper
+    note = _cpu_note(opts) if device.type == "cpu" else None
+    if note:
+        log(note)
     family = family_of(cfg)
     recipe = recipe_of(cfg)
     if hp["seq_len"] > cfg.max_position_embeddings:
@@ -497,7 +522,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
         f"{final['mtp_target_agreement']:.3f}")
 
     tensors = export_tensors(target, mtp, cfg)
-    summary = save_trained(tensors, cfg, out, tok_dir, opts.max_shard_size)
+    summary = save_trained(tensors, cfg, tmp, tok_dir, opts.max_shard_size)
     stopped_by = "steps" if step >= steps else "time_budget"
     report = {
         "command": opts.command or " ".join(shlex.quote(a) for a in sys.argv),
@@ -531,5 +556,5 @@ def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_facto
         "heldout": final,
         "history": history,
     }
-    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (tmp / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
