@@ -206,7 +206,10 @@ def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str
     cfg = dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype])
     total = sum(math.prod(shape) for _, shape in family_of(cfg).tensor_shapes(cfg))
     tensors = _tracked(random_tensors(cfg, seed, dtype), total, "init-random", progress)
-    return save_checkpoint(tensors, cfg, out_dir, max_shard_size=max_shard_size, fp8=fp8, tokenizer_dir=tokenizer)
+    try:
+        return save_checkpoint(tensors, cfg, out_dir, max_shard_size=max_shard_size, fp8=fp8, tokenizer_dir=tokenizer)
+    finally:
+        tensors.close()  # stops the bar now, not when the garbage collector finds it after an error
 
 
 # ---- FP8 checkpoints from existing ones, and their dequantized twins ----------------------------------
@@ -240,6 +243,7 @@ def rewrite_checkpoint(src: str, out_dir: str | os.PathLike, fp8: bool,
         summary = save_checkpoint(tensors, out_cfg, out_dir, max_shard_size=max_shard_size, fp8=fp8,
                                   tokenizer_dir=resolved.folder if has_tok else None)
     finally:
+        tensors.close()
         reader.close()
     counts = counts_file(Path(resolved.folder))
     if counts is not None:
