@@ -124,3 +124,18 @@ def test_ctrl_c_waits_for_the_final_renames(tmp_path, monkeypatch, capsys):
     assert _tree(out) == ["config.json", "model.safetensors"]  # every rename ran, then the interrupt came
     assert (out / "config.json").read_text() == "new"
     assert "was complete and is in place" in capsys.readouterr().err
+
+
+def test_a_staging_folder_that_cannot_be_removed_is_named_with_how_to_remove_it(tmp_path, monkeypatch, capsys):
+    from glm5mtp_cli import safe_write
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(safe_write.shutil, "rmtree", refuse)
+    with pytest.raises(KeyboardInterrupt):
+        with staged_folder(tmp_path / "out", "OUT_DIR") as tmp:
+            raise KeyboardInterrupt
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [f"the unfinished output stays in {tmp} (Permission denied); remove it with: rm -r '{tmp}'"]
+    assert [p.name for p in tmp_path.iterdir()] == [tmp.name] and tmp.name.startswith(".out.glm5mtp-partial-")
