@@ -17,40 +17,39 @@ from rich.console import Console
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt,
                                           DtypeOpt, Fp8Opt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
                                           PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt)
-from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
+from glm5mtp_cli.engine.config import MAX_GAMMA, EngineConfig, ModelSpec
 from glm5mtp_cli.errors import UserError
 
 if TYPE_CHECKING:  # the engine's modules import torch: not for --help
     from glm5mtp_cli.diagnostics.bench import BenchConfig
-from glm5mtp_cli.prompts import encode_prompts, random_prompts, read_file
+from glm5mtp_cli.prompts import encode_prompts, read_file
 
 # bench's own help panels (options.py holds the shared ones)
 BASELINE = "Baseline"
 STEPS = "Single steps"
 
 
-def _ints(text: str, flag: str, low: int) -> list[int]:
+def _ints(text: str, flag: str, low: int, high: int | None = None) -> list[int]:
+    """Bounded here, not by the engine's config, so that a refusal names this list's flag (--gammas, not --gamma)."""
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"{flag}: expected comma-separated integers, got {text!r}") from None
     if not vals or min(vals) < low:
         raise UserError(f"{flag}: values must be >= {low}, got {text!r}")
+    if high is not None and max(vals) > high:
+        raise UserError(f"{flag}: values must be <= {high}, got {text!r}")
     return vals
 
 
 def _prompts(rt, items, need: int) -> list[list[int]]:
-    """--prompts (any form of prompts.py), else the shipped model's code prompts when the checkpoint has a
-    tokenizer, else random prompts of code-prompt length, seeded."""
-    from glm5mtp_cli.checkpoint.resolve import profile_path
+    """--prompts (any form of prompts.py), else the default set (acceptance's too), repeated to `need`."""
+    from glm5mtp_cli.diagnostics.acceptance import default_prompt_set
 
-    default = profile_path(DEFAULT_MODEL)
-    if items is None and rt.tokenizer is not None and default is not None:
-        items = read_file(default / "prompts.jsonl")
     if items is not None:
         ids = encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder)
     else:
-        ids = random_prompts(rt.cfg.vocab_size, need)
+        ids = default_prompt_set(rt, need).token_lists
     while len(ids) < need:
         ids = ids + ids
     return ids[:need]
@@ -60,10 +59,10 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def _split(row: dict) -> str:
+def _wall(row: dict) -> tuple[str, str]:
     """The run's wall time in admissions and in all (transformers' rows have no such split)."""
     p, d = row.get("wall_prefill_s"), row.get("wall_decode_s")
-    return "-" if p is None or d is None else f"{p:.2f}/{p + d:.2f}"
+    return ("-", "-") if p is None or d is None else (f"{p:.2f}", f"{p + d:.2f}")
 
 
 def _capture(row: dict) -> str:
@@ -85,26 +84,81 @@ def _print_kernels(out, what: str, step: dict) -> None:
     t = fit_table(out, f"{what}: {k['source']}, {k['total_ms_per_step']:.3f} ms per step in {k['calls_per_step']:.0f} "
                        f"calls of {k['kinds']} kinds (step {step['step_ms']:.3f} ms)",
                   caption=f"top {len(k['top'])} by time per step, over {k['steps']} profiled steps")
-    for col in ("kernel", "calls", "ms", "share"):
-        t.add_column(col, justify="left" if col == "kernel" else "right")
+    t.add_column("kernel", overflow="fold")  # a CUDA kernel's name is one long word: folded onto lines, not cut
+    for col in ("calls", "ms", "share"):
+        t.add_column(col, justify="right")
     for r in k["top"]:
         t.add_row(r["name"][:90], f"{r['calls_per_step']:.0f}", f"{r['ms_per_step']:.4f}", f"{r['share']:.1%}")
     out.print(t)
 
 
-def _print_recommendations(out, recs: list[dict]) -> None:
-    """diagnostics/recommend.py's best gamma per batch size, decode only."""
+def _print_recommendations(out, recs: list[dict], rows: list[dict]) -> None:
+    """diagnostics/recommend.py's best gamma per batch size, decode only; one it did not run says so first."""
     if not recs:
         out.print("no gamma recommendation: it needs gamma 0 and a fixed gamma > 0 at one batch size")
         return
     for r in recs:
-        m = r["measured_tokens_per_s"]
-        measured = "not measured" if m is None else f"measured {m:.1f}"
-        out.print(f"recommended gamma {r['best_gamma']} at batch {r['batch']}: predicted "
-                  f"{r['predicted_tokens_per_s']:.1f} tokens/s ({measured})")
+        best, batch, pred, m = r["best_gamma"], r["batch"], r["predicted_tokens_per_s"], r["measured_tokens_per_s"]
+        if m is not None:
+            out.print(f"recommended gamma {best} at batch {batch}: predicted {pred:.1f} tokens/s (measured {m:.1f})")
+            continue
+        ran = ", ".join(str(x["gamma"]) for x in rows
+                        if x["batch"] == batch and x.get("predicted_decode_tokens_per_s") is not None)
+        out.print(f"extrapolated, not measured (gamma {best} was not run at batch {batch}; the runs of gammas {ran} "
+                  f"predict it): recommended gamma {best} at batch {batch}: predicted {pred:.1f} tokens/s; measure it "
+                  f"with --gammas {best} --batch-sizes {batch}")
     out.print("[dim]predicted: decode tokens/s (prefill excluded) = slots x (1 + p_1 + ... + p_g) / (verify + g x "
               "draft), the cost line fitted to the measured steps; p_k: the largest gamma's per-position "
               "acceptance[/dim]")
+
+
+def _table(out, title: str, caption: str, headers: tuple[str, ...], cells, rows: list[dict]):
+    """One of print_rows' tables: a row per bench row, a rule between batch sizes."""
+    from glm5mtp_cli.diagnostics.report import WIDE, fit_table
+
+    # narrow: gaps of 2 columns, not 3 (padding shared between neighbours), so the names fit beside the numbers
+    t = fit_table(out, title, caption=caption, collapse_padding=out.width < WIDE)
+    for h in headers:
+        t.add_column(h, justify="left" if h == "system" else "right")
+    for i, r in enumerate(rows):
+        t.add_row(*cells(r), end_section=i + 1 < len(rows) and rows[i + 1]["batch"] != r["batch"])
+    return t
+
+
+def print_rows(out, doc: dict) -> None:
+    """bench's rows as three tables that fit 80 columns (tokens/s, latency, wall time), the adaptive rows'
+    gamma mix and the recommendation. Two-line headers keep the columns narrow."""
+    rows = doc["rows"]
+    out.print(_table(
+        out, f"bench on {doc['device']} ({doc['dtype']}), {doc['max_new_tokens']} new tokens, medians of "
+             f"{doc['repeats']}: tokens/s",
+        "e2e: end to end; pred. decode: decode tok/s predicted from the per-position acceptance and the step cost "
+        "line; acc len: mean acceptance length; vs gamma 0, vs HF: e2e speedup against gamma 0 and transformers' "
+        "generate",
+        ("batch", "prompts", "system", "e2e\ntok/s", "decode\ntok/s", "pred.\ndecode", "acc\nlen", "vs\ngamma 0",
+         "vs\nHF"),
+        lambda r: (str(r["batch"]), str(r["prompts"]), r["system"], _fmt(r["e2e_tokens_per_s"], ".1f"),
+                   _fmt(r["decode_tokens_per_s"], ".1f"), _fmt(r.get("predicted_decode_tokens_per_s"), ".1f"),
+                   _fmt(r["mean_acceptance_length"], ".2f"), _fmt(r["speedup_vs_gamma0"], ".2f"),
+                   _fmt(r["speedup_vs_transformers"], ".2f")),
+        rows))
+    out.print(_table(
+        out, "latency, ms", "TTFT (queue + prefill) and TPOT: percentiles over the median run's requests",
+        ("batch", "system", "TTFT\np50", "TTFT\np99", "TPOT\np50", "TPOT\np99"),
+        lambda r: (str(r["batch"]), r["system"], _fmt(r["ttft_ms_p50"], ".1f"), _fmt(r["ttft_ms_p99"], ".1f"),
+                   _fmt(r["tpot_ms_p50"], ".2f"), _fmt(r["tpot_ms_p99"], ".2f")),
+        rows))
+    out.print(_table(
+        out, "wall time, s", "prefill: the run's admissions; run: all of it; capture: building and capturing the "
+                             "engine's CUDA graphs (--prefill-graphs buckets too), apart from e2e",
+        ("batch", "system", "prefill", "run", "capture"),
+        lambda r: (str(r["batch"]), r["system"], *_wall(r), _capture(r)),
+        rows))
+    for r in rows:
+        if r["gamma"] and r.get("gamma_policy") == "adaptive" and r.get("gamma_steps"):
+            mix = ", ".join(f"{n} at gamma {g}" for g, n in r["gamma_steps"].items())
+            out.print(f"[dim]{r['system']} at batch {r['batch']} (first timed run): steps {mix}[/dim]")
+    _print_recommendations(out, doc["recommendation"], rows)
 
 
 def bench_cmd(
@@ -185,7 +239,7 @@ def bench_cmd(
                           prefill_graphs=prefill_graphs, graphs="auto" if cuda_graphs else "off", compile=compile,
                           compile_mode=compile_mode, eos_ids=())
     policies = tuple(dict.fromkeys(p.strip() for p in gamma_policy.split(",")))
-    c = BenchConfig(engine, tuple(_ints(gammas, "--gammas", 0)), tuple(_ints(batch_sizes, "--batch-sizes", 1)), repeats,
+    c = BenchConfig(engine, tuple(_ints(gammas, "--gammas", 0, MAX_GAMMA)), tuple(_ints(batch_sizes, "--batch-sizes", 1)), repeats,
                     transformers, gamma_policies=policies, num_prompts=num_prompts)
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
     if tp > 1 and any(sizes):
@@ -297,31 +351,8 @@ def run_bench_command(run: BenchRun) -> None:
     if json_out:
         sys.stdout.write(json.dumps(doc) + "\n")
         return
-    from glm5mtp_cli.diagnostics.report import fit_table
-
-    t = fit_table(out, f"bench on {doc['device']} ({doc['dtype']}), {max_new_tokens} new tokens, medians of {repeats}",
-                  caption="acc len: mean acceptance length; pred.: decode tok/s predicted from the per-position "
-                          "acceptance and the step cost line; prefill/run s: the run's wall time in admissions "
-                          "(prefill) and in all; capture s: building and capturing the engine's CUDA graphs "
-                          "(--prefill-graphs buckets too), apart from e2e; vs g0, vs HF: e2e speedup against gamma 0 "
-                          "and transformers' generate")
-    for col in ("batch", "prompts", "system", "e2e tok/s", "dec tok/s", "pred.", "prefill/run s", "capture s",
-                "TTFT p50/p99 ms", "TPOT p50/p99 ms", "acc len", "vs g0", "vs HF"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(str(r["batch"]), str(r["prompts"]), r["system"], _fmt(r["e2e_tokens_per_s"], ".1f"),
-                  _fmt(r["decode_tokens_per_s"], ".1f"), _fmt(r.get("predicted_decode_tokens_per_s"), ".1f"),
-                  _split(r), _capture(r), f"{_fmt(r['ttft_ms_p50'], '.1f')}/{_fmt(r['ttft_ms_p99'], '.1f')}",
-                  f"{_fmt(r['tpot_ms_p50'], '.2f')}/{_fmt(r['tpot_ms_p99'], '.2f')}",
-                  _fmt(r["mean_acceptance_length"], ".2f"),
-                  _fmt(r["speedup_vs_gamma0"], ".2f"), _fmt(r["speedup_vs_transformers"], ".2f"))
     if rows:
-        out.print(t)
-        for r in rows:
-            if r["gamma"] and r.get("gamma_policy") == "adaptive" and r.get("gamma_steps"):
-                mix = ", ".join(f"{n} at gamma {g}" for g, n in r["gamma_steps"].items())
-                out.print(f"[dim]{r['system']} at batch {r['batch']} (first timed run): steps {mix}[/dim]")
-        _print_recommendations(out, recs)
+        print_rows(out, doc)
     rank = f" on rank 0 of {world}, its shard's bytes" if world > 1 else ""
     for d in drafts:
         out.print(f"one draft step ({d['timing']}{rank}), vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} "

@@ -11,8 +11,12 @@ transformers warms up on one batch. The single draft and target steps against th
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import statistics
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +109,8 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
     """transformers' greedy generate with the family's transformers model (target only) on the same weights."""
     family = family_of(rt.cfg)
     try:
-        model = family.transformers_model(str(rt.resolved.folder), rt.dtype)
+        with quiet_transformers():
+            model = family.transformers_model(str(rt.resolved.folder), rt.dtype)
     except ImportError:
         raise UserError(f"bench: this transformers ({_transformers_version()}) has no {family.name} model for the "
                         "baseline (GLM-5 needs >= 5.2, GLM-5-Next >= 5.24), or pass --no-transformers") from None
@@ -137,6 +142,31 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
             "decode_tokens_per_s": None, "tpot_ms_p50": t / len(groups) / c.engine.max_new_tokens * 1e3,
             "tpot_ms_p99": None, "ttft_ms_p50": None, "ttft_ms_p99": None, "prompts": len(work),
             "mean_acceptance_length": None, "per_position": None}
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers' load report (a table of every checkpoint key its model does not use: the MTP layer's)
+    and progress bars stay off the terminal; an error it logs still reaches stderr, with the messages held
+    before it, and so do they all when the load raises (its errors say "look at the above report")."""
+    from transformers.utils import logging as hf_logging
+
+    held = logging.handlers.MemoryHandler(1 << 16, flushLevel=logging.ERROR, target=logging.StreamHandler(sys.stderr),
+                                          flushOnClose=False)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    hf_logging.disable_default_handler()
+    hf_logging.add_handler(held)
+    try:
+        yield
+    except Exception:
+        held.flush()
+        raise
+    finally:
+        hf_logging.remove_handler(held)
+        hf_logging.enable_default_handler()
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _transformers_version() -> str:
