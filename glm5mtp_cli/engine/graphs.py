@@ -236,7 +236,6 @@ class ForwardRunner:
         self.prefill: PrefillForwards | None = None  # --prefill-graphs: the admission prefill's graph set
         self.bucket: _Bucket | None = None
         self.active = 0
-        self._idx: dict[tuple, torch.Tensor] = {}
 
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
@@ -293,19 +292,15 @@ class ForwardRunner:
             return
         size = next(b for b in sorted(self.graphs.buckets) if b >= len(slots))
         self.bucket = self.graphs.buckets[size]
-        key = tuple(slots)
-        if key not in self._idx:
-            if len(self._idx) >= 256:  # slot sets change as requests come and go: keep the recent ones
-                self._idx.clear()
-            self._idx[key] = to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device)
-        self.bucket.idx.copy_(self._idx[key], non_blocking=True)
+        # copied each step, like the starts: a cache of slot sets would grow with every set it meets
+        self.bucket.idx.copy_(to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device),
+                              non_blocking=True)
 
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
         self.bucket = None
-        self._idx = {}
 
     # ---- the target -------------------------------------------------------------------------
     def verify(self, target, ids: torch.Tensor, caches: list):
