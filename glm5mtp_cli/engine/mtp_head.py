@@ -181,6 +181,8 @@ class MtpHead:
         for pos, st in zip(positions, states):
             self._check_aligned(pos, st)
         caches = [st.cache for st in states]
+        if hasattr(self.layer, "start_propose"):  # a layer that keeps step 0's selections for the chain
+            self.layer.start_propose()
         fused = runner.fused_chain(tokens, hiddens, caches, num_drafts) if num_drafts else None
         if fused is not None:
             self._mark_fed(states, tokens)

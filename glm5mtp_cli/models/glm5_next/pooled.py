@@ -178,11 +178,16 @@ class PooledMtp(torch.nn.Module):
         self.cfg = layer.cfg
         self.share_topk = layer.cfg.index_share_for_mtp_iteration
         self._chaining = False
-        # row-0 slot -> [Np] selection of that sequence's last unchained row; a sequence's next
-        # catch-up overwrites it, so it holds at most one entry per block of the pool
+        # row-0 slot -> [Np] selection of that sequence's last unchained row, for the chained steps
+        # of the same propose (MtpHead.start_propose empties it: nothing outlives its sequence)
         self._step0: dict[int, torch.Tensor] = {}
         self._step0_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # static: ([B, Np], widths [B])
         self.register_state_dict_post_hook(_unwrap_names)  # keys relative to `layers.{N}.`
+
+    def start_propose(self) -> None:
+        """A propose's catch-up comes next and keeps a selection for every sequence it drafts:
+        those an earlier forward kept are never read again."""
+        self._step0.clear()
 
     @contextmanager
     def chained(self):
@@ -237,7 +242,7 @@ class PooledMtp(torch.nn.Module):
         t = sel.shape[1]
         last = [t - 1] * sel.shape[0] if isinstance(rows, str) else rows.tolist()
         for b, (key, r) in enumerate(zip(self._keys(ctx), last)):
-            self._step0[key] = sel[b, r, : int(visible[b, r])]
+            self._step0[key] = sel[b, r, : int(visible[b, r])].clone()  # not a view pinning the whole batch's
 
     def _reused(self, ctx: PagedContext) -> tuple[torch.Tensor, torch.Tensor]:
         kept = [self._step0[key] for key in self._keys(ctx)]
