@@ -86,3 +86,30 @@ def test_graphs_are_built_once_at_the_warm_up(tiny, monkeypatch):
     doc = run_leakcheck(rt, LeakCheckConfig(EngineConfig(max_new_tokens=16, max_seq_len=256, graphs="static", batch_size=2),
                                             sequences=8, seed=1))
     assert doc["verdict"] == "clean" and len(built) == 1, built
+
+
+def test_slope_is_least_squares_growth_per_sequence():
+    from glm5mtp_cli.diagnostics.leakcheck import slope
+
+    assert slope([(0, 0), (10, 20), (20, 40)]) == 2.0
+    assert slope([(0, 0), (10, 512), (20, 512), (30, 512)]) < 512 / 30  # a one-off block is not a slope
+    assert slope([(0, 0)]) == 0.0
+
+
+def test_a_planted_kib_a_sequence_is_caught_over_100_sequences(tiny):
+    """The verdict's sensitivity on the CPU: the live-tensor census's slope catches 1 KiB a
+    sequence (a fixed tolerance per run would not scale with the run's length)."""
+    r = _run("--model", tiny, "--device", "cpu", "--sequences", "100", "--batch-size", "4", "--max-new-tokens", "4",
+             "--inject-leak", "tensor:1KiB", "--json")
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == "leak" and set(doc["leaked_bytes_per_sequence"]) == {"live_tensors"}
+    assert doc["memory_slope"]["bytes_per_sequence"] == pytest.approx(1024, rel=0.05)
+    assert doc["memory_slope"]["limit_bytes"] == 1024 and "live_tensors" in r.stderr
+
+
+@pytest.mark.parametrize("arg", ["tensor:", "tensor:lots", "tensor:-5"])
+def test_a_malformed_planted_tensor_is_one_line(tiny, arg):
+    r = _run("--model", tiny, "--device", "cpu", "--inject-leak", arg)
+    assert r.exit_code == 2 and "tensor:BYTES" in r.stderr or "BYTES" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -46,9 +46,10 @@ def leakcheck_cmd(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     inject_leak: Annotated[Optional[str], typer.Option("--inject-leak", rich_help_panel=SELF_TEST,
-        metavar="COMPONENT",
+        metavar="COMPONENT|tensor:BYTES",
         help="Self-test: never free this state component (GLM-5: target_mla, target_indexer, drafter_mla, "
-             "drafter_indexer; GLM-5-Next also target_kda, target_conv, ...); the check must catch it.")] = None,
+             "drafter_indexer; GLM-5-Next also target_kda, target_conv, ...), or keep a live tensor of BYTES "
+             "per sequence on the device (tensor:1KiB); the check must catch it.")] = None,
     json_out: JsonOpt = False,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random prompts.")] = 0,
     batch_size: Annotated[int, typer.Option("--batch-size", metavar="N", rich_help_panel=BATCHING,
@@ -147,7 +148,7 @@ def _print(out: Console, doc: dict) -> None:
     for c in comps if wide else ["all"]:
         t.add_column(f"{_SHORT.get(c, c)} held", justify="right")
     t.add_column("growth", justify="right")
-    t.add_column("cuda growth" if cuda else "RSS growth", justify="right")
+    t.add_column("cuda growth" if cuda else "tensor growth", justify="right")
     base = doc["baseline"]
 
     def held(r):
@@ -158,13 +159,17 @@ def _print(out: Console, doc: dict) -> None:
         grow = sum(r["growth_bytes"].values())
         style = "red" if grow > 0 else None
         t.add_row(str(r["sequence"]), r["lifecycle"], r["finish_reason"], *held(r), _fmt(grow),
-                  _fmt(r.get("cuda_growth_bytes") if cuda else r["rss_growth_bytes"]), style=style)
+                  _fmt(r["cuda_growth_bytes"] if cuda else r["live_tensor_growth_bytes"]), style=style)
     out.print(t)
-    if not cuda:
-        out.print("RSS is reported, not judged (noisy on the CPU); the verdict rests on the pools' ledger.")
+    m = doc["memory_slope"]
+    what = "CUDA allocated bytes" if cuda else "live tensor bytes"
+    out.print(f"{what}: {m['bytes_per_sequence']:+,.1f} B a sequence by least squares, "
+              f"{m['over_run_bytes']:+,.0f} B over the run (a leak above {m['limit_bytes']} B, two allocation "
+              f"units)" + ("" if cuda else "; RSS is in --json, not judged (the allocator keeps freed pages)"),
+              highlight=False)
     if doc["verdict"] == "clean":
-        out.print(f"[green]clean[/green]: every pool component back to its baseline after {len(doc['sequences'])} "
-                  f"sequences ({', '.join(doc['lifecycles_seen'])})")
+        out.print(f"[green]clean[/green]: every pool component back to its baseline and no growth of {what} after "
+                  f"{len(doc['sequences'])} sequences ({', '.join(doc['lifecycles_seen'])})")
     else:
         lt = fit_table(out, "leaked bytes per sequence")
         lt.add_column("component")

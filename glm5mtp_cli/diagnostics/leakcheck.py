@@ -9,9 +9,19 @@ snapshot shared by its rows.
 
 The baseline is taken after a warm-up that fills every slot with the longest prompt, so the
 engine's CUDA graphs (built for its slots and its longest request) exist before it and are never
-rebuilt after it. The verdict rests on the pools' ledger (blocks held per component). On CUDA the allocator's
-`memory_allocated` is checked as well; on the CPU the process RSS is reported but not judged
-(it is noisy: the allocator keeps freed pages, the pools are committed lazily).
+rebuilt after it; the warm-up also runs one life of each lifecycle, so that whatever a path builds once
+(a graph set for one slot, a first exception) exists before the baseline too.
+
+The verdict: the pools' ledger (bytes held per component) must be back at its baseline after the last
+sequence (it is exact, so any growth is a leak). The run's device memory is judged by its slope, the
+least-squares growth per sequence over every snapshot after the baseline: CUDA's `memory_allocated`,
+or on the CPU the bytes of every live tensor (a census of the garbage collector's objects, storages
+counted once). A leak is a slope that, over the run's sequences, exceeds two allocation units of
+512 B (CUDA's caching allocator rounds every block to 512 B; the CPU census, exact to the byte, uses
+the same unit, as tensors a step replaces by one of another size, a pool selection as wide as the
+pools its row sees, move it by a few hundred bytes without growing): a fixed tolerance per run
+would hide a small leak in a long one. The process RSS is reported but not judged (the allocator
+keeps freed pages; the pools are committed lazily).
 """
 
 from __future__ import annotations
@@ -25,23 +35,25 @@ import torch
 
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.units import parse_size
 from glm5mtp_cli.engine.config import EngineConfig, SamplingParams
 from glm5mtp_cli.engine.runtime import Runtime, make_engine, resolve
 from glm5mtp_cli.engine.sequence import Request, budget_tokens, reserve_tokens
 
 LIFECYCLES = ("length", "eos", "cancelled", "failed")
-CUDA_TOLERANCE = 1 << 20  # allocator growth (bytes, whole run) tolerated on CUDA: workspaces, RNG state
+ALLOCATION_UNIT = 512  # bytes: the CUDA caching allocator's rounding (the module doc says why the CPU's too)
 
 
 @dataclass(frozen=True)
 class LeakCheckConfig:
     engine: EngineConfig  # gamma, max_new_tokens, alloc, max_seq_len, batch_size, forward mode
     sequences: int = 24
-    inject_leak: str | None = None  # a state component never given back (the verdict's self-test)
+    inject_leak: str | None = None  # a state component never given back, or tensor:BYTES (the verdict's self-test)
     seed: int = 0  # of the random prompts (and the engine's sampler)
 
     def __post_init__(self):
         e = self.engine
+        planted_bytes(self.inject_leak)  # a malformed tensor:BYTES is refused before anything loads
         if self.sequences < 1:
             raise UserError(f"--sequences must be >= 1, got {self.sequences}")
         if e.gamma < 1:
@@ -54,12 +66,24 @@ class LeakCheckConfig:
                             f"+ gamma {e.gamma} needs {need} rows")
 
 
+
+def planted_bytes(inject_leak: str | None) -> int | None:
+    """BYTES of --inject-leak tensor:BYTES (a live tensor planted per sequence), else None."""
+    if inject_leak is None or not inject_leak.startswith("tensor:"):
+        return None
+    try:
+        return parse_size(inject_leak[len("tensor:"):])
+    except UserError:
+        raise UserError(f"--inject-leak {inject_leak}: BYTES must be a positive size, e.g. tensor:1KiB or "
+                        f"tensor:64") from None
+
+
 def check_model(c: LeakCheckConfig, model_cfg) -> None:
-    """With the model's config: --inject-leak must name one of its state components."""
-    if c.inject_leak is not None:
+    """With the model's config: --inject-leak must name one of its state components (or tensor:BYTES)."""
+    if c.inject_leak is not None and planted_bytes(c.inject_leak) is None:
         names = [s.name for s in family_of(model_cfg).state_components(model_cfg, torch.bfloat16)]
         if c.inject_leak not in names:
-            raise UserError(f"--inject-leak {c.inject_leak!r}: choose one of {', '.join(names)}")
+            raise UserError(f"--inject-leak {c.inject_leak!r}: choose one of {', '.join(names)}, or tensor:BYTES")
 
 
 class InjectedFailure(RuntimeError):
@@ -79,6 +103,7 @@ class Faults:
         self.fail_at: dict[int, int] = {}  # request id -> the verify step that raises
         self.cancel_after: dict[int, int] = {}  # request id -> the steps after which it is cancelled
         self.leak = leak
+        self.planted: list[torch.Tensor] = []  # --inject-leak tensor:BYTES, one per finished sequence
 
     def before_verify(self, seqs) -> None:
         for s in seqs:
@@ -104,14 +129,49 @@ def rss_bytes() -> int | None:
         return None
 
 
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of every live tensor's storage on `device` that Python can reach, each storage once."""
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == device.type and obj.layout == torch.strided:
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 def _snapshot(pools, device: torch.device) -> dict:
     gc.collect()
     snap = {"blocks_held": pools.blocks_held(), "bytes_held": pools.bytes_held()}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         snap["cuda_allocated"] = torch.cuda.memory_allocated(device)
+    else:
+        snap["live_tensors"] = live_tensor_bytes(device)
     snap["rss"] = rss_bytes()
     return snap
+
+
+def slope(points: list[tuple[int, int]]) -> float:
+    """Least-squares growth of y per unit of x over (x, y) points (0 for fewer than two distinct x)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+
+
+def device_verdict(snaps: list[tuple[int, dict]], base: dict, device: torch.device) -> dict:
+    """The slope verdict on the run's device memory, from (sequences done, snapshot) after the baseline."""
+    key = "cuda_allocated" if device.type == "cuda" else "live_tensors"
+    unit = ALLOCATION_UNIT
+    points = [(0, 0)] + [(done, snap[key] - base[key]) for done, snap in snaps]
+    per_sequence = slope(points)
+    sequences = snaps[-1][0]
+    return {"measure": key, "bytes_per_sequence": per_sequence, "over_run_bytes": per_sequence * sequences,
+            "limit_bytes": 2 * unit, "allocation_unit_bytes": unit, "leak": per_sequence * sequences > 2 * unit}
 
 
 def _row(req: Request, kind: str, finish: str, ntok: int, snap: dict, base: dict) -> dict:
@@ -123,6 +183,9 @@ def _row(req: Request, kind: str, finish: str, ntok: int, snap: dict, base: dict
     if "cuda_allocated" in snap:
         row["cuda_allocated_bytes"] = snap["cuda_allocated"]
         row["cuda_growth_bytes"] = snap["cuda_allocated"] - base["cuda_allocated"]
+    if "live_tensors" in snap:
+        row["live_tensor_bytes"] = snap["live_tensors"]
+        row["live_tensor_growth_bytes"] = snap["live_tensors"] - base["live_tensors"]
     return row
 
 
@@ -135,17 +198,16 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     rng = random.Random(c.seed)
     vocab = rt.cfg.vocab_size
     max_prompt = max(2, min(48, e.max_seq_len - e.max_new_tokens - e.gamma))
-
-    def prompt() -> list[int]:
-        return [rng.randrange(vocab) for _ in range(rng.randint(2, max_prompt))]
+    warm_lives = len(LIFECYCLES)
 
     # The pool holds every sequence of the run at once, so an injected (or real) leak shows in the
     # ledger instead of ending the run with an exhausted pool.
     per_seq = reserve_tokens(max_prompt, e.max_new_tokens, e.gamma, e.alloc, e.max_seq_len)
-    lives = c.sequences + c.sequences // len(LIFECYCLES) + 3  # + EOS probes + warm-up
-    pools = rt.make_pools(per_seq, lives)
+    lives_held = c.sequences + warm_lives + (c.sequences + warm_lives) // len(LIFECYCLES) + 3  # + EOS probes, fill
+    pools = rt.make_pools(per_seq, lives_held)
     engine = make_engine(rt, pools, e)
-    faults = engine.hooks = Faults(c.inject_leak)
+    faults = engine.hooks = Faults(c.inject_leak if planted_bytes(c.inject_leak) is None else None)
+    plant = planted_bytes(c.inject_leak)
 
     def run_round(reqs: list[Request], eos: set[int]) -> list[tuple[str, int]]:
         engine.eos = eos
@@ -157,39 +219,49 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
                     if r is None or not r.finish_reason else (r.finish_reason, len(r.tokens))
                     for q, r in zip(reqs, engine.results)]
 
-    with torch.no_grad():
-        # the warm-up fills every slot with the longest prompt: the engine's graphs are built for the
-        # slots and the longest request they have met (graphs.table_blocks), so a later round
-        # with more or longer ones would rebuild them after the baseline (allocator growth on CUDA)
-        run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], e.max_new_tokens, request_id=-1 - j)
-                   for j in range(e.batch_size)], set())
-        base = _snapshot(pools, rt.device)
-        lives = []
-        for i in range(c.sequences):
-            kind = LIFECYCLES[i % len(LIFECYCLES)]
-            p = prompt()
-            req = Request(p, e.max_new_tokens, request_id=i)
-            eos: set[int] = set()
-            if kind == "eos":
-                # An honest EOS: learn what the model emits for this prompt, then declare the first
-                # token that is new at position >= 1 an EOS token, so the sequence ends early.
-                engine.eos = set()
-                probe = engine.generate([Request(p, e.max_new_tokens, request_id=-2 - i)], batch_size=1)[0].tokens
-                k = next((j for j in range(1, len(probe)) if probe[j] not in probe[:j]), 0)
-                eos = {probe[k]}
-            elif kind == "cancelled":
-                faults.cancel_after[i] = 1 + (i // len(LIFECYCLES)) % 2
-            elif kind == "failed":
-                faults.fail_at[i] = 1 + (i // len(LIFECYCLES)) % 2
-            lives.append((kind, req, eos))
-        size = 1 if e.batch_size == 1 else 2 * e.batch_size
+    def life(i: int, request_id: int) -> tuple[str, Request, set[int]]:
+        kind = LIFECYCLES[i % len(LIFECYCLES)]
+        p = [rng.randrange(vocab) for _ in range(rng.randint(2, max_prompt))]
+        eos: set[int] = set()
+        if kind == "eos":
+            # An honest EOS: learn what the model emits for this prompt, then declare the first
+            # token that is new at position >= 1 an EOS token, so the sequence ends early.
+            engine.eos = set()
+            probe = engine.generate([Request(p, e.max_new_tokens, request_id=-10_000 - request_id)],
+                                    batch_size=1)[0].tokens
+            k = next((j for j in range(1, len(probe)) if probe[j] not in probe[:j]), 0)
+            eos = {probe[k]}
+        elif kind == "cancelled":
+            faults.cancel_after[request_id] = 1 + (i // len(LIFECYCLES)) % 2
+        elif kind == "failed":
+            faults.fail_at[request_id] = 1 + (i // len(LIFECYCLES)) % 2
+        return kind, Request(p, e.max_new_tokens, request_id=request_id), eos
+
+    size = 1 if e.batch_size == 1 else 2 * e.batch_size
+
+    def rounds(lives):
         if size > 1:
-            lives.sort(key=lambda life: life[0] == "failed")  # a failure aborts its round: those go last
-        rows = []
+            lives = sorted(lives, key=lambda lv: lv[0] == "failed")  # a failure aborts its round: those go last
         for r0 in range(0, len(lives), size):
             group = lives[r0:r0 + size]
-            outcomes = run_round([req for _, req, _ in group], set().union(*(eos for _, _, eos in group)))
+            yield group, run_round([req for _, req, _ in group], set().union(*(eos for _, _, eos in group)))
+
+    with torch.no_grad():
+        # The warm-up fills every slot with the longest prompt (the engine's graphs are built for the
+        # slots and the longest request they have met, graphs.table_blocks, so a later round with
+        # more or longer ones would rebuild them after the baseline), then runs one life of each
+        # lifecycle (what a path builds once, it builds before the baseline).
+        run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], e.max_new_tokens, request_id=-1 - j)
+                   for j in range(e.batch_size)], set())
+        for _ in rounds([life(i, -1_000 - i) for i in range(warm_lives)]):
+            pass
+        base = _snapshot(pools, rt.device)
+        rows, snaps = [], []
+        for group, outcomes in rounds([life(i, i) for i in range(c.sequences)]):
+            if plant is not None:
+                faults.planted += [torch.empty(plant, dtype=torch.uint8, device=rt.device) for _ in group]
             snap = _snapshot(pools, rt.device)
+            snaps.append((len(rows) + len(group), snap))
             for (kind, req, _), (finish, ntok) in zip(group, outcomes):
                 rows.append(_row(req, kind, finish, ntok, snap, base))
                 if on_sequence is not None:
@@ -198,16 +270,23 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
 
     last = rows[-1]
     leaked = {k: v / c.sequences for k, v in last["growth_bytes"].items() if v > 0}
-    if "cuda_growth_bytes" in last and last["cuda_growth_bytes"] > CUDA_TOLERANCE:
-        leaked["cuda_allocator"] = last["cuda_growth_bytes"] / c.sequences
+    memory = device_verdict(snaps, base, rt.device)
+    if memory["leak"]:
+        leaked["cuda_allocator" if rt.device.type == "cuda" else "live_tensors"] = memory["bytes_per_sequence"]
+    baseline = {"blocks_held": base["blocks_held"], "bytes_held": base["bytes_held"], "rss_bytes": base["rss"]}
+    if "cuda_allocated" in base:
+        baseline["cuda_allocated_bytes"] = base["cuda_allocated"]
+    if "live_tensors" in base:
+        baseline["live_tensor_bytes"] = base["live_tensors"]
     return {
         "model": rt.resolved.spec, "device": str(rt.device), "dtype": str(rt.dtype).replace("torch.", ""),
         "gamma": e.gamma, "alloc": e.alloc, "max_seq_len": e.max_seq_len, "max_new_tokens": e.max_new_tokens,
-        "inject_leak": c.inject_leak, "graphs": e.graphs, "compile": e.compile, "batch_size": e.batch_size, "judged_on": "ledger+cuda_allocated" if rt.device.type == "cuda" else "ledger",
-        "baseline": {"blocks_held": base["blocks_held"], "bytes_held": base["bytes_held"], "rss_bytes": base["rss"],
-                     **({"cuda_allocated_bytes": base["cuda_allocated"]} if "cuda_allocated" in base else {})},
+        "inject_leak": c.inject_leak, "graphs": e.graphs, "compile": e.compile, "batch_size": e.batch_size,
+        "judged_on": f"ledger+{memory['measure']} slope",
+        "baseline": baseline,
         "lifecycles_seen": sorted({r["finish_reason"] for r in rows}),
         "sequences": rows,
+        "memory_slope": memory,
         "verdict": "leak" if leaked else "clean",
         "leaked_bytes_per_sequence": leaked,
     }
