@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from glm5mtp_cli import __version__
-from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.errors import Interrupted, UserError
 
 # name -> ("module:function", one-line help shown by `glm5mtp --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -94,9 +94,16 @@ def guarded(fn):
     def run(*args, _show_help=None, **kwargs):  # Typer passes every parameter it knows, HelpOpt's too
         try:
             return fn(*args, **kwargs)
+        except Interrupted as e:
+            err_console.print(f"[yellow]interrupted:[/yellow] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
         except UserError as e:
             err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            # the commands that write files or stream say more (Interrupted); the others print at the end
+            err_console.print("[yellow]interrupted:[/yellow] nothing was written", highlight=False)
+            raise typer.Exit(Interrupted.exit_code) from None
 
     sig = inspect.signature(fn, eval_str=True)
     helps = inspect.Parameter("_show_help", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=HelpOpt)
@@ -138,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         return e.exit_code
-    except KeyboardInterrupt:
-        err_console.print("[red]interrupted[/red]")
-        return 130
+    except KeyboardInterrupt:  # before a command started (while imports ran)
+        err_console.print("[yellow]interrupted:[/yellow] nothing was written")
+        return Interrupted.exit_code
     return 0
 
 

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
-from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.errors import Interrupted, UserError
 
 PARTIAL = "glm5mtp-partial"
 # What a new checkpoint replaces in an existing folder; the earlier writer's hidden temp shards too.
@@ -142,22 +142,23 @@ def _staged(tmp: Path, made: Path, dest: Path, commit: Callable[[], None]) -> It
             commit()
             committed = True
     except BaseException as e:
-        if not committed:
-            _discard(made, dest, interrupted=isinstance(e, KeyboardInterrupt))
-        elif isinstance(e, KeyboardInterrupt):
-            _say(f"interrupted: {dest} was complete and is in place")
+        left = None if committed else _discard(made)
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"{dest} was complete and is in place" if committed else
+                              left or f"the unfinished output was removed; {dest} is as it was") from None
+        if left:
+            _say(left)
         raise
 
 
-def _discard(path: Path, dest: Path, interrupted: bool) -> None:
+def _discard(path: Path) -> str | None:
+    """Remove the staging path; None when it went, else the line that says how to remove it."""
     with _ctrl_c_held():  # a second Ctrl-C must not stop the clean-up halfway
         try:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         except OSError as e:
-            _say(f"the unfinished output stays in {path} ({e.strerror}); remove it with: rm -r '{path}'")
-            return
-        if interrupted:
-            _say(f"interrupted: the unfinished output was removed; {dest} is as it was")
+            return f"the unfinished output stays in {path} ({e.strerror}); remove it with: rm -r '{path}'"
+    return None
 
 
 def _say(line: str) -> None:

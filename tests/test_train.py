@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from glm5mtp_cli.training import corpus
 from glm5mtp_cli.training import tokenizer as tt
 from glm5mtp_cli.cli import app
+from glm5mtp_cli.errors import Interrupted
 from glm5mtp_cli.models.glm5.config import ModelConfig
 
 TOY = {
@@ -185,7 +186,7 @@ def test_an_interrupted_run_leaves_the_old_checkpoint_as_it_was(tmp_path):
 
     opts = TrainOptions(out=out, profile=str(tmp_path / "toy.json"), steps=4, batch_size=2, seq_len=32,
                         corpus_files=FILES, cache_dir=tmp_path / "cache", eval_tokens=512, device="cpu", force=True)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted, match="is as it was"):
         train(opts, log=lambda m: None, progress_factory=lambda total: Interrupt())
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "toy.json"]

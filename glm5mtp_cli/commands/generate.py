@@ -24,7 +24,7 @@ from glm5mtp_cli.commands.options import (BATCHING, CONVERSATION, DEFAULT_MODEL,
                                           PrefillGraphsOpt, PrefillTokensOpt, PromptIdsOpt, PromptOpt, RandomWeightsOpt,
                                           ScheduleOpt, ThreadsOpt, TpOpt)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
-from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.errors import Interrupted, UserError
 from glm5mtp_cli.prompts import read_prompts
 from glm5mtp_cli.units import parse_size
 
@@ -206,7 +206,7 @@ generate_cmd.__doc__ += EXAMPLES
 
 def _single(rt, out: Console, run: GenerateRun) -> None:
     from glm5mtp_cli.diagnostics.report import compare_block, print_tables
-    from glm5mtp_cli.engine.run import check_fits, peak_memory, run_generate
+    from glm5mtp_cli.engine.run import Stopped, check_fits, peak_memory, run_generate
     from glm5mtp_cli.engine.runtime import resolve
     from glm5mtp_cli.prompts import encode_prompts
 
@@ -221,7 +221,12 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
         # the first step waits for it: say so rather than look hung (CPU: a minute or more)
         Console(stderr=True).print(f"[dim]--compile {config.compile}: compiling the engine's forwards before the first "
                                    "step (once per engine)[/dim]")
-    results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, config, on_tokens=stream)
+    try:
+        results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, config, on_tokens=stream)
+    except Stopped as stop:
+        if stream is not None:
+            stream.cut()
+        raise Interrupted(_save_finished(rt, run, stop.finished, len(token_lists))) from None
     _drop_unused(lat, config)
     if stream is not None:
         stream.end(results[0].finish_reason, len(results[0].tokens))
@@ -232,9 +237,7 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
         "compile": config.compile, "compile_mode": config.compile_mode,
         "batch_size": config.batch_size, "schedule": config.schedule, "gamma_policy": config.gamma_policy,
         "config": {"model": dataclasses.asdict(run.model), "engine": config.to_json()},
-        "requests": [{"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
-                      "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None,
-                      "finish_reason": r.finish_reason} for r in results],
+        "requests": [_request_json(rt, r) for r in results],
         "acceptance": acc.to_json(),
         "latency": lat,
         "memory": {"weights_bytes": rt.weight_bytes(), "per_sequence_bytes": per_seq, "pool_bytes": pool_bytes,
@@ -243,7 +246,10 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
     if run.compare:
         if not run.json_out:
             Console(stderr=True).print("[dim]running gamma 0 for --compare[/dim]")
-        base, _, base_lat, _, _ = run_generate(rt, token_lists, config.replace(gamma=0))
+        try:
+            base, _, base_lat, _, _ = run_generate(rt, token_lists, config.replace(gamma=0))
+        except Stopped:
+            raise Interrupted(_save_finished(rt, run, results, len(token_lists), "the --compare run")) from None
         _drop_unused(base_lat, config)
         doc["compare"] = compare_block(lat, base_lat, [r.tokens for r in results] == [r.tokens for r in base])
     if run.trace is not None:
@@ -259,6 +265,26 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
             out.print(text + _cut_mark(r), highlight=False, markup=False)
     out.rule(style="dim")
     print_tables(out, doc, acc)
+
+
+def _request_json(rt, r) -> dict:
+    return {"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
+            "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None, "finish_reason": r.finish_reason}
+
+
+def _save_finished(rt, run: GenerateRun, finished: list, total: int, during: str = "") -> str:
+    """After Ctrl-C: the finished requests' steps to --trace and their JSON to stdout (--json) ->
+    the line that says so."""
+    where = []
+    if run.trace is not None and finished:
+        _write_trace(run.trace, [row for r in finished for row in r.trace])
+        where.append(f"their steps are in {run.trace}")
+    if run.json_out:
+        sys.stdout.write(json.dumps({"model": run.model.name, "interrupted": True,
+                                     "requests": [_request_json(rt, r) for r in finished]}) + "\n")
+        where.append("their JSON is on stdout")
+    done = f"{len(finished)} of {total} requests had finished" + (f" before {during}" if during else "")
+    return "; ".join([done] + (where or ["nothing was written"]))
 
 
 def _drop_unused(lat: dict, config) -> None:
@@ -341,6 +367,10 @@ class _Streamer:
         if text.startswith(self.printed):
             self.console.out(text[len(self.printed):], end="", highlight=False)
             self.printed = text
+
+    def cut(self) -> None:
+        """Ctrl-C: end the streamed line, so what comes next starts on its own."""
+        self.console.out("")
 
     def end(self, finish_reason: str, n_tokens: int) -> None:
         self.console.out(_cut_mark({"finish_reason": finish_reason, "text": self.printed}), highlight=False)

@@ -62,9 +62,17 @@ def check_fits(token_lists: list[list[int]], config: EngineConfig, limit: int, l
                             f"{need} rows, over {limit_name} ({limit})")
 
 
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C inside run_generate, with the results of the requests that had finished by then."""
+
+    def __init__(self, finished: list[SeqResult]):
+        super().__init__()
+        self.finished = finished
+
+
 def run_generate(rt: Runtime, prompts: list[list[int]], config: EngineConfig, on_tokens=None):
     """One engine over all prompts, as `config` says. Returns (results, acceptance, latency json,
-    per-sequence bytes, pool bytes)."""
+    per-sequence bytes, pool bytes); raises Stopped on Ctrl-C, every cache given back."""
     config = resolve(rt, config)
     requests = [Request(p, config.max_new_tokens, i) for i, p in enumerate(prompts)]
     per_seq = max(reserve_tokens(len(r.prompt), r.max_new_tokens, config.gamma, config.alloc, config.max_seq_len)
@@ -74,6 +82,8 @@ def run_generate(rt: Runtime, prompts: list[list[int]], config: EngineConfig, on
     engine.on_tokens = on_tokens
     try:
         results = engine.generate(requests)
+    except KeyboardInterrupt:
+        raise Stopped([r for r in engine.results if r is not None and r.finish_reason]) from None
     finally:
         engine.close()
     acc, lat = summarize(results, config.gamma, engine)
