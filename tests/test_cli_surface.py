@@ -124,6 +124,24 @@ def test_generate_refuses_before_loading(args, needle, monkeypatch):
     _one_line(runner.invoke(app, ["generate", "--model", "no-such-model", *args]), needle)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt-ids", "1,99999"], "--prompt-ids: token id 99999 outside the vocabulary (0..4095)"),
+    (["--prompt", "x", "--max-seq-len", "99999"], "over the model's limit (max_position_embeddings 2048)"),
+    (["--prompt", "x", "--draft-vocab", "5000"], "--draft-vocab must be in 1..4096"),
+    (["--prompt", "x", "--model", "glm5next-nano", "--draft-vocab", "64"], "--draft-vocab: no token counts"),
+    (["--prompt", "x", "--compare", "--gamma", "0"], "--compare runs gamma 0 beside --gamma"),
+    (["--prompt", "x", "--gamma-policy", "adaptive", "--gamma", "0"], "--gamma-policy adaptive"),
+    (["--prompt", "x", "--threads", "100000"], "--threads must be in 1.."),
+    (["--prompt", "x", "--trace", "/etc/hostname/t.jsonl"], "/etc/hostname is a file, not a folder"),
+])
+def test_generate_refuses_what_the_config_refutes_before_loading(args, needle, monkeypatch, tmp_path):
+    import glm5mtp_cli.engine.runtime as runtime
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no draft-vocab counts of the user's
+    monkeypatch.setattr(runtime, "load_runtime", lambda *a, **k: pytest.fail("weights loaded"))
+    _one_line(runner.invoke(app, ["generate", *args]), needle)
+
+
 @pytest.mark.parametrize("extra, needle", [(["--batch-size", "2"], "--batch-size"), (["--compare"], "--compare")])
 def test_conversation_refuses_what_it_cannot_honour(tmp_path, extra, needle):
     conv = tmp_path / "c.jsonl"

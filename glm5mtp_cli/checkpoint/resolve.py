@@ -141,6 +141,11 @@ def resolve_config(spec: str, revision: str | None = None, token: str | None = N
     return load_config(folder / "config.json"), kind
 
 
+def local_folder(spec: str) -> Path | None:
+    """The folder of a profile or a local checkpoint; None for a Hub id (nothing is fetched here)."""
+    return _locate(spec)[0]
+
+
 def _locate(spec: str) -> tuple[Path | None, str]:
     if not spec:
         raise UserError("no model given")

@@ -7,6 +7,7 @@ command runs, not when its --help is built.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -58,7 +59,8 @@ def check_output(path: Path | None, flag: str) -> None:
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a folder; give a file name")
     if not folder.is_dir():
-        raise UserError(f"{flag} {path}: folder {folder} does not exist")
+        raise UserError(f"{flag} {path}: {folder} is a file, not a folder" if folder.exists() else
+                        f"{flag} {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UserError(f"{flag} {path}: not writable")
 
@@ -144,8 +146,6 @@ def generate_cmd(
         alloc=alloc, schedule=schedule, prefill_tokens=prefill_tokens, prefill_graphs=prefill_graphs,
         graphs="auto" if cuda_graphs else "off", compile=compile, compile_mode=compile_mode,
         eos_ids=() if ignore_eos else None)
-    if draft_vocab_file is not None and not draft_vocab_file.is_file():
-        raise UserError(f"--draft-vocab-file {draft_vocab_file}: no such file")
     convs = items = None
     if conversation is not None:
         if any(x is not None for x in (prompt, prompt_ids, prompts)):
@@ -161,11 +161,14 @@ def generate_cmd(
         if carry != "none" or carry_budget is not None:
             raise UserError(f"{'--carry' if carry != 'none' else '--carry-budget'} needs --conversation")
         items = read_prompts(prompt, prompt_ids, prompts, others=", --conversation")
-    run = GenerateRun(spec, engine, items, convs, chat, compare, json_out, trace, carry, carry_budget)
+    if compare and gamma == 0:
+        raise UserError("--compare runs gamma 0 beside --gamma: give --gamma >= 1 to have something to compare")
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import set_threads
 
     set_threads(threads)
+    _refuse_before_loading(spec, engine, items)
+    run = GenerateRun(spec, engine, items, convs, chat, compare, json_out, trace, carry, carry_budget)
     launch.run(spec, run_generate_command, run)
 
 
@@ -192,9 +195,6 @@ def run_generate_command(run: GenerateRun) -> None:
     out = Console(stderr=run.json_out)
     rt = load_runtime(run.model, with_mtp=run.engine.drafts or run.compare, progress=not run.json_out,
                       comm=launch.rank_comm(run.model.tp, run.model.device))
-    limit, asked = rt.cfg.max_position_embeddings, run.engine.max_seq_len
-    if asked is not None and asked > limit:
-        raise UserError(f"--max-seq-len {asked} is over the model's limit (max_position_embeddings {limit})")
     if run.conversations is not None:
         _conversation(rt, out, run)
         return
@@ -202,6 +202,26 @@ def run_generate_command(run: GenerateRun) -> None:
 
 
 generate_cmd.__doc__ += EXAMPLES
+
+
+def _refuse_before_loading(spec: ModelSpec, engine: EngineConfig, items: list | None) -> None:
+    """What the model's config alone refutes, checked before any weights load: --max-seq-len over
+    the model's limit, prompt ids outside its vocabulary, --draft-vocab without counts to read."""
+    from glm5mtp_cli.checkpoint.resolve import local_folder, resolve_config
+
+    cfg = resolve_config(spec.name, spec.revision)[0]
+    limit, asked = cfg.max_position_embeddings, engine.max_seq_len
+    if asked is not None and asked > limit:
+        raise UserError(f"--max-seq-len {asked} is over the model's limit (max_position_embeddings {limit})")
+    for p in items or []:
+        bad = [t for t in p.ids or [] if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise UserError(f"{p.where}: token id {bad[0]} outside the vocabulary (0..{cfg.vocab_size - 1})")
+    folder = local_folder(spec.name)
+    if engine.draft_vocab is not None and folder is not None:  # a Hub id's counts are found once it is fetched
+        from glm5mtp_cli.engine.draft_vocab import find_counts
+
+        find_counts(folder, engine.draft_vocab, cfg.vocab_size, engine.draft_vocab_file)
 
 
 def _single(rt, out: Console, run: GenerateRun) -> None:
@@ -222,7 +242,8 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
         Console(stderr=True).print(f"[dim]--compile {config.compile}: compiling the engine's forwards before the first "
                                    "step (once per engine)[/dim]")
     try:
-        results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, config, on_tokens=stream)
+        with _progress(len(token_lists) * config.max_new_tokens, enabled=stream is None) as count:
+            results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, config, on_tokens=stream or count)
     except Stopped as stop:
         if stream is not None:
             stream.cut()
@@ -258,13 +279,30 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
         sys.stdout.write(json.dumps(doc) + "\n")
         return
     if stream is None:
-        for r in doc["requests"]:
+        for r, ids in zip(doc["requests"], token_lists):
             text = r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"]))
             out.rule(f"request {r['id']}: {r['prompt_tokens']} prompt tokens, {len(r['tokens'])} new, "
                      f"finish: {_finish(r['finish_reason'])}", align="left", style="dim")
+            if rt.tokenizer is not None:  # the prompt's end, dim, as a streamed reply shows it
+                out.print(_prompt_tail(rt, ids), style="dim", end="", highlight=False, markup=False)
             out.print(text + _cut_mark(r), highlight=False, markup=False)
     out.rule(style="dim")
     print_tables(out, doc, acc)
+
+
+@contextlib.contextmanager
+def _progress(most_tokens: int, enabled: bool):
+    """A prompt set's progress on stderr (transient; Rich draws nothing when stderr is no terminal):
+    -> the engine's on_tokens callback counting new tokens, or None."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("generating"), BarColumn(), TextColumn("{task.completed:,} tokens (at most {task.total:,})"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as prog:
+        task = prog.add_task("tokens", total=most_tokens)
+        yield lambda request_id, new_ids: prog.advance(task, len(new_ids))
 
 
 def _request_json(rt, r) -> dict:
@@ -349,6 +387,12 @@ def _conversation(rt, out: Console, run: GenerateRun) -> None:
         out.print("[red]carried turns produced different tokens from fresh turns[/red]")
 
 
+def _prompt_tail(rt, ids: list[int]) -> str:
+    """The prompt's last 200 characters, where its reply continues."""
+    text = rt.tokenizer.decode(ids)
+    return ("…" + text[-200:]) if len(text) > 200 else text
+
+
 class _Streamer:
     """Prints the prompt's end, then decoded text as verify steps accept tokens (one request only)."""
 
@@ -357,9 +401,7 @@ class _Streamer:
         self.console = console
         self.ids: list[int] = []
         self.printed = ""
-        tail = rt.tokenizer.decode(prompt_ids)
-        tail = ("…" + tail[-200:]) if len(tail) > 200 else tail
-        console.print(tail, style="dim", end="", highlight=False, markup=False)
+        console.print(_prompt_tail(rt, prompt_ids), style="dim", end="", highlight=False, markup=False)
 
     def __call__(self, request_id: int, new_ids: list[int]) -> None:
         self.ids += new_ids

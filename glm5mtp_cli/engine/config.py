@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from glm5mtp_cli.errors import UserError
 
@@ -121,6 +122,10 @@ class EngineConfig:
             raise UserError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
         if self.draft_vocab_file is not None and self.draft_vocab is None:
             raise UserError("--draft-vocab-file needs --draft-vocab K")
+        if self.draft_vocab_file is not None and not Path(self.draft_vocab_file).is_file():
+            raise UserError(f"--draft-vocab-file {self.draft_vocab_file}: no such file")
+        if self.gamma_policy == "adaptive" and self.gamma == 0:
+            raise UserError("--gamma-policy adaptive drafts 0..--gamma tokens a step: give --gamma >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise UserError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
         if self.prefill_tokens < 1:

@@ -77,21 +77,25 @@ def counts_file(folder: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def load_draft_ids(folder: Path, k: int, vocab_size: int, device, path: Path | None = None) -> torch.Tensor:
-    """Ids of the k most frequent tokens, ascending (so the sliced head keeps the vocabulary's order).
-    path: a counts file written by `draft-vocab --out` (default: counts_file(folder))."""
+def find_counts(folder: Path, k: int, vocab_size: int, path: Path | None = None) -> Path:
+    """The counts file --draft-vocab K reads (path: --draft-vocab-file; default: counts_file(folder)),
+    refusing a K outside the vocabulary or no file; from the config alone, before any weights load."""
     if not 1 <= k <= vocab_size:
         raise UserError(f"--draft-vocab must be in 1..{vocab_size}, got {k}")
-    if path is not None:
-        if not Path(path).is_file():
-            raise UserError(f"--draft-vocab-file {path}: no such file")
-        return _ranked_ids(Path(path), k, vocab_size, device)
+    if path is not None:  # EngineConfig (or bench) has checked that it exists
+        return Path(path)
     found = counts_file(folder)
     if found is None:
         looked = " or ".join(str(p) for p in _candidates(folder))
         raise UserError(f"--draft-vocab: no token counts ({looked}); make them with `glm5mtp draft-vocab "
                         "--model MODEL`, or give --draft-vocab-file")
-    return _ranked_ids(found, k, vocab_size, device)
+    return found
+
+
+def load_draft_ids(folder: Path, k: int, vocab_size: int, device, path: Path | None = None) -> torch.Tensor:
+    """Ids of the k most frequent tokens, ascending (so the sliced head keeps the vocabulary's order),
+    from find_counts' file."""
+    return _ranked_ids(find_counts(folder, k, vocab_size, path), k, vocab_size, device)
 
 
 def _ranked_ids(path: Path, k: int, vocab_size: int, device) -> torch.Tensor:

@@ -38,18 +38,24 @@ def default_threads() -> int:
     """Half the cores this process may use, at least 1, at most 4. torch's own default (every core)
     collapses when another process is busy: on a shared 2-core machine with one busy process, glm5-nano's
     TPOT p50 was 55-78 ms with 2 threads against 7-18 ms with 1 (README, "CPU threads")."""
+    return max(1, min(4, usable_cores() // 2))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores // 2))
+        return os.cpu_count() or 1
 
 
 def set_threads(threads: int | None) -> int:
     """torch's CPU threads: --threads when given, else OMP_NUM_THREADS when set, else default_threads()."""
     if threads is not None:
-        if threads < 1:
-            raise UserError(f"--threads must be >= 1, got {threads}")
+        cores = usable_cores()
+        # more threads than cores only wait for each other (--threads 10000: load average 1362)
+        if not 1 <= threads <= cores:
+            raise UserError(f"--threads must be in 1..{cores} (the cores this process may use), got {threads}")
         torch.set_num_threads(threads)
     elif not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(default_threads())
