@@ -390,3 +390,14 @@ def test_every_option_declares_its_flag():
                     and not node.args and any(k.arg == "metavar" for k in node.keywords)):
                 missing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not missing, missing
+
+
+@pytest.mark.parametrize("args, needle", [(["--compile", "fast"], "--compile must be one of off, kernels, torch"),
+                                          (["--compile-mode", "max"], "--compile-mode must be one of")])
+@pytest.mark.parametrize("cmd", ["generate", "bench", "acceptance", "leak-check"])
+def test_bad_compile_value_is_one_line(cmd, args, needle):
+    extra = ["--humaneval"] if cmd == "acceptance" else []
+    r = runner.invoke(app, [cmd, "--model", "glm5-tiny", "--device", "cpu", *extra, *args])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.output

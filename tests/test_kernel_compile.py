@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from kernels import _triton  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _triton.HAVE_TRITON or _triton.interpreting(),
-                                reason="needs triton, not in interpreter mode")
+pytestmark = [pytest.mark.compile,  # Triton's compiler for every launch: the second test command
+              pytest.mark.skipif(not _triton.HAVE_TRITON or _triton.interpreting(),
+                                 reason="needs triton, not in interpreter mode")]
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
          torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
