@@ -401,3 +401,12 @@ def test_bad_compile_value_is_one_line(cmd, args, needle):
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], r.output
+
+
+@pytest.mark.parametrize("cmd", ["generate", "acceptance", "leak-check", "profile"])
+def test_a_seed_past_the_generators_range_is_one_line_before_loading(cmd, monkeypatch):
+    import glm5mtp_cli.engine.runtime as runtime
+
+    monkeypatch.setattr(runtime, "load_runtime", lambda *a, **k: pytest.fail("weights loaded"))
+    extra = ["--prompt", "x"] if cmd == "generate" else []
+    _one_line(runner.invoke(app, [cmd, *extra, "--seed", str(1 << 70)]), "--seed must be in")

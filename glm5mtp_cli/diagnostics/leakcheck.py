@@ -36,7 +36,7 @@ import torch
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.units import parse_size
-from glm5mtp_cli.engine.config import EngineConfig, SamplingParams
+from glm5mtp_cli.engine.config import EngineConfig, SamplingParams, check_seed
 from glm5mtp_cli.engine.runtime import Runtime, make_engine, resolve
 from glm5mtp_cli.engine.sequence import Request, budget_tokens, reserve_tokens
 
@@ -54,6 +54,7 @@ class LeakCheckConfig:
     def __post_init__(self):
         e = self.engine
         planted_bytes(self.inject_leak)  # a malformed tensor:BYTES is refused before anything loads
+        check_seed(self.seed)
         if self.sequences < 1:
             raise UserError(f"--sequences must be >= 1, got {self.sequences}")
         if e.gamma < 1:

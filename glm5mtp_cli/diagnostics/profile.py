@@ -22,7 +22,7 @@ from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.sizing import bytes_per_token, growth_bytes, predicted_bytes, predicted_weight_bytes
-from glm5mtp_cli.engine.config import EngineConfig
+from glm5mtp_cli.engine.config import EngineConfig, check_seed
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request, reserve_tokens
 
@@ -39,6 +39,9 @@ class ProfileConfig:
     gpu_mem: int = 141 * 10**9
     repeats: int = 5
     seed: int = 0
+
+    def __post_init__(self):
+        check_seed(self.seed)
 
 
 def parse_lengths(text: str) -> list[int]:

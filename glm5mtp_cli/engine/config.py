@@ -29,6 +29,12 @@ MAX_GAMMA = 16
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
+def check_seed(seed: int) -> None:
+    """--seed within what torch.Generator.manual_seed takes (a larger one is an overflow traceback)."""
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise UserError(f"--seed must be in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed}")
+
+
 def _one_of(flag: str, value, choices) -> None:
     if value not in choices:
         raise UserError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
@@ -45,8 +51,7 @@ class SamplingParams:
             raise UserError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise UserError(f"--seed must be in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {self.seed}")
+        check_seed(self.seed)
 
     @property
     def greedy(self) -> bool:
