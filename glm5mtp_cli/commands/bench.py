@@ -16,7 +16,7 @@ from rich.console import Console
 
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt,
                                           DtypeOpt, Fp8Opt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
-                                          PrefillTokensOpt, ScheduleOpt, ThreadsOpt, TpOpt)
+                                          PrefillTokensOpt, ScheduleOpt, SyntheticOpt, synthetic_rates, ThreadsOpt, TpOpt)
 from glm5mtp_cli.engine.config import MAX_GAMMA, EngineConfig, ModelSpec
 from glm5mtp_cli.errors import UserError
 
@@ -129,6 +129,10 @@ def print_rows(out, doc: dict) -> None:
     """bench's rows as three tables that fit 80 columns (tokens/s, latency, wall time), the adaptive rows'
     gamma mix and the recommendation. Two-line headers keep the columns narrow."""
     rows = doc["rows"]
+    if doc.get("synthetic_acceptance"):
+        out.print(f"[yellow]synthetic acceptance[/yellow] {','.join(f'{p:g}' for p in doc['synthetic_acceptance'])}: "
+                  "every gamma > 0 row keeps drafts as drawn, not as the target decides (its tokens are not the "
+                  "target's); the speeds and the recommendation hold at that acceptance", highlight=False)
     out.print(_table(
         out, f"bench on {doc['device']} ({doc['dtype']}), {doc['max_new_tokens']} new tokens, medians of "
              f"{doc['repeats']}: tokens/s",
@@ -211,6 +215,7 @@ def bench_cmd(
     prefill_graphs: PrefillGraphsOpt = False,
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
+    synthetic_acceptance: SyntheticOpt = None,
 ) -> None:
     """Tokens/s, TPOT and speedups of speculation against gamma 0 and transformers; draft step vs its floor.
 
@@ -237,7 +242,8 @@ def bench_cmd(
     spec = ModelSpec(model, device, dtype, layers, random_weights=random_weights, fp8=fp8, tp=tp)
     engine = EngineConfig(max_new_tokens=max_new_tokens, schedule=schedule, prefill_tokens=prefill_tokens,
                           prefill_graphs=prefill_graphs, graphs="auto" if cuda_graphs else "off", compile=compile,
-                          compile_mode=compile_mode, eos_ids=())
+                          compile_mode=compile_mode, eos_ids=(),
+                          synthetic_acceptance=synthetic_rates(synthetic_acceptance))
     policies = tuple(dict.fromkeys(p.strip() for p in gamma_policy.split(",")))
     c = BenchConfig(engine, tuple(_ints(gammas, "--gammas", 0, MAX_GAMMA)), tuple(_ints(batch_sizes, "--batch-sizes", 1)), repeats,
                     transformers, gamma_policies=policies, num_prompts=num_prompts)
@@ -346,6 +352,7 @@ def run_bench_command(run: BenchRun) -> None:
            "dtype": str(dt).replace("torch.", ""), "random_weights": spec.random_weights,
            "fp8_weights": bool(getattr(cfg, "fp8", False)),
            "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows, "recommendation": recs,
+           "synthetic_acceptance": c.engine.synthetic_acceptance,
            "draft_step": drafts[0],
            "draft_steps": drafts}
     if json_out:

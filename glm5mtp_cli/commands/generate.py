@@ -23,7 +23,8 @@ from glm5mtp_cli.commands.options import (BATCHING, CONVERSATION, DEFAULT_MODEL,
                                           CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, Fp8Opt,
                                           GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, MtpIndexShareOpt,
                                           PrefillGraphsOpt, PrefillTokensOpt, PromptIdsOpt, PromptOpt, RandomWeightsOpt,
-                                          ScheduleOpt, ThreadsOpt, TpOpt)
+                                          ScheduleOpt, SyntheticOpt, ThreadsOpt, TpOpt,
+                                          synthetic_rates)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
 from glm5mtp_cli.errors import Interrupted, UserError
 from glm5mtp_cli.prompts import read_prompts
@@ -133,6 +134,7 @@ def generate_cmd(
     fp8: Fp8Opt = False,
     threads: ThreadsOpt = None,
     mtp_index_share: MtpIndexShareOpt = None,
+    synthetic_acceptance: SyntheticOpt = None,
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
     check_output(trace, "--trace")
@@ -145,7 +147,7 @@ def generate_cmd(
         draft_vocab_file=str(draft_vocab_file) if draft_vocab_file is not None else None, max_seq_len=max_seq_len,
         alloc=alloc, schedule=schedule, prefill_tokens=prefill_tokens, prefill_graphs=prefill_graphs,
         graphs="auto" if cuda_graphs else "off", compile=compile, compile_mode=compile_mode,
-        eos_ids=() if ignore_eos else None)
+        eos_ids=() if ignore_eos else None, synthetic_acceptance=synthetic_rates(synthetic_acceptance))
     convs = items = None
     if conversation is not None:
         if any(x is not None for x in (prompt, prompt_ids, prompts)):
@@ -161,6 +163,9 @@ def generate_cmd(
         if carry != "none" or carry_budget is not None:
             raise UserError(f"{'--carry' if carry != 'none' else '--carry-budget'} needs --conversation")
         items = read_prompts(prompt, prompt_ids, prompts, others=", --conversation")
+    if compare and synthetic_acceptance is not None:
+        raise UserError("--compare checks that speculation gives the target's tokens; --synthetic-acceptance "
+                        "does not (its acceptance is drawn, not decided by the target)")
     if compare and gamma == 0:
         raise UserError("--compare runs gamma 0 beside --gamma: give --gamma >= 1 to have something to compare")
     from glm5mtp_cli.engine import launch
@@ -257,6 +262,7 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
         "dtype": str(rt.dtype).replace("torch.", ""), "gamma": config.gamma, "graphs": config.graphs,
         "compile": config.compile, "compile_mode": config.compile_mode,
         "batch_size": config.batch_size, "schedule": config.schedule, "gamma_policy": config.gamma_policy,
+        "synthetic_acceptance": config.synthetic_acceptance,
         "config": {"model": dataclasses.asdict(run.model), "engine": config.to_json()},
         "requests": [_request_json(rt, r) for r in results],
         "acceptance": acc.to_json(),
@@ -349,8 +355,13 @@ def _header(out: Console, model: str, rt, config) -> None:
     s = config.sampling
     how = "greedy" if s.temperature == 0 else f"T {s.temperature:g}, top-p {s.top_p:g}, seed {s.seed}"
     name = Path(model).name if "/" in model and Path(model).exists() else model
-    out.rule(f"{name}, {rt.device}, gamma {config.gamma}, {how}, max {config.max_new_tokens} new tokens",
+    synthetic = f", synthetic acceptance {_rates_text(config)}" if config.synthetic_acceptance else ""
+    out.rule(f"{name}, {rt.device}, gamma {config.gamma}{synthetic}, {how}, max {config.max_new_tokens} new tokens",
              align="left", style="dim")
+
+
+def _rates_text(config) -> str:
+    return ",".join(f"{p:g}" for p in config.synthetic_acceptance)
 
 
 def _has_template(rt) -> bool:

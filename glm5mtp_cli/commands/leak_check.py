@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from glm5mtp_cli.commands.options import (BATCHING, DEFAULT_MODEL, GRAPHS, CompileModeOpt, CompileOpt, DeviceOpt,
-                                          DtypeOpt, Fp8Opt, JsonOpt, LayersOpt, ModelOpt, RandomWeightsOpt, ThreadsOpt,
-                                          TpOpt)
+                                          DtypeOpt, Fp8Opt, JsonOpt, LayersOpt, ModelOpt, RandomWeightsOpt, SyntheticOpt, synthetic_rates,
+                                          ThreadsOpt, TpOpt)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.units import fmt_bytes
@@ -65,6 +65,7 @@ def leakcheck_cmd(
     random_weights: RandomWeightsOpt = False,
     fp8: Fp8Opt = False,
     threads: ThreadsOpt = None,
+    synthetic_acceptance: SyntheticOpt = None,
 ) -> None:
     """Run sequences to every end (length, EOS, cancel, error) and check the cache pools for leaks.
 
@@ -85,7 +86,8 @@ def leakcheck_cmd(
     spec = ModelSpec(model, device, dtype, layers, random_weights=random_weights, fp8=fp8, tp=tp)
     engine = EngineConfig(gamma=gamma, max_new_tokens=max_new_tokens, batch_size=batch_size, alloc=alloc,
                           max_seq_len=max_seq_len, graphs="auto" if cuda_graphs else "off", compile=compile,
-                          compile_mode=compile_mode)
+                          compile_mode=compile_mode,
+                          synthetic_acceptance=synthetic_rates(synthetic_acceptance))
     run = LeakCheckRun(spec, LeakCheckConfig(engine, sequences, inject_leak, seed), json_out)
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.leakcheck import check_model
@@ -139,7 +141,9 @@ def _print(out: Console, doc: dict) -> None:
     wide = out.width >= 100
     t = fit_table(out, f"leak-check: {doc['model']} on {doc['device']}, gamma {doc['gamma']}, alloc {doc['alloc']}, "
                        f"max-seq-len {doc['max_seq_len']}" +
-                       (f", injected leak: {doc['inject_leak']}" if doc["inject_leak"] else ""),
+                       (f", injected leak: {doc['inject_leak']}" if doc["inject_leak"] else "") +
+                       (f", synthetic acceptance {','.join(f'{p:g}' for p in doc['synthetic_acceptance'])}"
+                        if doc["synthetic_acceptance"] else ""),
                   caption=None if wide else "held: pool bytes held after the sequence, all components (--json or a "
                                             "terminal of 100+ columns: per component)")
     t.add_column("seq", justify="right")

@@ -98,3 +98,20 @@ GammaPolicyOpt = Annotated[str, typer.Option("--gamma-policy", metavar="NAME", r
                                              help="fixed: every step drafts --gamma; adaptive: each step drafts "
                                                   "0..--gamma, whatever the rolling acceptance and the measured "
                                                   "step costs predict to be fastest (output unchanged).")]
+
+
+SyntheticOpt = Annotated[Optional[str], typer.Option(
+    "--synthetic-acceptance", metavar="P1,P2,...", rich_help_panel=SPECULATION,
+    help="Synthetic: accept draft k with probability Pk given drafts 1..k-1 were (the last P for later "
+         "drafts), whatever the models say, then emit the target's token: times speculation at a chosen "
+         "acceptance (e.g. on --random-weights); the output is not the target's.")]
+
+
+def synthetic_rates(text: str | None) -> tuple[float, ...] | None:
+    """--synthetic-acceptance's rates (engine/synthetic.py parses them: imported here when given)."""
+    if text is None:
+        return None
+    from glm5mtp_cli.engine.synthetic import parse_rates
+
+    return parse_rates(text)
+

@@ -91,9 +91,10 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], systems: list[tuple[int, 
 def _row(gamma: int, policy: str, runs: list, compile_s: float, batch: int, prompts: int, c: BenchConfig) -> dict:
     med = lambda key: statistics.median(r[1][key] for r in runs)  # noqa: E731
     system = f"gamma {gamma}" + (" adaptive" if policy == "adaptive" else "") + \
+        (" synthetic" if gamma and c.engine.synthetic_acceptance else "") + \
         (f", {c.engine.schedule}" if c.engine.schedule != "continuous" else "")
     return {"system": system, "gamma": gamma, "batch": batch, "graphs": c.engine.graphs, "schedule": c.engine.schedule,
-            "gamma_policy": policy,
+            "gamma_policy": policy, "synthetic_acceptance": c.engine.synthetic_acceptance if gamma else None,
             "e2e_tokens_per_s": med("e2e_tokens_per_s"), "decode_tokens_per_s": med("decode_tokens_per_s"),
             "wall_prefill_s": med("wall_prefill_s"), "wall_decode_s": med("wall_decode_s"),
             "tpot_ms_p50": med("tpot_ms_p50"), "tpot_ms_p99": med("tpot_ms_p99"),

@@ -282,7 +282,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     return {
         "model": rt.resolved.spec, "device": str(rt.device), "dtype": str(rt.dtype).replace("torch.", ""),
         "gamma": e.gamma, "alloc": e.alloc, "max_seq_len": e.max_seq_len, "max_new_tokens": e.max_new_tokens,
-        "inject_leak": c.inject_leak, "graphs": e.graphs, "compile": e.compile, "batch_size": e.batch_size,
+        "inject_leak": c.inject_leak, "synthetic_acceptance": e.synthetic_acceptance, "graphs": e.graphs, "compile": e.compile, "batch_size": e.batch_size,
         "judged_on": f"ledger+{memory['measure']} slope",
         "baseline": baseline,
         "lifecycles_seen": sorted({r["finish_reason"] for r in rows}),

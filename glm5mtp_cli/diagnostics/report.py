@@ -25,8 +25,10 @@ def _f(x, spec=".3f", none="-"):
     return none if x is None else format(x, spec)
 
 
-def acceptance_table(acc: Acceptance) -> Table:
-    t = Table(title=f"acceptance (gamma {acc.gamma}, vLLM definitions)")
+def acceptance_table(acc: Acceptance, synthetic: tuple[float, ...] | None = None) -> Table:
+    """synthetic: --synthetic-acceptance's rates, said in the title (drawn, not the models')."""
+    how = f"SYNTHETIC, drawn at {','.join(f'{p:g}' for p in synthetic)}: not lossless" if synthetic else "vLLM definitions"
+    t = Table(title=f"acceptance (gamma {acc.gamma}, {how})")
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row("verify steps", str(acc.steps))
@@ -77,7 +79,7 @@ def memory_table(mem: dict) -> Table:
 
 def print_tables(console: Console, doc: dict, acc: Acceptance) -> None:
     if doc["gamma"] > 0:
-        console.print(acceptance_table(acc))
+        console.print(acceptance_table(acc, doc.get("synthetic_acceptance")))
     console.print(latency_table(doc["latency"]))
     console.print(memory_table(doc["memory"]))
     cmp = doc.get("compare")

@@ -35,6 +35,12 @@ def check_seed(seed: int) -> None:
         raise UserError(f"--seed must be in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed}")
 
 
+def check_rates(rates: tuple[float, ...], flag: str = "--synthetic-acceptance") -> None:
+    """Synthetic acceptance rates (engine/synthetic.py): at least one, each in [0, 1]."""
+    if not rates or not all(0.0 <= p <= 1.0 for p in rates):
+        raise UserError(f"{flag}: every rate must be in [0, 1], got {','.join(map(str, rates)) or 'none'}")
+
+
 def _one_of(flag: str, value, choices) -> None:
     if value not in choices:
         raise UserError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
@@ -106,6 +112,7 @@ class EngineConfig:
     compile_mode: str = "default"
     eos_ids: tuple[int, ...] | None = None  # None: the model's; (): never stop early (--ignore-eos)
     check_invariants: bool = False  # assert drafter rows == accepted rows every step (tests, leak-check)
+    synthetic_acceptance: tuple[float, ...] | None = None  # conditional rates per draft (engine/synthetic.py)
 
     def __post_init__(self):
         if not 0 <= self.gamma <= MAX_GAMMA:
@@ -129,6 +136,8 @@ class EngineConfig:
             raise UserError("--draft-vocab-file needs --draft-vocab K")
         if self.draft_vocab_file is not None and not Path(self.draft_vocab_file).is_file():
             raise UserError(f"--draft-vocab-file {self.draft_vocab_file}: no such file")
+        if self.synthetic_acceptance is not None:
+            check_rates(self.synthetic_acceptance)
         if self.gamma_policy == "adaptive" and self.gamma == 0:
             raise UserError("--gamma-policy adaptive drafts 0..--gamma tokens a step: give --gamma >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -46,6 +46,7 @@ from glm5mtp_cli.engine.prefill_graphs import check as check_prefill_graphs, gra
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, StepRecord, budget_tokens, reserve_tokens
+from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
 from glm5mtp_cli.errors import UserError
 
 @dataclass
@@ -80,6 +81,8 @@ class SpecEngine:
         self.pools = pools
         self.gamma = config.gamma
         self.sampling = config.sampling
+        self.synthetic = (SyntheticAcceptance(config.synthetic_acceptance, config.sampling.seed, device)
+                          if config.synthetic_acceptance is not None else None)
         self.max_seq_len = config.max_seq_len
         self.eos = set(model_cfg.eos_token_id if config.eos_ids is None else config.eos_ids)
         self.device = torch.device(device)
@@ -497,9 +500,11 @@ class SpecEngine:
         return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
 
     def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence]) -> "Verdict":
-        """Greedy match or rejection sampling over the verified logits [A, g + 1, V]; greedy reads
-        the device once per step."""
+        """Greedy match or rejection sampling over the verified logits [A, g + 1, V] (or synthetic
+        draws); greedy reads the device once per step."""
         proposed = drafts.counts if drafts is not None else [0] * logits.shape[0]
+        if self.synthetic is not None and drafts is not None:
+            return self._accept_synthetic(drafts, logits, active)
         if self.sampling.greedy:
             target_tokens = logits.argmax(-1)  # [B, g+1]
             if drafts is None:
@@ -523,6 +528,17 @@ class SpecEngine:
             nxt.append(t)
         both = torch.tensor([acc, nxt], dtype=torch.long, device=logits.device)  # one copy for both
         return Verdict(proposed, acc, nxt, None if drafts is None else drafts.tokens.tolist(), both[1], both[0])
+
+    def _accept_synthetic(self, drafts: Drafts, logits: torch.Tensor, active: list[LiveSequence]) -> "Verdict":
+        """--synthetic-acceptance: the first a drafts kept as drawn (engine/synthetic.py), then the
+        target's own token at position a; one host read, as greedy's."""
+        tokens, proposed = drafts.tokens, drafts.counts
+        n = torch.tensor(proposed, device=logits.device) if min(proposed) < tokens.shape[1] else None
+        acc = self.synthetic.accepted(tokens.shape[0], tokens.shape[1], n)
+        at = logits.gather(1, acc[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
+        nxt, _ = choose(at, self.sampling, [s.gen for s in active])
+        host = torch.cat([acc[:, None], nxt[:, None], tokens], dim=1).tolist()  # the one sync
+        return Verdict(proposed, [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt, acc)
 
     def _maybe_finish(self, s: LiveSequence, fresh_from: int = 0) -> None:
         """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""
