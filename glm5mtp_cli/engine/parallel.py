@@ -14,6 +14,7 @@ columns, a SwiGLU MLP, the stacked-expert MoE, the vocabulary) are here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,21 @@ def check_tp(cfg, tp: int) -> None:
         raise UserError(f"--tp must be >= 1, got {tp}")
     if tp > 1:
         family_of(cfg).check_tp(cfg, tp)
+
+
+def check_divides(tp: int, sizes: dict[str, int]) -> None:
+    """The families' check_tp: one line when tp does not divide each of `sizes` (what its sharding
+    splits in equal shares, by name; 0: absent), naming the first it does not and every --tp that
+    divides them all (the divisors of their greatest common divisor)."""
+    sizes = {what: n for what, n in sizes.items() if n}
+    bad = next((what for what, n in sizes.items() if n % tp), None)
+    if bad is None:
+        return
+    g = math.gcd(*sizes.values())
+    ok = [str(d) for d in range(1, g + 1) if g % d == 0]
+    choices = ok[0] if len(ok) == 1 else f"{', '.join(ok[:-1])} or {ok[-1]}"
+    raise UserError(f"--tp {tp} does not divide the model's {bad} ({sizes[bad]}): each rank takes an equal share "
+                    f"of {', '.join(f'{what} {n}' for what, n in sizes.items())}, so --tp can be {choices}")
 
 
 def vocab_range(vocab: int, rank: int, world: int) -> tuple[int, int]:

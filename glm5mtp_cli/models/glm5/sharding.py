@@ -19,12 +19,10 @@ the per-rank shape, and shard_target / shard_mtp return the slicing plan (checkp
 
 from __future__ import annotations
 
-import math
-
 from torch import nn
 
-from glm5mtp_cli.engine.parallel import Comm, Plan, shard_mla_heads, shard_mlp, shard_moe, vocab_parallel
-from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.parallel import (Comm, Plan, check_divides, shard_mla_heads, shard_mlp, shard_moe,
+                                         vocab_parallel)
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.layers import MoE
 
@@ -34,10 +32,7 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     sizes = {"num_attention_heads": cfg.num_attention_heads, "n_routed_experts": cfg.n_routed_experts,
              "intermediate_size (dense MLP)": cfg.intermediate_size,
              "moe_intermediate_size x n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts}
-    for what, n in sizes.items():
-        if n and n % tp:
-            raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); "
-                            f"choose a divisor of {math.gcd(*[v for v in sizes.values() if v])}")
+    check_divides(tp, sizes)
 
 
 # ---- sharding a (meta) model ----------------------------------------------------------------------

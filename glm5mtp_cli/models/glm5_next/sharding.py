@@ -25,13 +25,10 @@ As for GLM-5, a module built on the meta device is sharded in place and the slic
 
 from __future__ import annotations
 
-import math
-
 from torch import nn
 
-from glm5mtp_cli.engine.parallel import (Comm, Plan, shard_linear, shard_mla_heads, shard_mlp, shard_moe, shard_param,
-                                         split_even, vocab_parallel)
-from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.parallel import (Comm, Plan, check_divides, shard_linear, shard_mla_heads, shard_mlp, shard_moe,
+                                         shard_param, split_even, vocab_parallel)
 from glm5mtp_cli.models.glm5.layers import MoE
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from glm5mtp_cli.models.glm5_next.layout import LM_HEAD, PREFIX, layer_prefix
@@ -44,10 +41,7 @@ def check_tp(cfg: NextConfig, tp: int) -> None:
              "moe_intermediate_size x n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts}
     if any(not cfg.is_moe(i) for i in range(cfg.num_hidden_layers)):
         sizes["intermediate_size (dense MLP)"] = cfg.intermediate_size
-    for what, n in sizes.items():
-        if n and n % tp:
-            raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); "
-                            f"choose a divisor of {math.gcd(*[v for v in sizes.values() if v])}")
+    check_divides(tp, sizes)
 
 
 def _shard_kda(attn: nn.Module, prefix: str, comm: Comm, plan: Plan) -> None:
