@@ -1,7 +1,8 @@
-"""The byte numbers `info`, `profile` and `bench` print, asked of the model family: checkpoint and
-in-memory weight bytes (whole, per --tp rank), per-sequence state bytes, the decode steps' reads
-(their memory floors), verify scratch, CUDA-graph buffers, the cache layouts `info` compares (the byte
-formatter is glm5mtp_cli/units.py, free of torch for the commands).
+"""The byte numbers `info`, `profile` and `bench` print and the load's memory check compares, asked of
+the model family: checkpoint and in-memory weight bytes (whole, per --tp rank), per-sequence state
+bytes, the decode steps' reads (their memory floors), verify scratch, CUDA-graph buffers, what a
+loaded model holds before its first request, the cache layouts `info` compares (the byte formatter
+is glm5mtp_cli/units.py, free of torch for the commands).
 
 Per-sequence state comes from the family's `state_components(cfg, dtype, tp=...)`: each component's
 StateComponent.unit_bytes (a row of all its layers, or a whole recurrent slot, per rank) and
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.graphs import table_blocks
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.bytes import dtype_bytes, tensor_bytes
-from glm5mtp_cli.models.family import ROWS
+from glm5mtp_cli.models.bytes import dtype_bytes, moe_gather_bytes, rank_share, tensor_bytes
+from glm5mtp_cli.models.family import ROWS, SLOT
 
 GIB = 2**30
 BF16 = 2
@@ -59,13 +61,18 @@ def model_tensors(cfg, with_mtp: bool = True) -> list[tuple[str, tuple[int, ...]
     return [(n, s) for n, s in family.tensor_shapes(cfg) if with_mtp or not n.startswith(mtp)]
 
 
-def predicted_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool = True) -> int:
-    """Bytes of the weights as loaded on one device: the runtime dtype's size each, but fp32 for the
-    tensors the model keeps in fp32 (routers, indexer weighting) and, for an FP8 checkpoint, its
-    quantized matrices as stored (1 byte each plus one fp32 scale per block: models/fp8.py keeps them)."""
+def predicted_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool = True, tp: int = 1) -> int:
+    """Bytes of the weights as loaded on one device (one of `tp` ranks: its share of the split
+    tensors): the runtime dtype's size each, but fp32 for the tensors the model keeps in fp32
+    (routers, indexer weighting) and, for an FP8 checkpoint, its quantized matrices as stored (1 byte
+    each plus one fp32 scale per block: models/fp8.py keeps them)."""
+    return _held_bytes(cfg, model_tensors(cfg, with_mtp), dtype, tp)
+
+
+def _held_bytes(cfg, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, tp: int) -> int:
     block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
-    return sum(tensor_bytes(cfg, name, shape, dtype_bytes(dtype), block, held=True)
-               for name, shape in model_tensors(cfg, with_mtp))
+    return sum(rank_share(cfg, name, tensor_bytes(cfg, name, shape, dtype_bytes(dtype), block, held=True), tp)
+               for name, shape in tensors)
 
 
 # ---- per-sequence state -------------------------------------------------------------------------
@@ -143,6 +150,29 @@ def growth_bytes(cfg, dtype: torch.dtype, gamma: int, with_drafter: bool, tokens
     """Bytes one sequence grows by over `tokens` more tokens: its rows and the verify scratch."""
     return (sum(bytes_per_token(cfg, dtype, with_drafter).values()) * tokens
             + scratch_bytes(cfg, dtype, tokens, gamma) - scratch_bytes(cfg, dtype, 0, gamma))
+
+
+# ---- what a loaded model holds (engine/memory_check.py checks it before loading) ----------------------
+
+def resident_bytes(cfg, dtype: torch.dtype, device_type: str, with_mtp: bool, tp: int = 1,
+                   block_size: int = 16) -> dict[str, int]:
+    """Bytes one of `tp` ranks holds once cfg is loaded and its engine runs, as far as the config
+    alone says (a command's prompts and batch come later): the weights as held
+    (predicted_weight_bytes), the pools of a first sequence (one block of each row component and
+    one slot each, twice: Runtime.make_pools adds a scratch block, and a slot pool has a slot per
+    block; block_size: make_pools's) and one forward's scratch (a verify of the default gamma at
+    that context; on the CPU also the MoE's gathered experts, moe_gather_bytes). Returns
+    {'weights', 'state', 'scratch', 'total'}."""
+    tensors = model_tensors(cfg, with_mtp)
+    blocks = 2
+    comps = family_of(cfg).state_components(cfg, dtype, with_drafter=with_mtp, tp=tp)
+    out = {"weights": _held_bytes(cfg, tensors, dtype, tp),
+           "state": sum(c.unit_bytes * (blocks if c.kind == SLOT else blocks * block_size) for c in comps),
+           "scratch": scratch_bytes(cfg, dtype, block_size, EngineConfig.gamma if with_mtp else 0)}
+    if device_type == "cpu":  # on CUDA the MoE kernels read the stacks in place
+        out["scratch"] += moe_gather_bytes(cfg, tensors, dtype_bytes(dtype))
+    out["total"] = sum(out.values())
+    return out
 
 
 # ---- cache layouts compared by `info` (bf16 vs fp8, per layer) --------------------------------------

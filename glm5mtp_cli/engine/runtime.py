@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import gc
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.compiled import default_compile
 from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec  # noqa: F401  (DEFAULT_MODEL: the runtime's default)
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
+from glm5mtp_cli.engine.memory_check import check_memory
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import ResolvedModel, resolve_model
 from glm5mtp_cli.engine.speculate import SpecEngine
@@ -259,6 +262,29 @@ def freeze_startup_heap() -> None:
     atexit.register(gc.unfreeze)
 
 
+def before_loading(name: str, cfg, dtype: torch.dtype, dev: torch.device, with_mtp: bool, comm=None) -> None:
+    """What every load does before it reads a weight of cfg: refuse one that will not fit
+    (memory_check.check_memory: under --tp this rank's share, and on the CPU that of every rank on
+    this host, as they share its memory, each rank checked before any loads, a barrier, so none
+    counts another's weights against its own room), and say once that FP8 on the CPU is slow."""
+    tp = comm.world if comm is not None else 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", tp)) if dev.type == "cpu" else 1
+    check_memory(name, cfg, dtype, dev, with_mtp, tp, ranks)
+    if comm is not None and dev.type == "cpu":
+        comm.barrier()
+    if dev.type == "cpu" and getattr(cfg, "fp8", False):
+        note_fp8_on_cpu()
+
+
+@functools.cache
+def note_fp8_on_cpu() -> None:
+    """Once a process: FP8 on the CPU is slow, and nothing else says so (with --fp8 on a busy 2-core
+    machine, decode tokens/s fell from 17.5 to 8.0 for glm5-nano and from 15.5 to 10.9 for
+    glm5next-nano; issue 32 saw 4x)."""
+    print("note: FP8 weights on the CPU are dequantized before every matmul, 1.4-4x slower than unquantized "
+          "ones; on CUDA they run in FP8 kernels", file=sys.stderr)
+
+
 def load_runtime(spec: ModelSpec, with_mtp: bool = True, progress: bool = True, comm=None) -> Runtime:
     """The model `spec` names, loaded. comm (parallel.Comm): this rank's shard on its own GPU
     (cuda:local_rank) or the CPU. Random weights (spec.random_weights): the model's config with
@@ -281,6 +307,8 @@ def load_runtime(spec: ModelSpec, with_mtp: bool = True, progress: bool = True, 
         from glm5mtp_cli.engine.parallel import check_tp
 
         check_tp(resolved.config, comm.world)
+    if resolved.has_weights or spec.random_weights:  # else load_models says there are none
+        before_loading(spec.name, resolved.config, dt, dev, with_mtp, comm)
     target, mtp, extras = load_models(resolved, device=dev, dtype=dt, comm=comm, random_weights=spec.random_weights)
     if extras:
         # DeepSeek-style checkpoints carry the MTP layer's own head/embeddings; GLM-5's share the target's.

@@ -1,7 +1,8 @@
 """The byte counts every family's formulas share: an element's size, one weight tensor's bytes as
 its family stores or holds it (fp32 where the family keeps fp32, FP8 matrices with their block
-scales), and a tensor's or the head's share on one of --tp ranks. diagnostics/sizing asks each
-family (its `sizing` module) for what differs between families; both build on these."""
+scales), a tensor's or the head's share on one of --tp ranks, and the scratch of the MoE both
+families run (models/glm5/layers.Experts) on the CPU. diagnostics/sizing asks each family (its
+`sizing` module) for what differs between families; both build on these."""
 
 from __future__ import annotations
 
@@ -47,3 +48,31 @@ def head_bytes(cfg, rows: int, elem_bytes: int, tp: int) -> int:
     """One rank's lm_head bytes over `rows` vocabulary rows: ceil(rows/tp) rows (rank 0 holds the
     most: parallel.vocab_range)."""
     return -(-rows // tp) * cfg.hidden_size * elem_bytes
+
+
+# Bytes per element of one (token, expert) pair's three matrices at the peak of Experts._gathered on
+# the CPU. Plain stacks: the three gathered copies, in the activation dtype. FP8 stacks: gate and up
+# kept dequantized in the activation dtype while down goes through its gathered FP8 copy (1), its
+# fp32 values (4), the expanded scales (4) and their product (4). Measured on a 512x1024 stack at
+# 32 pairs: 12 and 6 bytes (plain, fp32 and bf16), 20 and 17 (FP8 under fp32 and bf16).
+_FP8_DEQUANT_BYTES = 13
+
+
+def moe_gather_bytes(cfg, tensors: list[tuple[str, tuple[int, ...]]], elem_bytes: int) -> int:
+    """Peak scratch of the MoE on the CPU, its largest layer's: up to Experts.GATHER_MAX_PAIRS
+    (token, expert) pairs, it copies out (FP8: dequantizes) every chosen expert's matrices at once;
+    more pairs loop over the hit experts one at a time (a few matrices), so this bounds any row
+    count but a static forward's (which always gathers). `tensors`: cfg's (name, shape) list."""
+    from glm5mtp_cli.models.glm5.layers import Experts  # the modules: only once a load is sized
+
+    family = family_of(cfg)
+    k = cfg.num_experts_per_tok
+    pairs = Experts.GATHER_MAX_PAIRS // k * k
+    fp8 = getattr(cfg, "fp8", False)
+    peak = 0
+    for name, shape in tensors:
+        if name.endswith(".mlp.experts.0.gate_proj.weight"):  # one per MoE layer (HF names, both families)
+            per = (2 * elem_bytes + _FP8_DEQUANT_BYTES if fp8 and family.is_fp8_quantized(cfg, name, shape)
+                   else 3 * elem_bytes)
+            peak = max(peak, per * pairs * math.prod(shape))
+    return peak
