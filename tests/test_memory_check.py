@@ -36,6 +36,15 @@ def test_refused_in_one_line_before_any_weight_is_read(cmd, monkeypatch):
     assert lines[0].startswith("error: glm5-nano with 4 target layers needs ") and "(MemAvailable)" in lines[0]
 
 
+def test_bench_random_weights_is_refused_before_building_them(monkeypatch):
+    from glm5mtp_cli.diagnostics import step_bench
+
+    monkeypatch.setattr(memory_check, "host_available", _room(1 << 20))
+    monkeypatch.setattr(step_bench, "random_drafter", lambda *a, **k: pytest.fail("weights built"))
+    r = CliRunner().invoke(app, ["bench", "--model", "glm5-nano", "--random-weights", "--device", "cpu"])
+    assert r.exit_code == 2 and "needs " in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
 def test_the_numbers_are_sizings_prediction(monkeypatch):
     cfg, _ = resolve_config("glm5next-nano")
     need = resident_bytes(cfg, torch.float32, "cpu", True)

@@ -289,7 +289,7 @@ def run_bench_command(run: BenchRun) -> None:
                                                     target_step)
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.compiled import default_compile
-    from glm5mtp_cli.engine.runtime import load_runtime, pick_dtype, rank_device, resolve
+    from glm5mtp_cli.engine.runtime import before_loading, load_runtime, pick_dtype, rank_device, resolve
     from glm5mtp_cli.models.fp8 import fp8_config
 
     spec, c, json_out = run.model, run.bench, run.json_out
@@ -312,6 +312,8 @@ def run_bench_command(run: BenchRun) -> None:
             target_layers = min(4, cfg.num_hidden_layers)
         if target_layers:
             check_target_layers(cfg, target_layers)
+        # the drafter and the truncated target are held one after the other: checking both together over-counts
+        before_loading(model, cfg.with_layers(target_layers or 1), dt, dev, with_mtp=True, comm=comm)
         # under --tp: this rank's shard, split by the rules the runtime loads with; every rank times
         # the same steps in lockstep (the collectives inside the forwards) and rank 0 reports
         mtp, embed, head = random_drafter(cfg, dev, dt, comm=comm)
