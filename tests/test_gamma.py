@@ -280,7 +280,8 @@ def test_tp2_adaptive_runs_rank_0s_gamma(spec_ckpt):
     two = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *args, "--tp", "2"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert two.returncode == 0, two.stderr
-    base_args = [a if i != args.index("--gamma") + 1 else "0" for i, a in enumerate(args)]
+    # the baseline: gamma 0 (the adaptive policy with --gamma 0 is refused: nothing to choose from)
+    base_args = ["fixed" if a == "adaptive" else "0" if i == args.index("--gamma") + 1 else a for i, a in enumerate(args)]
     base = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", *base_args], capture_output=True, text=True,
                           timeout=120, env=env)
     assert base.returncode == 0, base.stderr

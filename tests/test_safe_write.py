@@ -107,7 +107,15 @@ def test_overlap_with_the_source_is_refused(tmp_path):
     refuse_overlap(tmp_path / "src-fp8", src, "OUT_DIR")  # a sibling with a longer name is no overlap
 
 
-def test_ctrl_c_waits_for_the_final_renames(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler, which a run started from a background shell (SIGINT ignored) lacks."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_waits_for_the_final_renames(tmp_path, monkeypatch, python_sigint):
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text("old")

@@ -67,7 +67,6 @@ class LeakCheckConfig:
                             f"+ gamma {e.gamma} needs {need} rows")
 
 
-
 def planted_bytes(inject_leak: str | None) -> int | None:
     """BYTES of --inject-leak tensor:BYTES (a live tensor planted per sequence), else None."""
     if inject_leak is None or not inject_leak.startswith("tensor:"):
@@ -167,12 +166,12 @@ def slope(points: list[tuple[int, int]]) -> float:
 def device_verdict(snaps: list[tuple[int, dict]], base: dict, device: torch.device) -> dict:
     """The slope verdict on the run's device memory, from (sequences done, snapshot) after the baseline."""
     key = "cuda_allocated" if device.type == "cuda" else "live_tensors"
-    unit = ALLOCATION_UNIT
     points = [(0, 0)] + [(done, snap[key] - base[key]) for done, snap in snaps]
     per_sequence = slope(points)
-    sequences = snaps[-1][0]
-    return {"measure": key, "bytes_per_sequence": per_sequence, "over_run_bytes": per_sequence * sequences,
-            "limit_bytes": 2 * unit, "allocation_unit_bytes": unit, "leak": per_sequence * sequences > 2 * unit}
+    over_run = per_sequence * snaps[-1][0]
+    return {"measure": key, "bytes_per_sequence": per_sequence, "over_run_bytes": over_run,
+            "limit_bytes": 2 * ALLOCATION_UNIT, "allocation_unit_bytes": ALLOCATION_UNIT,
+            "leak": over_run > 2 * ALLOCATION_UNIT}
 
 
 def _row(req: Request, kind: str, finish: str, ntok: int, snap: dict, base: dict) -> dict:
@@ -207,8 +206,8 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     lives_held = c.sequences + warm_lives + (c.sequences + warm_lives) // len(LIFECYCLES) + 3  # + EOS probes, fill
     pools = rt.make_pools(per_seq, lives_held)
     engine = make_engine(rt, pools, e)
-    faults = engine.hooks = Faults(c.inject_leak if planted_bytes(c.inject_leak) is None else None)
     plant = planted_bytes(c.inject_leak)
+    faults = engine.hooks = Faults(c.inject_leak if plant is None else None)
 
     def run_round(reqs: list[Request], eos: set[int]) -> list[tuple[str, int]]:
         engine.eos = eos
