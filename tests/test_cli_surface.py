@@ -410,3 +410,9 @@ def test_a_seed_past_the_generators_range_is_one_line_before_loading(cmd, monkey
     monkeypatch.setattr(runtime, "load_runtime", lambda *a, **k: pytest.fail("weights loaded"))
     extra = ["--prompt", "x"] if cmd == "generate" else []
     _one_line(runner.invoke(app, [cmd, *extra, "--seed", str(1 << 70)]), "--seed must be in")
+
+
+@pytest.mark.parametrize("cmd", [["init-random", "glm5-tiny", "/tmp/never-written"],
+                                 ["quantize", "glm5-tiny", "/tmp/never-written"], ["train", "--out", "/tmp/never-written"]])
+def test_a_bad_shard_size_names_its_flag_before_any_work(cmd):
+    _one_line(runner.invoke(app, [*cmd, "--max-shard-size", "5XB"]), "--max-shard-size '5XB' not understood")

@@ -37,7 +37,7 @@ def init_random_cmd(
     from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size
 
     dt = parse_dtype(dtype) if dtype else None
-    shard_size = parse_size(max_shard_size)
+    shard_size = parse_size(max_shard_size, "--max-shard-size")
     with staged_folder(out_dir, "OUT_DIR", force) as tmp:
         summary = init_random(profile, tmp, seed=seed, dtype=dt, fp8=fp8, layers=layers,
                               max_shard_size=shard_size, tokenizer=tokenizer, progress=True)

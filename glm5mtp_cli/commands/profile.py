@@ -128,7 +128,7 @@ def profile_cmd(
     from glm5mtp_cli.checkpoint.write import parse_size
 
     set_threads(threads)
-    gpu_bytes = parse_size(gpu_mem) if gpu_mem is not None else None
+    gpu_bytes = parse_size(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
     run = ProfileRun(spec, c, lengths, note, predict_only, gpu_bytes, plot, json_out)
     if predict_only:
         run_profile_command(run)  # nothing loads: no ranks

@@ -37,7 +37,7 @@ def quantize_cmd(
     from glm5mtp_cli.checkpoint.resolve import profile_path
     from glm5mtp_cli.checkpoint.write import parse_size, rewrite_checkpoint
 
-    shard_size = parse_size(max_shard_size)
+    shard_size = parse_size(max_shard_size, "--max-shard-size")
     source = profile_path(src) or Path(src).expanduser()
     if source.is_dir():  # else a Hub id, read from the Hub cache
         refuse_overlap(out_dir, source, "OUT_DIR")

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from glm5mtp_cli.commands.options import MODEL, OUTPUT, ThreadsOpt
+from glm5mtp_cli.units import parse_size
 
 # train's own help panels (options.py holds the shared ones)
 SCHEDULE = "Optimization"
@@ -108,7 +109,7 @@ def train_cmd(
         init=init, time_budget=time_budget, eval_every=eval_every, eval_tokens=eval_tokens, warmup=warmup,
         cache_dir=cache_dir, tokenizer=tokenizer, corpus_files=corpus_files, chat_samples=chat_samples,
         corpus_packages=tuple(p.strip() for p in corpus_packages.split(",") if p.strip()),
-        max_shard_size=max_shard_size, force=force,
+        max_shard_size=parse_size(max_shard_size, "--max-shard-size"), force=force,
         command="glm5mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     report = train(opts, log=lambda m: console.print(m, highlight=False),

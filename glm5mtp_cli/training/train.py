@@ -116,7 +116,7 @@ class TrainOptions:
     corpus_files: int | None = None        # use only the first N files of each split (tests, smoke runs)
     chat_samples: bool = True              # add chat-formatted docstring->function samples to training
     corpus_packages: tuple[str, ...] = ()  # installed packages whose sources join the train split
-    max_shard_size: str = "2GB"
+    max_shard_size: int = 2 * 10**9  # bytes (the command parses --max-shard-size before training)
     force: bool = False
     command: str | None = None             # the command line, for the report
     hyper: dict = field(default_factory=dict)  # resolved hyperparameters (filled by resolve())
@@ -324,7 +324,7 @@ def export_tensors(target: nn.Module, mtp: nn.Module, cfg, dtype=torch.bfloat16)
     return {name: tensors[name] for name in expected}  # checkpoint order
 
 
-def save_trained(tensors: dict, cfg, out: Path, tok_dir: Path, max_shard_size: str):
+def save_trained(tensors: dict, cfg, out: Path, tok_dir: Path, max_shard_size: int):
     from glm5mtp_cli.checkpoint.write import save_checkpoint
 
     unquantized = {"quantization_config": None} if hasattr(cfg, "quantization_config") else {}
