@@ -92,7 +92,7 @@ def info_dict(cfg: ModelConfig, tokens: int = 131072, model: str = "") -> dict:
         },
         "state": state_doc(cfg, tokens),
     }
-    if family.name == "glm5":
+    if family.mla_cache_layouts:
         doc["cache"] = cache_doc(cfg, tokens)
     return doc
 

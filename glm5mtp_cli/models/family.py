@@ -60,6 +60,7 @@ class ModelFamily(Protocol):
     # its byte formulas for diagnostics/sizing (models/glm5/sizing.py is the model): draft_step_bytes,
     # target_step_bytes, scratch_bytes, verify_record_bytes, TP_NOTES
     sizing: Any
+    mla_cache_layouts: bool  # `info` compares its MLA cache's bf16 and fp8 layouts (REFERENCE section 5)
 
     def parse_config(self, raw: dict[str, Any], source: str) -> Any: ...
     # per rank: `tp` ranks each hold their share of head-split state (a KDA state's heads); rows and

@@ -21,6 +21,7 @@ class Glm5Family:
     # --compile without the flag (engine/compiled.py): off until measured faster on the H200
     compile_default = "off"
     sizing = sizing  # the family's byte formulas (diagnostics/sizing asks them)
+    mla_cache_layouts = True
 
     def parse_config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig.from_dict(raw, source)

@@ -24,6 +24,7 @@ class Glm5NextFamily:
     # --compile without the flag (engine/compiled.py): off until measured faster on the H200
     compile_default = "off"
     sizing = sizing  # the family's byte formulas (diagnostics/sizing asks them)
+    mla_cache_layouts = False  # GLM-5's layouts do not apply: info's state table lists its components
 
     def parse_config(self, raw: dict[str, Any], source: str) -> NextConfig:
         cfg = NextConfig.from_dict(raw, source)
