@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
 from glm5next_reference import Mtp, Target, boundary_ties  # noqa: E402
+from proposer_calls import prefill_drafter  # noqa: E402
 
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, CachePools, table_slots, to_device  # noqa: E402
@@ -242,7 +243,7 @@ def _greedy_chain(models, device: str, graphs: bool, share: bool = False):
     states = [head.alloc_state_for(48) for _ in seqs]
     refs = []
     for st, (tok, hid, f) in zip(states, seqs):
-        head.prefill_drafter(tok[:-f].to(device), hid[:-f].to(device), st)
+        prefill_drafter(head, tok[:-f].to(device), hid[:-f].to(device), st)
         slot = ref.new_state(64)
         ref.prefill(tok[:-f], hid[:-f], slot, embed, lm_head)
         if f > 1:  # the pending real rows before the last one, then the chain from the last

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from glm5next_oracle import hf_model, write_checkpoint  # noqa: E402
 from glm5next_reference import Mtp  # noqa: E402
+from proposer_calls import prefill_drafter, propose_one  # noqa: E402
 
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachePools  # noqa: E402
@@ -154,7 +155,7 @@ def test_index_share_keeps_each_sequences_own_step0(models):
         head = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128))
         states = [head.alloc_state_for(64) for _ in members]
         for st, (prompt, hid, f) in zip(states, members):
-            head.prefill_drafter(prompt[:-f], hid[:-f], st)
+            prefill_drafter(head, prompt[:-f], hid[:-f], st)
         chains = head.propose_batch([p[-f:] for p, _, f in members], [h[-f - 1:-1] for _, h, f in members],
                                     [st.cache.length for st in states], 4, states, ForwardRunner("eager", torch.device("cpu")))
         for st in states:
@@ -186,9 +187,9 @@ def _chain_with_selections(models, share: bool, prompt: torch.Tensor, hiddens: t
         return y, sel, visible
 
     try:
-        head.prefill_drafter(prompt[:-1], hiddens[:-1], state)
+        prefill_drafter(head, prompt[:-1], hiddens[:-1], state)
         paged.mla_paged = spy
-        chain = head.propose(prompt[-1], hiddens[-2], state.cache.length, gamma, state)
+        chain = propose_one(head, prompt[-1], hiddens[-2], state.cache.length, gamma, state)
     finally:
         paged.mla_paged = mla_paged
         mtp.share_topk = False

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
 import rank_sections  # noqa: E402
+from proposer_calls import sharded  # noqa: E402
 
 from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.engine import launch
@@ -126,7 +127,7 @@ def _section_loading(comm, c):
             "rank_experts": t2.model.layers[1].mlp.experts.gate.shape[0], "lm_head": list(t2.lm_head.weight.shape),
             "bytes_read": [c["s1"]["bytes_read"], c["s2"]["bytes_read"]],
             "bytes_held": [_param_bytes(t1, m1), _param_bytes(t2, m2)],
-            "needs_comm": [MtpHead(m, t.model.embed_tokens, t.lm_head, None, EngineConfig(max_seq_len=8)).needs_comm()
+            "needs_comm": [sharded(MtpHead(m, t.model.embed_tokens, t.lm_head, None, EngineConfig(max_seq_len=8)))
                            for t, m in ((t1, m1), (t2, m2))]}
 
 

@@ -12,6 +12,7 @@ from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftProposer
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.sequence import Request
+from proposer_calls import last_confidence, prefill_drafter, propose_one, sharded
 
 
 @pytest.fixture(scope="module")
@@ -153,15 +154,15 @@ def test_head_state_protocol(spec_rt):
     rt, _ = spec_rt
     engine, pools = _engine(rt, 2, batch=1)
     head = engine.head
-    assert isinstance(head, DraftProposer) and not head.needs_comm()
+    assert isinstance(head, DraftProposer) and not sharded(head)
     state = head.alloc_state_for(40)
     hidden = torch.randn(6, rt.cfg.hidden_size)
-    head.prefill_drafter(torch.arange(6), hidden, state)
+    prefill_drafter(head, torch.arange(6), hidden, state)
     assert head.drafter_rows(state) == 5
     with pytest.raises(CatchupMisaligned):
         head.catchup_drafter(torch.tensor([1, 2]), hidden[:2], 3, state)
     head.catchup_drafter(torch.tensor([1, 2]), hidden[:2], 5, state)
-    chain = head.propose(torch.tensor([4]), hidden[:1], 7, 2, state)
+    chain = propose_one(head, torch.tensor([4]), hidden[:1], 7, 2, state)
     assert chain.num_drafts == 2 and head.drafter_rows(state) == 8 + 1  # one real row, one speculative
     head.after_verify(1, state)
     assert head.drafter_rows(state) == 8
@@ -190,7 +191,7 @@ def _spy_chains(engine):
 
     def spy(tokens, hiddens, positions, num_drafts, states, *args, **kwargs):
         chains = original(tokens, hiddens, positions, num_drafts, states, *args, **kwargs)
-        seen.extend((c, engine.head.last_confidence(st)) for c, st in zip(chains, states))
+        seen.extend((c, last_confidence(st)) for c, st in zip(chains, states))
         return chains
 
     engine.head.propose_batch = spy

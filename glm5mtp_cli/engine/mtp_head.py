@@ -22,7 +22,7 @@ from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner
 from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards, takes_padding
-from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftChain, DrafterKV, Drafts, ProposerState
+from glm5mtp_cli.engine.proposer import CatchupMisaligned, DrafterKV, Drafts, ProposerState
 from glm5mtp_cli.engine.sampling import choose
 from glm5mtp_cli.errors import UserError
 
@@ -73,11 +73,6 @@ class MtpHead:
         return state.cache.length
 
     # ---- filling ----------------------------------------------------------------------------
-    def prefill_drafter(self, prompt_tokens: torch.Tensor, hiddens: torch.Tensor, state: ProposerState) -> None:
-        """Rows 0..P-2 of the prompt: (t[i+1], h[i])."""
-        if prompt_tokens.shape[0] >= 2:
-            self.catchup_drafter(prompt_tokens[1:], hiddens[:-1], 0, state)
-
     def catchup_drafter(self, tokens: torch.Tensor, hiddens: torch.Tensor, row_base: int,
                         state: ProposerState) -> None:
         """Append real rows row_base.. for accepted tokens; refuse a feed that would leave a gap."""
@@ -165,12 +160,6 @@ class MtpHead:
         return self.draft_head.to_full(ids) if self.draft_head is not None else ids
 
     # ---- drafting ---------------------------------------------------------------------------
-    def propose(self, last_token, hidden, position: int, num_drafts: int, state: ProposerState) -> DraftChain:
-        tokens = torch.as_tensor(last_token, device=hidden.device).reshape(-1)
-        runner = ForwardRunner("eager", hidden.device)
-        return self.propose_batch([tokens], [hidden.reshape(tokens.shape[0], -1)], [position], num_drafts, [state],
-                                  runner)[0]
-
     def propose_batch(self, tokens, hiddens, positions: list[int], num_drafts: int, states: list[ProposerState],
                       runner: ForwardRunner) -> Drafts:
         """Drafts for many sequences. tokens[b]/hiddens[b] (lists, or graphs.BatchRows): the pending
@@ -241,17 +230,6 @@ class MtpHead:
         if proposed is not None and num_accepted > proposed:
             raise ValueError(f"accepted {num_accepted} of {proposed} drafts")
         state.cache.truncate(state.real_rows)
-
-    def last_confidence(self, state: ProposerState) -> float | None:
-        drafts = state.last_drafts
-        return drafts.confidence[state.row] if drafts is not None and drafts.confidence is not None else None
-
-    def needs_comm(self) -> bool:
-        """True when the layer is sharded over ranks: every rank must then run each propose call in
-        lockstep (same inputs, same generator seed), or the collectives inside the layer hang or,
-        skipped, leave partial sums."""
-        comm = getattr(self.layer, "comm", None)
-        return comm is not None and comm.world > 1
 
     # ---- carry across turns -----------------------------------------------------------------
     def take_drafter_kv(self, state: ProposerState) -> DrafterKV:

@@ -17,7 +17,7 @@ attention, the DeepSeek/GLM-5 split for the rest):
   per layer. Dense MLPs: column/row parallel, one all-reduce.
 - mHC parameters, norms and the MTP layer's eh_proj are replicated; `embed_tokens` / `lm_head` are
   split by vocabulary (engine.parallel's vocab-parallel modules), the MTP layer uses the target's.
-- The MTP layer follows the same rules on every rank (its proposer runs in lockstep: needs_comm).
+- The MTP layer follows the same rules on every rank (its proposer runs in lockstep: the engine steps every rank alike).
 
 As for GLM-5, a module built on the meta device is sharded in place and the slicing plan
 (checkpoint name -> (dim, start, stop)) the loader reads is returned.
@@ -88,7 +88,7 @@ def shard_target(target: nn.Module, comm: Comm) -> Plan:
 
 def shard_mtp(mtp: nn.Module, comm: Comm, mtp_prefix: str) -> Plan:
     """Shard a PooledMtp (parameters on meta) in place. Its `comm` tells the engine the proposer
-    must run on every rank in lockstep (MtpHead.needs_comm)."""
+    must run on every rank in lockstep (the engine steps every rank alike)."""
     plan: Plan = {}
     _shard_mla(mtp.layer.self_attn, mtp_prefix + "self_attn.", comm, plan)
     _shard_mlp(mtp.layer.mlp, mtp_prefix + "mlp.", comm, plan)
