@@ -117,7 +117,9 @@ def test_own_code_keeps_forwards_apart():
 
     with torch._dynamo.config.patch(recompile_limit=1):
         for n in (2, 3, 4):
-            x = torch.randn(n)
+            # away from sin(x) = -1, where inductor's vectorized sin differs from eager's by more than
+            # allclose's relative tolerance of a value near 0 (random inputs made this test flaky)
+            x = torch.linspace(0.0, 1.0, n)
             assert torch.allclose(compile_forward(make())(x), torch.sin(x) + 1)
 
 
