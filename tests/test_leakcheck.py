@@ -96,6 +96,15 @@ def test_slope_is_least_squares_growth_per_sequence():
     assert slope([(0, 0)]) == 0.0
 
 
+def test_the_slope_is_of_what_stayed_held():
+    """Tensors a snapshot catches in passing (4.6 KiB at one snapshot under --tp 2, gone at the next)
+    are not growth; a leak, which never gives memory back, keeps all of its."""
+    from glm5mtp_cli.diagnostics.leakcheck import lower_envelope
+
+    assert lower_envelope([6, 4610, 4615, 0, 0]) == [0, 0, 0, 0, 0]
+    assert lower_envelope([1024, 2048, 4000, 3072, 4096]) == [1024, 2048, 3072, 3072, 4096]
+
+
 def test_a_planted_kib_a_sequence_is_caught_over_100_sequences(tiny):
     """The verdict's sensitivity on the CPU: the live-tensor census's slope catches 1 KiB a
     sequence (a fixed tolerance per run would not scale with the run's length)."""

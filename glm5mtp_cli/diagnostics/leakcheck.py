@@ -14,7 +14,9 @@ rebuilt after it; the warm-up also runs one life of each lifecycle, so that what
 
 The verdict: the pools' ledger (bytes held per component) must be back at its baseline after the last
 sequence (it is exact, so any growth is a leak). The run's device memory is judged by its slope, the
-least-squares growth per sequence over every snapshot after the baseline: CUDA's `memory_allocated`,
+least-squares growth per sequence over every snapshot after the baseline, of their lower envelope (a
+snapshot's minimum with every later one and with one taken after a last uncounted life: a leak never
+gives memory back, while tensors a snapshot catches in passing do): CUDA's `memory_allocated`,
 or on the CPU the bytes of every live tensor (a census of the garbage collector's objects, storages
 counted once). A leak is a slope that, over the run's sequences, exceeds two allocation units of
 512 B (CUDA's caching allocator rounds every block to 512 B; the CPU census, exact to the byte, uses
@@ -163,10 +165,24 @@ def slope(points: list[tuple[int, int]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
 
 
-def device_verdict(snaps: list[tuple[int, dict]], base: dict, device: torch.device) -> dict:
-    """The slope verdict on the run's device memory, from (sequences done, snapshot) after the baseline."""
+def lower_envelope(values: list[int]) -> list[int]:
+    """Each value's minimum with every later one: what stayed held, without what a snapshot caught in
+    passing (a leak never gives memory back, so its growth is all kept)."""
+    out, low = [], None
+    for v in reversed(values):
+        low = v if low is None else min(low, v)
+        out.append(low)
+    return out[::-1]
+
+
+def device_verdict(snaps: list[tuple[int, dict]], settled: dict, base: dict, device: torch.device) -> dict:
+    """The slope verdict on the run's device memory, from (sequences done, snapshot) after the
+    baseline and the snapshot after one more uncounted life (`settled`): the slope of the lower
+    envelope, so tensors a snapshot catches in passing (under --tp, a collective's buffers) are not
+    growth."""
     key = "cuda_allocated" if device.type == "cuda" else "live_tensors"
-    points = [(0, 0)] + [(done, snap[key] - base[key]) for done, snap in snaps]
+    kept = lower_envelope([snap[key] - base[key] for _, snap in snaps] + [settled[key] - base[key]])[:-1]
+    points = [(0, 0)] + [(done, y) for (done, _), y in zip(snaps, kept)]
     per_sequence = slope(points)
     over_run = per_sequence * snaps[-1][0]
     return {"measure": key, "bytes_per_sequence": per_sequence, "over_run_bytes": over_run,
@@ -203,7 +219,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     # The pool holds every sequence of the run at once, so an injected (or real) leak shows in the
     # ledger instead of ending the run with an exhausted pool.
     per_seq = reserve_tokens(max_prompt, e.max_new_tokens, e.gamma, e.alloc, e.max_seq_len)
-    lives_held = c.sequences + warm_lives + (c.sequences + warm_lives) // len(LIFECYCLES) + 3  # + EOS probes, fill
+    lives_held = c.sequences + warm_lives + (c.sequences + warm_lives) // len(LIFECYCLES) + 4  # + EOS probes, fill, settle
     pools = rt.make_pools(per_seq, lives_held)
     engine = make_engine(rt, pools, e)
     plant = planted_bytes(c.inject_leak)
@@ -266,11 +282,13 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
                 rows.append(_row(req, kind, finish, ntok, snap, base))
                 if on_sequence is not None:
                     on_sequence(rows[-1])
+        run_round([Request([rng.randrange(vocab) for _ in range(2)], e.max_new_tokens, request_id=-20_000)], set())
+        settled = _snapshot(pools, rt.device)
     engine.close()
 
     last = rows[-1]
     leaked = {k: v / c.sequences for k, v in last["growth_bytes"].items() if v > 0}
-    memory = device_verdict(snaps, base, rt.device)
+    memory = device_verdict(snaps, settled, base, rt.device)
     if memory["leak"]:
         leaked["cuda_allocator" if rt.device.type == "cuda" else "live_tensors"] = memory["bytes_per_sequence"]
     baseline = {"blocks_held": base["blocks_held"], "bytes_held": base["bytes_held"], "rss_bytes": base["rss"]}
