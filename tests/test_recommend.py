@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from glm5mtp_cli.diagnostics.recommend import conditional_rates, fit_line, predict, recommend
+from glm5mtp_cli.diagnostics.recommend import fit_line, predict, recommend
+from glm5mtp_cli.engine.synthetic import conditional as conditional_rates
 
 # per-position acceptance [0.9, 0.8, 0.7]: E(g) = 1, 1.9, 2.7, 3.4
 PER_POSITION = [0.9, 0.8, 0.7]

@@ -19,15 +19,7 @@ Only fixed-gamma rows are used: an adaptive row's steps mix gammas, so its cost 
 from __future__ import annotations
 
 from glm5mtp_cli.engine.gamma import expected_tokens
-
-
-def conditional_rates(per_position: list[float]) -> list[float]:
-    """a_k = p_k / p_{k-1} (p_0 = 1): draft k's acceptance given drafts 1..k-1 were accepted."""
-    out, prev = [], 1.0
-    for p in per_position:
-        out.append(p / prev if prev > 0 else 0.0)
-        prev = p
-    return out
+from glm5mtp_cli.engine.synthetic import conditional
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:
@@ -42,7 +34,7 @@ def fit_line(points: dict[int, float]) -> tuple[float, float]:
 def predict(per_position: list[float], verify: float, draft: float, slots: int) -> list[float]:
     """Decode tokens/s for gamma 0..len(per_position) (list index = gamma) from the per-position
     acceptance and the step cost line (seconds)."""
-    rates = conditional_rates(per_position)
+    rates = conditional(per_position)
     return [slots * expected_tokens(rates, g) / (verify + g * draft) for g in range(len(per_position) + 1)]
 
 

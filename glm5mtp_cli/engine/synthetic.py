@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from glm5mtp_cli.engine.config import check_rates
+from glm5mtp_cli.engine.gamma import expected_tokens
 from glm5mtp_cli.errors import UserError
 
 
@@ -38,7 +39,8 @@ def cumulative(conditional: tuple[float, ...] | list[float]) -> list[float]:
 
 
 def conditional(cumulative_rates: list[float]) -> list[float]:
-    """The inverse of `cumulative` (0 past a position no step reached)."""
+    """The inverse of `cumulative`, a_k = p_k / p_{k-1} (0 past a position no step reached); bench's
+    recommendation reads acceptance's rates through it too."""
     out, prev = [], 1.0
     for c in cumulative_rates:
         out.append(c / prev if prev > 0 else 0.0)
@@ -48,7 +50,7 @@ def conditional(cumulative_rates: list[float]) -> list[float]:
 
 def expected_acceptance_length(rates: tuple[float, ...], gamma: int) -> float:
     """Mean acceptance length (the bonus token counted) of `gamma` drafts at these rates."""
-    return 1.0 + sum(cumulative(_per_position(rates, gamma)))
+    return expected_tokens(_per_position(rates, gamma), gamma)
 
 
 def _per_position(rates: tuple[float, ...], gamma: int) -> list[float]:
