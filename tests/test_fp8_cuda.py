@@ -123,7 +123,7 @@ def test_fp8_bf16_logits_match_twin(runs, twin32):
 def test_fp8_greedy_tokens_no_further_from_fp32_than_the_bf16_twin(runs, twin32):
     """Greedy tokens against the exact model (the fp32 twin in fp32). The issue's bound, FP8 equal to the
     twin run in bf16 on 7 of 8 prompts, is printed, not asserted: bf16 greedy decoding splits at
-    near-ties whatever the kernels (H200, profiles/glm5/fp8_h200/greedy_study.py, README: every first split
+    near-ties whatever the kernels (H200, tests/fp8_greedy_study.py, README: every first split
     at an fp32 top-2 gap of 0.2-2.4% of the largest logit; the twin's own bf16 runs agree with its fp32
     run on 6 of 8 prompts and with each other, graphs against eager, on 7). What FP8 must not do is
     add to that: it agrees with the fp32 run on no fewer prompts than the bf16 twin does, less one."""

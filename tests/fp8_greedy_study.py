@@ -3,7 +3,7 @@ twin, and between runs of the SAME weights that differ only in kernel shapes (ba
 graphs vs eager): how often bf16 greedy decoding splits at all, and where (the fp32 twin's margin
 between the two tokens at each first split, over the largest logit). Prints one JSON document.
 
-    PYTHONPATH=. python3 profiles/glm5/fp8_h200/greedy_study.py > greedy_study.json   (a CUDA machine)
+    PYTHONPATH=. python3 tests/fp8_greedy_study.py > greedy_study.json   (a CUDA machine)
 
 DEV=cpu NEW=8 is a smoke run of the script on the CPU (eager only: the graph and eager rows coincide).
 """
