@@ -39,7 +39,7 @@ def test_training_forward_equals_the_inference_path():
     x = torch.randint(2, cfg.vocab_size, (3, 37), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits, hidden, _ = tr.target_forward(model, x)
-        draft, _, _ = tr.mtp_forward(layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head)
+        draft, _, _, _ = tr.mtp_forward(layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head)
     ref, ref_layer = Target(model), Mtp(layer)  # the one-sequence reference path
     for b in range(x.shape[0]):
         ref_logits, ref_hidden = ref.forward(x[b])  # prefill over a scratch state
@@ -56,18 +56,47 @@ def test_training_forward_equals_the_inference_path():
         torch.testing.assert_close(draft[b], ref_draft, atol=1e-4, rtol=0)
 
 
+def test_the_chained_draft_equals_the_engines_chain_step_with_the_shared_top_k():
+    """Row i of the training chain is the reference drafter's second chain row after the real row
+    (x[i+1], h[i]), its token forced to x[i+2]: same keys (the step-0 selection and tail), same logits."""
+    cfg, target, mtp = _models(3)
+    assert cfg.index_share_for_mtp_iteration and cfg.index_kpool_always_select_tail
+    model, layer = target.model, mtp.layer
+    T = 41  # past index_topk 8 = 2 pools of 4: the shared selection leaves pools out
+    x = torch.randint(2, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        _, hidden, _ = tr.target_forward(model, x)
+        _, _, _, chained = tr.mtp_forward(layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head,
+                                          chain=True)
+    assert chained.shape[1] == T - 2
+    ref = Mtp(layer)
+    embed, head = model.embed_tokens, model.lm_head
+    for b in range(x.shape[0]):
+        for i in (0, 3, 7, 20, T - 3):
+            slot = ref.new_state(T)
+            with torch.no_grad():
+                if i:
+                    ref.catchup(x[b, 1:i + 1], hidden[b, :i], slot, embed, head)
+                _, g, pending = ref.forward_rows(x[b, i + 1:i + 2], hidden[b, i:i + 1], slot, embed, head)
+                slot.apply(pending.commit(1))
+                want, _, _ = ref.forward_rows(x[b, i + 2:i + 3], g, slot, embed, head, pending.selected)
+            torch.testing.assert_close(chained[b, i], want[0], atol=1e-4, rtol=0)
+
+
 def test_gradients_reach_every_tensor_and_the_indexer_loss_only_the_indexers():
     cfg, target, mtp = _models()
     model, layer = target.model, mtp.layer
     x = torch.randint(2, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     logits, hidden, aux = tr.target_forward(model, x, want_indexer_loss=True)
-    draft, _, maux = tr.mtp_forward(layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head, True)
+    draft, _, maux, chained = tr.mtp_forward(layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head,
+                                             True, chain=True)
     assert torch.isfinite(aux) and aux > 0 and torch.isfinite(maux) and maux > 0
     (aux + maux).backward(retain_graph=True)
     params = list(target.named_parameters()) + list(mtp.named_parameters())
     got = {n for n, p in params if p.grad is not None and p.grad.abs().sum() > 0}
     assert got and all(".indexer." in n for n in got)  # the indexer reads detached inputs
-    (logits.float().logsumexp(-1).mean() + draft.float().logsumexp(-1).mean()).backward()
+    (logits.float().logsumexp(-1).mean() + draft.float().logsumexp(-1).mean()
+     + chained.float().logsumexp(-1).mean()).backward()
     assert [n for n, p in params if p.grad is None] == []
 
 

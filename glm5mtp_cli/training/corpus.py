@@ -37,9 +37,11 @@ from typing import Iterator
 CORPUS_VERSION = 1
 HELDOUT_EVERY = 20
 SPLITS = ("train", "heldout")
-# Directory names skipped anywhere in a relative path.
+# Directory names skipped anywhere in a relative path: tests, and code a package vendors from another
+# (a corpus holds only the packages it names, so held-out evaluation stays held out).
 SKIP_DIRS = frozenset({
     "test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "encodings",
+    "_vendor", "vendor", "vendored",
 })
 # Relative-path prefixes skipped (kept explicit for the brief's `lib2to3/tests`; covered above too).
 SKIP_PREFIXES = ("lib2to3/tests/",)
@@ -101,12 +103,18 @@ def package_root(name: str) -> Path:
 
 
 def package_versions(packages: tuple[str, ...]) -> dict[str, str | None]:
+    """Each package's installed version, found through the distribution that ships it (`_pytest`
+    is pytest's)."""
+    shipped_by = importlib.metadata.packages_distributions()
     out: dict[str, str | None] = {}
     for name in packages:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
+        out[name] = None
+        for dist in [name] + shipped_by.get(name, []):
+            try:
+                out[name] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
     return out
 
 

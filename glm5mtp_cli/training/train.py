@@ -13,9 +13,14 @@ What one step computes, for a batch of windows w[0..T] of the tokenized corpus (
     MTP:     row i pairs hidden[i] with embed(x[i+1]), predicts w[i+2] (REFERENCE section 4)
                                                                     -> CE_mtp
     DSA:     every indexer's KL to its layer's dense attention      -> L_idx
-    loss = CE_next + mtp_weight * CE_mtp + indexer_weight * L_idx
+    chain:   (GLM-5-Next) the chain's second draft, teacher-forced: row i pairs the MTP's own g[i]
+             with embed(x[i+2]), attends what row i attended plus itself, predicts w[i+3]
+                                                                    -> CE_chain
+    loss = CE_next + mtp_weight * CE_mtp + chain_weight * CE_chain + indexer_weight * L_idx
 
-The MTP loss flows back into the shared trunk, embeddings and head (DeepSeek-V3's joint MTP
+CE_chain trains what a draft chain runs: every draft after the first reads the MTP's own g where the
+first reads the target's hidden, an input the first-draft loss never shows it (EAGLE-3's
+training-time test, one step deep). The MTP loss flows back into the shared trunk, embeddings and head (DeepSeek-V3's joint MTP
 training; weight 0.3). The indexer's inputs are detached inside the model when its loss is
 requested, so L_idx trains only the indexers (GLM-5-Next: KL of each pooled indexer to its layer's
 dense attention aggregated per pool). Routing uses DeepSeek's aux-loss-free balancing:
@@ -70,6 +75,7 @@ DEFAULTS: dict[str, Any] = {
     "seq_len": 512,
     "lr": 2e-3,
     "mtp_weight": 0.3,
+    "chain_weight": 0.0,
     "indexer_weight": 1.0,
     "eval_every": 250,
     "time_budget": None,
@@ -100,6 +106,7 @@ class TrainOptions:
     threads: int | None = None             # CPU threads (default: engine.runtime.set_threads's)
     dtype: str | None = None               # bf16 (autocast) | fp32; default bf16 on CUDA, fp32 on CPU
     mtp_weight: float | None = None
+    chain_weight: float | None = None      # the chained second draft's loss (GLM-5-Next)
     indexer_weight: float | None = None
     mtp_only: bool = False
     init: Path | None = None               # with mtp_only: the trained target to freeze
@@ -141,6 +148,9 @@ class TrainOptions:
                 raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {h[k]!r}")
         if h["seq_len"] < 3:
             raise UserError("--seq-len must be at least 3 (the MTP head predicts two tokens ahead)")
+        for k in ("mtp_weight", "chain_weight", "indexer_weight"):
+            if h[k] < 0:
+                raise UserError(f"--{k.replace('_', '-')} must not be negative, got {h[k]}")
         if h["lr"] <= 0:
             raise UserError("--lr must be positive")
         if h["time_budget"] is not None and h["time_budget"] <= 0:
@@ -253,16 +263,18 @@ def lr_at(step: int, progress: float, base: float, warmup: int, min_ratio: float
 
 # ---- batches and losses --------------------------------------------------------------------------
 
-def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: bool,
+def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: bool, chain: bool,
                    forward: Callable) -> dict[str, torch.Tensor]:
-    """Losses of a batch of windows w [B, T+1]; also the logits needed for the eval metrics."""
+    """Losses of a batch of windows w [B, T+1] (ce_chain 0 without chain)."""
     x = w[:, :-1]
-    logits, mtp_logits, aux = forward(target, mtp, x, mtp_only, want_indexer)
+    logits, mtp_logits, aux, chained = forward(target, mtp, x, mtp_only, want_indexer, chain)
     v = logits.shape[-1]
     ce = F.cross_entropy(logits.float().reshape(-1, v), w[:, 1:].reshape(-1))
     ce_mtp = F.cross_entropy(mtp_logits.float().reshape(-1, v), w[:, 2:].reshape(-1))
+    ce_chain = (F.cross_entropy(chained.float().reshape(-1, v), w[:, 3:].reshape(-1)) if chained is not None
+                else ce.new_zeros(()))
     idx = aux.float() if want_indexer else aux.new_zeros(())
-    return {"ce": ce, "ce_mtp": ce_mtp, "indexer": idx, "logits": logits, "mtp_logits": mtp_logits}
+    return {"ce": ce, "ce_mtp": ce_mtp, "ce_chain": ce_chain, "indexer": idx}
 
 
 @torch.no_grad()
@@ -270,17 +282,20 @@ def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autoca
              forward: Callable) -> dict:
     """Held-out CE of the target and of the MTP head, MTP top-1 accuracy, and the MTP/target
     greedy agreement (how often the draft equals the target's own argmax for the same token:
-    the first-draft acceptance of greedy speculation on this text)."""
+    the first-draft acceptance of greedy speculation on this text); where the family has a chained
+    forward, the same two of the chain's second draft (`chain_ce`, `chain_target_agreement`: its
+    argmax against the target's for that token, the first draft teacher-forced)."""
     was = target.training, mtp.training
     target.eval()
     mtp.eval()
-    sums = {"ce": 0.0, "ce_mtp": 0.0, "mtp_top1": 0.0, "target_top1": 0.0, "agreement": 0.0}
-    n_tok = n_mtp = 0
+    sums = {"ce": 0.0, "ce_mtp": 0.0, "mtp_top1": 0.0, "target_top1": 0.0, "agreement": 0.0,
+            "ce_chain": 0.0, "chain_agreement": 0.0}
+    n_tok = n_mtp = n_chain = 0
     for i in range(0, len(windows), batch_size):
         w = windows[i:i + batch_size].to(device, non_blocking=True)
         x = w[:, :-1]
         with autocast():
-            logits, mtp_logits = forward(target, mtp, x)
+            logits, mtp_logits, chained = forward(target, mtp, x)
         v = logits.shape[-1]
         lt, lm = logits.float(), mtp_logits.float()
         y1, y2 = w[:, 1:], w[:, 2:]
@@ -291,6 +306,11 @@ def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autoca
         sums["agreement"] += (lm.argmax(-1) == lt[:, 1:].argmax(-1)).sum().item()
         n_tok += y1.numel()
         n_mtp += y2.numel()
+        if chained is not None:
+            lc = chained.float()
+            sums["ce_chain"] += F.cross_entropy(lc.reshape(-1, v), w[:, 3:].reshape(-1), reduction="sum").item()
+            sums["chain_agreement"] += (lc.argmax(-1) == lt[:, 2:].argmax(-1)).sum().item()
+            n_chain += lc.shape[0] * lc.shape[1]
     target.train(was[0])
     mtp.train(was[1])
     res = {
@@ -298,6 +318,9 @@ def evaluate(target, mtp, windows: torch.Tensor, batch_size: int, device, autoca
         "target_top1": sums["target_top1"] / n_tok, "mtp_top1": sums["mtp_top1"] / n_mtp,
         "mtp_target_agreement": sums["agreement"] / n_mtp, "tokens": n_tok,
     }
+    if n_chain:
+        res["chain_ce"] = sums["ce_chain"] / n_chain
+        res["chain_target_agreement"] = sums["chain_agreement"] / n_chain
     res["target_ppl"] = math.exp(min(res["target_ce"], 50))
     res["mtp_ppl"] = math.exp(min(res["mtp_ce"], 50))
     return res
@@ -363,6 +386,12 @@ def _cpu_note(opts: TrainOptions) -> str | None:
             f"{', '.join('--' + k.replace('_', '-') for k in taken)} to change)")
 
 
+def _chain_note(ev: dict) -> str:
+    if "chain_ce" not in ev:
+        return ""
+    return f", chained draft ce {ev['chain_ce']:.3f} agreement {ev['chain_target_agreement']:.3f}"
+
+
 def train(opts: TrainOptions, log: Callable[[str], None] = print, progress_factory=None) -> dict:
     """Run a training job; returns the report (also written to OUT/train_report.json).
 
@@ -413,6 +442,8 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
         log(note)
     family = family_of(cfg)
     recipe = recipe_of(cfg)
+    if hp["chain_weight"] and not recipe.chain:
+        raise UserError(f"--chain-weight: glm5mtp train has no chained-draft loss for the {family.name} family")
     if hp["seq_len"] > cfg.max_position_embeddings:
         raise UserError(f"--seq-len {hp['seq_len']} exceeds max_position_embeddings {cfg.max_position_embeddings}")
 
@@ -458,6 +489,7 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
     sampler = WindowSampler(train_ids, hp["seq_len"], hp["batch_size"], opts.seed)
     windows = heldout_windows(held_ids, hp["seq_len"], hp["eval_tokens"])
     want_indexer = hp["indexer_weight"] > 0 and not opts.mtp_only
+    chain = hp["chain_weight"] > 0
 
     # Loop.
     steps, budget = hp["steps"], hp["time_budget"]
@@ -480,11 +512,13 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
                 g["lr"] = lr
             w = sampler.next().to(device, non_blocking=True)
             with autocast():
-                losses = compute_losses(target, mtp, w, opts.mtp_only, want_indexer, recipe.forward)
+                losses = compute_losses(target, mtp, w, opts.mtp_only, want_indexer, chain, recipe.forward)
+            chain_loss = hp["chain_weight"] * losses["ce_chain"]
             if opts.mtp_only:
-                loss = losses["ce_mtp"]
+                loss = losses["ce_mtp"] + chain_loss
             else:
-                loss = losses["ce"] + hp["mtp_weight"] * losses["ce_mtp"] + hp["indexer_weight"] * losses["indexer"]
+                loss = (losses["ce"] + hp["mtp_weight"] * losses["ce_mtp"] + chain_loss
+                        + hp["indexer_weight"] * losses["indexer"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, hp["grad_clip"])
@@ -493,7 +527,8 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
             step += 1
             tokens_seen += w.shape[0] * (w.shape[1] - 1)
             last = {"loss": loss.item(), "ce": losses["ce"].item(), "ce_mtp": losses["ce_mtp"].item(),
-                    "indexer": losses["indexer"].item(), "lr": lr, "grad_norm": float(gnorm)}
+                    "ce_chain": losses["ce_chain"].item(), "indexer": losses["indexer"].item(), "lr": lr,
+                    "grad_norm": float(gnorm)}
             if not math.isfinite(last["loss"]):
                 raise RuntimeError(f"loss became {last['loss']} at step {step}; try a lower --lr")
             train_s = time.time() - t0 - eval_time
@@ -508,7 +543,7 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
                                 "heldout": ev, "expert_max_over_mean": imbalance})
                 log(f"step {step}: train loss {last['loss']:.3f} (ce {last['ce']:.3f}, mtp {last['ce_mtp']:.3f}, "
                     f"idx {last['indexer']:.3f}); held-out ce {ev['target_ce']:.3f}, mtp ce {ev['mtp_ce']:.3f}, "
-                    f"agreement {ev['mtp_target_agreement']:.3f}; {last['tok_s']:,.0f} tok/s")
+                    f"agreement {ev['mtp_target_agreement']:.3f}{_chain_note(ev)}; {last['tok_s']:,.0f} tok/s")
     finally:
         if bar is not None:
             bar.close()
@@ -519,7 +554,7 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
     final = evaluate(target, mtp, windows, hp["batch_size"], device, autocast, recipe.eval_forward)
     log(f"held-out after {step} steps: target ce {final['target_ce']:.3f} (ppl {final['target_ppl']:.1f}), "
         f"MTP ce {final['mtp_ce']:.3f} (ppl {final['mtp_ppl']:.1f}), MTP/target agreement "
-        f"{final['mtp_target_agreement']:.3f}")
+        f"{final['mtp_target_agreement']:.3f}{_chain_note(final)}")
 
     tensors = export_tensors(target, mtp, cfg)
     summary = save_trained(tensors, cfg, tmp, tok_dir, opts.max_shard_size)
@@ -544,6 +579,7 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
         "tokens_per_s": round(tokens_seen / max(train_wall - eval_time, 1e-9), 1),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "device_type": device.type,
+        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "dtype": dtype_name,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),

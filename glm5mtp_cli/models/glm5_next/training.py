@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -124,9 +125,19 @@ def kda_forward(layer: KdaLayer, a: torch.Tensor, chunk: int = TRAIN_CHUNK) -> t
 
 # ---- indexed MLA ---------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class AttendedKeys:
+    """What each query row of an MLA window attended: a chained MTP row attends the same (see
+    mla_chain_forward). k [B, T, h, dn], v [B, T, h, dv], mask [B, T(query), T(key)] bool."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor
+
+
 def mla_forward(layer: MlaLayer, a: torch.Tensor, want_indexer_loss: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """a [B, T, D] from position 0 -> (y [B, T, D], indexer KL loss or None)."""
+                ) -> tuple[torch.Tensor, torch.Tensor | None, AttendedKeys]:
+    """a [B, T, D] from position 0 -> (y [B, T, D], indexer KL loss or None, the keys it attended)."""
     B, T, _ = a.shape
     P, h, dn, dv = layer.pool, layer.heads, layer.dn, layer.dv
     idx = layer.indexer
@@ -178,7 +189,26 @@ def mla_forward(layer: MlaLayer, a: torch.Tensor, want_indexer_loss: bool = Fals
             logp = scores.masked_fill(~valid, float("-inf")).log_softmax(-1).masked_fill(~valid, 0.0)
             kl = (target * (target.clamp_min(1e-12).log() - logp)).sum(-1)              # [B, T]
             loss = kl[:, P - 1:].mean()
-    return y, loss
+    return y, loss, AttendedKeys(k, v, mask)
+
+
+def mla_chain_forward(layer: MlaLayer, a: torch.Tensor, first: AttendedKeys) -> torch.Tensor:
+    """A chained draft step over a window: row i (position i+1, its pair (g of first-step row i, the
+    token after it)) attends exactly the keys first-step row i attended plus its own key, as the
+    engine's chain does with the shared top-k (the step-0 selection, its tail and the chain's own
+    rows). a [B, T', D] normed, T' <= the first step's T -> y [B, T', D]."""
+    B, T, _ = a.shape
+    h, dn, dv = layer.heads, layer.dn, layer.dv
+    q = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(a))).view(B, T, h, dn)
+    c = layer.kv_a_layernorm(layer.kv_a_proj_with_mqa(a))
+    k, v = layer.kv_b_proj(c).view(B, T, h, dn + dv).split([dn, dv], dim=-1)
+    k1, v1, mask = first.k[:, :T], first.v[:, :T], first.mask[:, :T, :T]
+    att = torch.einsum("bshd,bthd->bhst", q, k1).float() * layer.scale                 # [B, h, T, T]
+    att = att.masked_fill(~mask[:, None], float("-inf"))
+    own = torch.einsum("bshd,bshd->bhs", q, k).float().unsqueeze(-1) * layer.scale      # [B, h, T, 1]
+    p = torch.cat([att, own], dim=-1).softmax(-1).to(v.dtype)
+    o = torch.einsum("bhst,bthd->bshd", p[..., :T], v1) + p[..., T].transpose(1, 2).unsqueeze(-1) * v
+    return layer.o_proj(o.reshape(B, T, h * dv))
 
 
 # ---- blocks and models -----------------------------------------------------------------------------
@@ -198,7 +228,7 @@ def block_forward(block: NextBlock, streams: torch.Tensor, want_indexer_loss: bo
     if block.kda:
         y = kda_forward(block.self_attn, a, chunk)
     else:
-        y, loss = mla_forward(block.self_attn, a, want_indexer_loss)
+        y, loss, _ = mla_forward(block.self_attn, a, want_indexer_loss)
     streams = hc_expand(streams, y, post, comb)
     pre, post, comb = weights("ffn")
     y = block.mlp(block.post_attention_layernorm(hc_collapse(streams, pre)))
@@ -224,17 +254,27 @@ def target_forward(model: Glm5NextForCausalLM, input_ids: torch.Tensor, want_ind
 
 
 def mtp_forward(layer: Glm5NextMtpLayer, hidden: torch.Tensor, next_ids: torch.Tensor, embed, head,
-                want_indexer_loss: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                want_indexer_loss: bool = False, chain: bool = False):
     """Rows i = (embed(next_ids[:, i]), hidden[:, i]) from position 0 (embedding zeroed at row 0,
-    as at inference) -> (draft logits [B, T, V], g [B, T, D], indexer loss)."""
+    as at inference) -> (draft logits [B, T, V], g [B, T, D], indexer loss, chained logits).
+
+    chain: also the second draft of a chain, teacher-forced: row i pairs g[:, i] with next_ids[:, i+1]
+    and predicts the token after it ([B, T-1, V]; None without chain)."""
     e = embed(next_ids)
     e = e.masked_fill((torch.arange(next_ids.shape[1], device=e.device) == 0)[None, :, None], 0.0)
     x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden.to(e.dtype))], dim=-1))
-    y, loss = mla_forward(layer.self_attn, layer.input_layernorm(x), want_indexer_loss)
-    x = x + y
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    g = layer.shared_head.norm(x)
-    return head(g), g, _sum([loss], g)
+    y, loss, keys = mla_forward(layer.self_attn, layer.input_layernorm(x), want_indexer_loss)
+    g = _mtp_tail(layer, x + y)
+    chained = None
+    if chain:
+        x2 = layer.eh_proj(torch.cat([layer.enorm(e[:, 1:]), layer.hnorm(g[:, :-1])], dim=-1))
+        chained = head(_mtp_tail(layer, x2 + mla_chain_forward(layer.self_attn, layer.input_layernorm(x2), keys)))
+    return head(g), g, _sum([loss], g), chained
+
+
+def _mtp_tail(layer: Glm5NextMtpLayer, x: torch.Tensor) -> torch.Tensor:
+    """The MTP block after its attention's residual: the MoE's residual, then shared_head.norm."""
+    return layer.shared_head.norm(x + layer.mlp(layer.post_attention_layernorm(x)))
 
 
 # ---- initialisation for training -------------------------------------------------------------------
