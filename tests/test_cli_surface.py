@@ -128,7 +128,7 @@ def test_generate_refuses_before_loading(args, needle, monkeypatch):
     (["--prompt-ids", "1,99999"], "--prompt-ids: token id 99999 outside the vocabulary (0..4095)"),
     (["--prompt", "x", "--max-seq-len", "99999"], "over the model's limit (max_position_embeddings 2048)"),
     (["--prompt", "x", "--draft-vocab", "5000"], "--draft-vocab must be in 1..4096"),
-    (["--prompt", "x", "--model", "glm5next-nano", "--draft-vocab", "64"], "--draft-vocab: no token counts"),
+    (["--prompt", "x", "--model", "glm5next-tiny", "--draft-vocab", "64"], "--draft-vocab: no token counts"),
     (["--prompt", "x", "--compare", "--gamma", "0"], "--compare runs gamma 0 beside --gamma"),
     (["--prompt", "x", "--gamma-policy", "adaptive", "--gamma", "0"], "--gamma-policy adaptive"),
     (["--prompt", "x", "--threads", "100000"], "--threads must be in 1.."),

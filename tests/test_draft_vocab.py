@@ -18,7 +18,7 @@ def test_a_profile_s_counts_go_to_the_user_cache_and_generate_finds_them(tmp_pat
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS)
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    shipped = profile_path("glm5next-nano")  # ships no counts of its own
+    shipped = profile_path("glm5next-nano")  # a shipped profile: never written into
     before = sorted(p.name for p in shipped.iterdir())
     r = CliRunner().invoke(app, ["draft-vocab", "--model", "glm5next-nano", "--corpus", str(corpus)], env=env)
     assert r.exit_code == 0, r.output
