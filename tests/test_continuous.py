@@ -46,17 +46,20 @@ def glm5next(tmp_path_factory):
     return glm5next_models(tmp_path_factory.mktemp("glm5next_continuous"))
 
 
-def _glm5_engine(rt, gamma, slots, sampling=SamplingParams(), eos=(), mode="eager", schedule="continuous"):
-    pools = rt.make_pools(64, slots + 2, block_size=4)  # + 2: freed blocks can stay free a while
-    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=tuple(eos), check_invariants=True, graphs=mode, schedule=schedule))
+def _glm5_engine(rt, gamma, slots, sampling=SamplingParams(), eos=(), mode="eager", schedule="continuous",
+                 max_seq_len=64, **prefill):
+    pools = rt.make_pools(max_seq_len, slots + 2, block_size=4)  # + 2: freed blocks can stay free a while
+    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=max_seq_len, eos_ids=tuple(eos), check_invariants=True, graphs=mode, schedule=schedule, **prefill))
     return engine, pools
 
 
-def _next_engine(models, gamma, slots, sampling=SamplingParams(), eos=(), schedule="continuous"):
+def _next_engine(models, gamma, slots, sampling=SamplingParams(), eos=(), schedule="continuous", max_seq_len=64,
+                 **prefill):
     cfg, target, mtp = models
-    pools = CachePools.create(cfg, num_blocks=16 * (slots + 2), block_size=4, dtype=torch.float32, device="cpu")
-    proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=64, sampling=sampling)) if gamma else None
-    engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=tuple(eos), check_invariants=True, schedule=schedule, graphs="eager"))
+    pools = CachePools.create(cfg, num_blocks=max_seq_len // 4 * (slots + 2), block_size=4, dtype=torch.float32,
+                              device="cpu")
+    proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=max_seq_len, sampling=sampling)) if gamma else None
+    engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=max_seq_len, eos_ids=tuple(eos), check_invariants=True, schedule=schedule, graphs="eager", **prefill))
     return engine, pools
 
 
@@ -196,20 +199,85 @@ MIXED = [(list(range(200, 244)), 7), ([11, 12], 9), (list(range(30, 47)), 5), ([
 @pytest.mark.parametrize("gamma", [0, 2])
 def test_prompts_of_different_lengths_prefilled_together_equal_alone(family, models, gamma):
     alone = _alone(family, models, gamma, work=MIXED)
-    engine, pools = _make(family, models, gamma, len(MIXED))
-    engine.prefill_chunk, engine.prefill_tokens = 8, 24
+    engine, pools = _make(family, models, gamma, len(MIXED), prefill_chunk=8, prefill_tokens=24)
     widths = []  # sequences per target forward during the admission
     target = engine.target
-    engine.target = lambda ids, caches, rows: widths.append(ids.shape[0]) or target(ids, caches, rows=rows)
+    engine.target = lambda ids, caches, rows, real=None: widths.append(ids.shape[0]) or target(ids, caches, rows, real)
     first = {}  # request -> target forwards run when its first token came
     engine.on_tokens = lambda rid, toks: first.setdefault(rid, len(widths))
     res = _run(engine, pools, len(MIXED), work=MIXED)
     assert [r.tokens for r in res] == alone
     admission = widths[: max(first.values())]  # every request admitted in one batch: its forwards
-    if family == "glm5":  # paged state only: prompts share forwards, within the 24-row budget
-        assert max(admission) > 1 and len(admission) < sum(-(-len(p) // 8) for p, _ in MIXED)
-    else:  # a recurrent state would absorb padding rows: one prompt per forward
-        assert set(admission) == {1}
+    # prompts share forwards within the 24-row budget (GLM-5-Next: padding kept out of the KDA state)
+    assert max(admission) > 1 and len(admission) < sum(-(-len(p) // 8) for p, _ in MIXED)
+
+
+# GLM-5-Next prompts across the KDA chunk (64 rows) and pool (4) boundaries, ending mid-pool
+LONG = [(list(range(2, 99)), 9), ([21, 22, 23], 7), (list(range(110, 176)), 12), (list(range(40, 71)), 5),
+        (list(range(7, 70)), 8), ([9] * 6 + list(range(80, 99)), 10), (list(range(30, 100)), 6)]
+
+
+def _per_request(res):
+    return [(r.tokens, r.finish_reason, r.acceptance.accepted, r.acceptance.proposed) for r in res]
+
+
+def test_glm5next_varlen_prefill_equals_each_prompt_alone(glm5next):
+    """One forward of 4 prompts padded to 70 rows ('final' KDA: across its 64-row chunk; pools of 4
+    ended mid-pool) gives each prompt's last logits and hiddens as its own forward does, and leaves
+    its KDA states and conv windows such that the next decode step's logits agree too."""
+    cfg, target, _ = glm5next
+    lengths = [70, 5, 66, 33]
+    prompts = [torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    pools = CachePools.create(cfg, num_blocks=200, block_size=4, dtype=torch.float32, device="cpu", with_drafter=False)
+
+    def caches():
+        out = [pools.target_cache() for _ in lengths]
+        for c in out:
+            c.reserve(80)
+        return out
+
+    alone, shared = caches(), caches()
+    ref = [target(p[None], [c], rows="last") for p, c in zip(prompts, alone)]
+    ids = torch.zeros(len(lengths), 70, dtype=torch.long)
+    for j, p in enumerate(prompts):
+        ids[j, : len(p)] = p
+    real = torch.tensor(lengths)
+    out = target(ids, shared, rows=real - 1, real=real)
+    for j, c in enumerate(shared):
+        c.truncate(lengths[j])  # as prefill_targets does: commits each KDA state at its real rows
+        torch.testing.assert_close(out.logits[j, 0], ref[j].logits[0, 0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.hidden_all[j, : lengths[j]], ref[j].hidden_all[0], atol=1e-4, rtol=1e-4)
+    nxt = torch.tensor([[7], [8], [9], [10]])
+    step_alone = torch.cat([target(nxt[j:j + 1], [c]).logits for j, c in enumerate(alone)])
+    step_shared = target(nxt, shared).logits
+    torch.testing.assert_close(step_shared, step_alone, atol=1e-4, rtol=1e-4)
+    for c in alone + shared:
+        c.release()
+
+
+# a 97-row prompt in pieces ending mid-pool: 66 + 31 ('final' KDA forwards, the first across its
+# 64-row chunk) or ten of 10 (verify-sized forwards, whose commits replay the kept rows)
+@pytest.mark.parametrize("chunk", [66, 10])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_glm5next_prompts_admitted_together_equal_one_prompt_per_forward(glm5next, chunk, sampled):
+    """Several prompts per forward, padding kept out of the KDA state, give every request exactly
+    what one prompt per forward gives (prefill_tokens 1): tokens, finish reason, acceptance counts;
+    3 slots for 7 requests, so slots are re-occupied; one EOS id ends some early."""
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=5) if sampled else SamplingParams()
+    kw = dict(sampling=sampling, max_seq_len=112, prefill_chunk=chunk)
+    engine, pools = _next_engine(glm5next, 2, 3, prefill_tokens=1, **kw)
+    single = _run(engine, pools, 3, work=LONG)
+    eos = single[0].tokens[3]
+    engine, pools = _next_engine(glm5next, 2, 3, prefill_tokens=1, eos=[eos], **kw)
+    single = _per_request(_run(engine, pools, 3, work=LONG))
+    engine, pools = _next_engine(glm5next, 2, 3, prefill_tokens=4096, eos=[eos], **kw)
+    widths = []
+    target = engine.target
+    engine.target = lambda ids, caches, rows, real=None: widths.append(ids.shape[0]) or target(ids, caches, rows, real)
+    shared = _per_request(_run(engine, pools, 3, work=LONG))
+    assert max(widths) > 1  # prompts did share forwards
+    assert shared == single
+    assert "eos" in {r[1] for r in shared}
 
 
 def test_continuous_admits_once_idle_slots_cost_what_an_admission_does(glm5):

@@ -170,14 +170,36 @@ def test_sequence_forward_reads_the_sequences_state_slots(rt):
     cache.release()
 
 
-def test_prefill_graphs_are_refused_for_fixed_size_state(rt):
-    """--prefill-graphs pads rows into shared forwards, which a KDA state would absorb: one line."""
-    from glm5mtp_cli.errors import UserError
+def _prefill_graph_runs(rt, chunk: int, mode: str):
+    def run(prefill_graphs):
+        pools = rt.make_pools(64, 5, block_size=4, prefill_graphs=prefill_graphs)
+        engine = make_engine(rt, pools, EngineConfig(gamma=3, max_seq_len=64, eos_ids=(), graphs=mode,
+                                                     prefill_graphs=prefill_graphs, prefill_chunk=chunk))
+        work = _work(rt)
+        res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(work)], batch_size=3)
+        replays = engine.runner.prefill.replays if prefill_graphs else None
+        engine.close()
+        assert not any(pools.blocks_held().values()), "a block, slot or scratch stayed held"
+        return [(r.tokens, r.acceptance.proposed, r.acceptance.accepted) for r in res], replays
 
-    pools = rt.make_pools(128, 1, block_size=4)
-    with pytest.raises(UserError, match="--prefill-graphs: .*fixed-size state"):
-        make_engine(rt, pools, EngineConfig(gamma=0, max_seq_len=128, eos_ids=(), graphs="static", prefill_graphs=True))
-    assert not any(pools.blocks_held().values())
+    static, replays = run(True)
+    assert replays > 0, "no prefill forward ran from a bucket"
+    assert static == run(False)[0]
+
+
+@pytest.mark.parametrize("chunk", [24, 8])  # KDA 'final' prefill forwards / verify-sized ones
+def test_static_prefill_forwards_equal_eager(rt, chunk):
+    """--prefill-graphs' static forwards (their own slot indices; padding kept out of the KDA state,
+    committed at each member's real rows right after the run) give the eager prefill's tokens and
+    acceptance; every scratch block and slot goes back at close."""
+    _prefill_graph_runs(rt, chunk, "static")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_prefill_forwards_equal_eager_on_cuda():
+    """Captured: a bucket's replay overwrites its outputs, so each forward's KDA commit must
+    happen before the next replay (fp32, so tokens compare exactly)."""
+    _prefill_graph_runs(load_runtime(ModelSpec("glm5next-nano", "cuda", "fp32"), progress=False), 24, "cuda")
 
 
 @pytest.mark.parametrize("mode", ["eager", "static"])

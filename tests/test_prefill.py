@@ -29,28 +29,22 @@ def _check(plan, remaining, headroom, chunk, budget):
     ([5] * 10, [9] * 10, 1024, 12),
 ])
 def test_plan_covers_every_row_within_limits(remaining, headroom, chunk, budget):
-    plan = plan_forwards(remaining, headroom, chunk, budget, padded=True)
+    plan = plan_forwards(remaining, headroom, chunk, budget)
     _check(plan, remaining, headroom, chunk, budget)
     assert len(plan) < sum(-(-r // chunk) for r in remaining)  # shared: fewer forwards than prompts' chunks
 
 
 def test_short_prompt_waits_when_the_padding_would_pass_its_reservation():
-    plan = plan_forwards([500, 20], [628, 21], 1024, 8192, padded=True)  # 20 cannot take 480 padding rows
+    plan = plan_forwards([500, 20], [628, 21], 1024, 8192)  # 20 cannot take 480 padding rows
     _check(plan, [500, 20], [628, 21], 1024, 8192)
     assert plan == [(500, [(0, 500)]), (20, [(1, 20)])]
 
 
 def test_similar_lengths_grouped_longest_first():
-    plan = plan_forwards([30, 4, 29, 5], [40, 40, 40, 40], 1024, 64, padded=True)
+    plan = plan_forwards([30, 4, 29, 5], [40, 40, 40, 40], 1024, 64)
     assert plan == [(30, [(0, 30), (2, 29)]), (5, [(3, 5), (1, 4)])]
-
-
-def test_unpadded_caches_get_one_sequence_per_forward():
-    plan = plan_forwards([9, 3], [9, 3], 4, 8192, padded=False)
-    assert plan == [(4, [(0, 4)]), (4, [(0, 4)]), (3, [(1, 3)]), (1, [(0, 1)])]
-    _check(plan, [9, 3], [9, 3], 4, 8192)
 
 
 def test_refuses_a_prompt_over_its_reservation():
     with pytest.raises(RuntimeError):
-        plan_forwards([10], [9], 8, 64, padded=True)
+        plan_forwards([10], [9], 8, 64)

@@ -91,7 +91,7 @@ PrefillGraphsOpt = Annotated[bool, typer.Option("--prefill-graphs", metavar="", 
                                                 help="Run the admission prefill's forwards (target and drafter) from "
                                                      "CUDA graphs, one per (sequences, rows) bucket up to 16384 rows "
                                                      "(fewer for models wider than 768), captured at its first use; "
-                                                     "GLM-5 family (paged caches); needs CUDA graphs.")]
+                                                     "needs CUDA graphs.")]
 
 
 GammaPolicyOpt = Annotated[str, typer.Option("--gamma-policy", metavar="NAME", rich_help_panel=SPECULATION,

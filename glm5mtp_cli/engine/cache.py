@@ -304,12 +304,6 @@ class SequenceCache:
     def _least_capacity(self) -> int:
         return min(r.capacity for r in self.rows.values()) if self.rows else 1 << 62
 
-    @property
-    def takes_padding(self) -> bool:
-        """Whether rows appended past the length and then cut off leave no trace: true when every
-        component is paged (a fixed-size state, e.g. a recurrent one, absorbs every row it sees)."""
-        return not self.slots
-
     def reserve(self, tokens: int) -> None:
         for part in (*self.rows.values(), *self.slots.values()):
             part.reserve(tokens)

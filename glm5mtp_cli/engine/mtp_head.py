@@ -21,7 +21,7 @@ from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner
-from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards, takes_padding
+from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards
 from glm5mtp_cli.engine.proposer import CatchupMisaligned, DrafterKV, Drafts, ProposerState
 from glm5mtp_cli.engine.sampling import choose
 from glm5mtp_cli.errors import UserError
@@ -84,14 +84,13 @@ class MtpHead:
     def catchup_batch(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], states: list[ProposerState],
                       chunk: int, budget: int, static=None) -> None:
         """Append each state's real rows tokens[b] (with hiddens[b]) from its current length, in
-        forwards shared by several sequences where their caches take padding (engine/prefill.py);
+        forwards shared by several sequences (engine/prefill.py: the drafters' caches are paged rows);
         `static` (engine/prefill_graphs.PrefillForwards) runs the forwards it has a bucket for."""
         for st in states:
             self._check_aligned(st.cache.length if st.cache is not None else -1, st)
         caches = [st.cache for st in states]
         done = [0] * len(states)
-        plan = plan_forwards([t.shape[0] for t in tokens], [c.capacity - c.length for c in caches], chunk, budget,
-                             takes_padding(caches))
+        plan = plan_forwards([t.shape[0] for t in tokens], [c.capacity - c.length for c in caches], chunk, budget)
         for t, members in plan:
             toks = [tokens[i][done[i]:done[i] + k] for i, k in members]
             ids, hid = padded_feed(toks, [hiddens[i][done[i]:done[i] + k] for i, k in members], t)

@@ -3,11 +3,10 @@
 A forward appends T rows to each of its m sequences ([m, T] ids). A sequence with fewer than T rows
 left is padded; its padding rows land past its length, inside its own reservation, and the cache is
 cut back to its real rows after the forward, so the next append overwrites them. That is exact
-only where every row the forward appends is dead once cut: paged rows are (attention is causal, so
-no real row reads a padding row, and each row's logits/hidden are taken at its own last real row),
-a fixed-size state is not (GLM-5-Next's KDA recurrent state would absorb the padding rows). So a
-cache whose components are all paged (`SequenceCache.takes_padding`) shares forwards; any other
-prefills one sequence per forward, as before.
+because every row the forward appends is dead once cut: paged rows are (attention is causal, so no
+real row reads a padding row, and each row's logits/hidden are taken at its own last real row), and
+a fixed-size state never sees them: the target is told each sequence's real rows (`real`) and keeps
+the rest out of it (GLM-5-Next's KDA state: padding rows neither decay nor write it).
 
 Planning (`plan_forwards`): while rows remain, T = min(chunk, the most rows any sequence has left);
 sequences join the forward longest first while their headroom (reserved rows past their length)
@@ -22,8 +21,8 @@ from __future__ import annotations
 import torch
 
 
-def plan_forwards(remaining: list[int], headroom: list[int], chunk: int, budget: int,
-                  padded: bool) -> list[tuple[int, list[tuple[int, int]]]]:
+def plan_forwards(remaining: list[int], headroom: list[int], chunk: int,
+                  budget: int) -> list[tuple[int, list[tuple[int, int]]]]:
     """The forwards that append remaining[i] rows to sequence i: a list of (T, [(i, real rows)])."""
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
@@ -39,7 +38,7 @@ def plan_forwards(remaining: list[int], headroom: list[int], chunk: int, budget:
         t = min(chunk, rem[order[0]])
         members = []
         for i in order:
-            if members and (not padded or (len(members) + 1) * t > budget):
+            if members and (len(members) + 1) * t > budget:
                 break
             if room[i] >= t:
                 k = min(rem[i], t)
@@ -47,10 +46,6 @@ def plan_forwards(remaining: list[int], headroom: list[int], chunk: int, budget:
                 rem[i] -= k
                 room[i] -= k
         out.append((t, members))
-
-
-def takes_padding(caches: list) -> bool:
-    return all(c is not None and c.takes_padding for c in caches)
 
 
 def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, budget: int, device,
@@ -62,8 +57,7 @@ def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, 
     done = [0] * n
     hiddens: list[list[torch.Tensor]] = [[] for _ in range(n)]
     logits: list[torch.Tensor | None] = [None] * n
-    plan = plan_forwards([len(p) for p in prompts], [c.capacity - c.length for c in caches], chunk, budget,
-                         takes_padding(caches))
+    plan = plan_forwards([len(p) for p in prompts], [c.capacity - c.length for c in caches], chunk, budget)
     for t, members in plan:
         ids = torch.zeros(len(members), t, dtype=torch.long)
         for j, (i, k) in enumerate(members):
@@ -72,8 +66,9 @@ def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, 
         out = static.target(ids, group, [k for _, k in members]) if static is not None else None
         if out is None:
             starts = [c.length for c in group]
-            last = torch.tensor([k - 1 for _, k in members], dtype=torch.long).to(device)
-            out = target(ids.to(device), group, rows=last)
+            real = torch.tensor([k for _, k in members], dtype=torch.long).to(device)
+            padded = any(k < t for _, k in members)
+            out = target(ids.to(device), group, rows=real - 1, real=real if padded else None)
             for j, (_, k) in enumerate(members):
                 if k < t:
                     group[j].truncate(starts[j] + k)  # the padding rows are dead: the next append overwrites them

@@ -1,6 +1,5 @@
 """--prefill-graphs: the admission prefill's forwards (engine/prefill.py: the targets' shared
-forwards and the drafters' catch-ups) as static forwards, captured as CUDA graphs on CUDA, for
-models whose caches are paged rows only (GLM-5).
+forwards and the drafters' catch-ups) as static forwards, captured as CUDA graphs on CUDA.
 
 Why: an eager prefill forward is host-bound. On the H200 a glm5-nano admission forward cost ~10 ms
 of host time against ~2 ms of GPU work per HumanEval prompt (device runs 5-6), and with speculation
@@ -25,9 +24,11 @@ time; it is reported with the decode graphs' capture, apart from end to end.
 
 The members of a forward are not in the engine's slots yet (they are being admitted), so the
 forwards read their blocks through tables of their own ([rows + 1, NB] per component, NB the
-engine's table width, the last row all scratch), written before each run. Not for fixed-size state
-(GLM-5-Next's KDA state would absorb the padding rows): `check`, at the engine's start, refuses
-those models.
+engine's table width, the last row all scratch), written before each run, and fixed-size state
+(GLM-5-Next's KDA state and conv windows) through slot indices of their own ([rows + 1], the last a
+scratch slot), the padding rows kept out of it as in the eager path (the context's `real`: each
+row's last real row + 1). What such a forward advanced is committed right after it, at the
+member's real rows: the commit reads the graph's outputs, which the bucket's next replay overwrites.
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ import time
 import torch
 
 from glm5mtp_cli.engine.cache import BlockPool, to_device
-from glm5mtp_cli.engine.static import StaticForward, Table
-from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table
 
 MIN_ROWS = 16  # the shortest bucket: shorter forwards pad up to it
 # the largest bucket (sequences x rows) at a hidden size up to NARROW: measured on glm5-nano (384),
@@ -59,15 +59,6 @@ def bucket(n: int, least: int = 1) -> int:
     return 1 << (max(n, least) - 1).bit_length()
 
 
-def check(pools, owners: list[str]) -> None:
-    """One line when a cache component is not paged rows (padding rows would change its state)."""
-    for owner in owners:
-        for name in pools.owners.get(owner, ()):
-            if not isinstance(pools.pools[name], BlockPool):
-                raise UserError(f"--prefill-graphs: {name} is fixed-size state, which the padding rows of a "
-                                "shared forward would change (GLM-5-Next): run without it")
-
-
 class PrefillForwards:
     """The static prefill forwards of one engine, for the target and (with a drafter) the drafter."""
 
@@ -81,19 +72,27 @@ class PrefillForwards:
         self.capture = capture
         self.max_rows = max_rows
         self.rows = max_rows // MIN_ROWS  # the most sequences a bucket holds
-        self.scratch: dict[str, list[int]] = {}
+        self.scratch: dict[str, list[int]] = {}  # a block per paged component
+        self.scratch_slots: dict[str, int] = {}  # a slot per fixed-size component
         self.tables: dict[str, dict[str, Table]] = {}
+        self.slot_index: dict[str, dict[str, SlotIndex]] = {}
         self.forwards: dict[tuple, StaticForward] = {}
         self.mempool = None
         self.replays = 0  # forwards run from a bucket (tests; a count, not a timing)
         self.capture_s = 0.0  # capturing since the engine last took it (one-time setup, apart from e2e)
         try:
             for owner in owners:
-                self.tables[owner] = {}
+                self.tables[owner], self.slot_index[owner] = {}, {}
                 for name in pools.owners[owner]:
-                    self.scratch[name] = pools.pools[name].take(1)
-                    table = torch.full((self.rows + 1, width), self.scratch[name][0], dtype=torch.long, device=device)
-                    self.tables[owner][name[len(owner) + 1:]] = Table(pools.pools[name], table, self.scratch[name][0])
+                    pool, short = pools.pools[name], name[len(owner) + 1:]
+                    if isinstance(pool, BlockPool):
+                        self.scratch[name] = pool.take(1)
+                        table = torch.full((self.rows + 1, width), self.scratch[name][0], dtype=torch.long, device=device)
+                        self.tables[owner][short] = Table(pool, table, self.scratch[name][0])
+                    else:
+                        slot = self.scratch_slots[name] = pool.take()
+                        index = torch.full((self.rows + 1,), slot, dtype=torch.long, device=device)
+                        self.slot_index[owner][short] = SlotIndex(pool, index, slot)
         except BaseException:
             self.close()
             raise
@@ -107,7 +106,7 @@ class PrefillForwards:
         if f is None:
             return None
         f.ids[:m, :t].copy_(ids.to(self.device, non_blocking=True))
-        out = self._run(f, caches, real)
+        out = self._run(f, caches, real, self.models["target"])
         return type(out)(out.logits[:m].clone(), None, hidden_all=out.hidden_all[:m, :t].clone())
 
     def drafter(self, ids: torch.Tensor, hidden: torch.Tensor, caches: list, real: list[int]) -> bool:
@@ -124,7 +123,7 @@ class PrefillForwards:
 
     @staticmethod
     def _target_fn(target):
-        return lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t), f.rows)
+        return lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t, real=f.rows + 1), f.rows)
 
     @staticmethod
     def _drafter_fn(proposer):
@@ -142,7 +141,7 @@ class PrefillForwards:
             model = self.models[owner]
             idx = torch.full((b,), self.rows, dtype=torch.long, device=self.device)  # all scratch while built
             f = StaticForward(model.context, fn_of(model), b, bt, self.tables[owner], self.device, hidden,
-                              pick_row=True, idx=idx)
+                              pick_row=True, idx=idx, slots=self.slot_index[owner])
             if self.capture:
                 if self.mempool is None:
                     self.mempool = torch.cuda.graph_pool_handle()
@@ -154,19 +153,25 @@ class PrefillForwards:
             self.forwards[key] = f
         return f
 
-    def _run(self, f: StaticForward, caches: list, real: list[int]):
-        """Point rows 0..m-1 at the caches' blocks, run, and grow each cache by its real rows."""
+    def _run(self, f: StaticForward, caches: list, real: list[int], commits=None):
+        """Point rows 0..m-1 at the caches' blocks and slots, run, and grow each cache by its real
+        rows; `commits` (the target): what the forward advanced in fixed-size state is committed now."""
         m = len(caches)
         for name, tab in f.tables.items():
             for j, c in enumerate(caches):
                 tab.name_blocks(j, c.rows[name].blocks, name)
+        for name, index in f.slots.items():
+            index.index[:m].copy_(to_device([c.slots[name].slot for c in caches], self.device), non_blocking=True)
         f.idx.copy_(to_device(list(range(m)) + [self.rows] * (f.b - m), self.device), non_blocking=True)
         for c, k in zip(caches, real):
             c.prepare(k)
         f.set_starts_rows([c.length for c in caches] + [0] * (f.b - m), [k - 1 for k in real] + [0] * (f.b - m))
         out = f.run()
+        if commits is not None:
+            commits.leave_pending(caches, out.pending)
         for c, k in zip(caches, real):
             c.length += k
+            c.prepare(0)  # commit at the real rows now: the bucket's next replay overwrites `out`
         self.replays += 1
         return out
 
@@ -184,5 +189,7 @@ class PrefillForwards:
         self.mempool = None
         for name, blocks in self.scratch.items():
             self.pools.pools[name].give(blocks)
-        self.scratch = {}
-        self.tables = {}
+        for name, slot in self.scratch_slots.items():
+            self.pools.pools[name].give(slot)
+        self.scratch, self.scratch_slots = {}, {}
+        self.tables, self.slot_index = {}, {}

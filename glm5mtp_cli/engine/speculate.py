@@ -42,7 +42,7 @@ from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
-from glm5mtp_cli.engine.prefill_graphs import check as check_prefill_graphs, graph_rows
+from glm5mtp_cli.engine.prefill_graphs import graph_rows
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, StepRecord, budget_tokens, reserve_tokens
@@ -92,8 +92,6 @@ class SpecEngine:
         self._admission_s = 0.0  # wall time of the last admission (the rent-or-buy rule's price)
         self._idle_s = 0.0  # free-slot seconds since then
         self.runner = ForwardRunner(config.graphs, self.device, config.compile, config.compile_mode)
-        if config.prefill_graphs:
-            check_prefill_graphs(pools, ["target"] + (["drafter"] if proposer is not None and config.gamma > 0 else []))
         self.clock = Clock(self.device)
         self.wall_prefill_s = 0.0
         self.admissions = 0

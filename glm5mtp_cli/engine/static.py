@@ -87,13 +87,14 @@ class StaticForward:
         self.out = None
         self.path: str | None = None  # the kernel path a compiled forward runs (None: as set outside)
 
-    def context(self, starts: torch.Tensor, t: int):
+    def context(self, starts: torch.Tensor, t: int, real: torch.Tensor | None = None):
         """The model's context of a forward appending t rows at `starts` (device) to every row; the
-        slot indices only for an owner with slot components (GLM-5's context takes none)."""
+        slot indices, and `real` (each row's real rows, the rest padding kept out of fixed-size
+        state), only for an owner with slot components (GLM-5's context takes neither)."""
         rows = {name: table.rows(self.idx, starts, t) for name, table in self.tables.items()}
         if not self.slots:
             return self.context_fn(starts, t, rows)
-        return self.context_fn(starts, t, rows, {name: s.slots(self.idx) for name, s in self.slots.items()})
+        return self.context_fn(starts, t, rows, {name: s.slots(self.idx) for name, s in self.slots.items()}, real)
 
     def _forward(self):
         with sync_free(), kernel_path(self.path) if self.path else contextlib.nullcontext():

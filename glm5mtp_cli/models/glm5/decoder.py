@@ -113,8 +113,11 @@ class Glm5ForCausalLM(nn.Module):
         return self.model.norm(h)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all") -> ForwardOut:
-        """Append input_ids [B, T] to each sequence's cache; logits and normed hiddens for `rows`."""
+    def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all",
+                real: torch.Tensor | None = None) -> ForwardOut:
+        """Append input_ids [B, T] to each sequence's cache; logits and normed hiddens for `rows`.
+        real (the Target protocol's padding rows): nothing to keep them out of, every component is
+        paged rows that the caller cuts back."""
         bc = batch_context(self.cfg, caches, input_ids.shape[1], input_ids.device)
         out = self.forward_batch(input_ids, bc, rows)
         for cache in caches:

@@ -179,6 +179,7 @@ class KdaBatchPending:
     extended: torch.Tensor                 # [(Lk,) B, K-1+T, 3C]
     final: torch.Tensor | None = None      # mode final: [(Lk,) B, H, d, d]
     inputs: KdaInputs | None = None        # mode replay: [(Lk,) B, T, H, d] ([(Lk,) B, T, H] beta)
+    padded: bool = False                   # rows past each sequence's real ones were kept out of `final`
 
     @classmethod
     def stack(cls, layers: list["KdaBatchPending"]) -> "KdaBatchPending":
@@ -186,7 +187,8 @@ class KdaBatchPending:
         return cls(torch.stack([p.extended for p in layers]),
                    None if layers[0].final is None else torch.stack([p.final for p in layers]),
                    None if x[0] is None else KdaInputs(*(torch.stack([getattr(i, n) for i in x])
-                                                         for n in ("q", "k", "v", "g", "beta"))))
+                                                         for n in ("q", "k", "v", "g", "beta"))),
+                   layers[0].padded)
 
     def commit_row(self, b: int, state: torch.Tensor, keep: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked: sequence b's (S [Lk, H, d, d], conv windows [Lk, K-1, 3C]) after keeping its first
@@ -198,9 +200,9 @@ class KdaBatchPending:
             x = KdaInputs(*(getattr(self.inputs, n)[:, b] for n in ("q", "k", "v", "g", "beta"))).folded()
             _, s, _ = kda_recurrent(x.take(keep), state.reshape(-1, *state.shape[2:]))
             return s.view(state.shape), window
-        if keep != self.extended.shape[2] - (k - 1):
+        if not self.padded and keep != self.extended.shape[2] - (k - 1):
             raise ValueError("a 'final' KDA forward can only commit all of its rows")
-        return self.final[:, b], window
+        return self.final[:, b], window  # padded: the caller keeps exactly the row's real rows
 
 
 class _Weight(nn.Module):
@@ -284,19 +286,27 @@ class KdaLayer(nn.Module):
         return self.output(a, o.to(a.dtype)), pending
 
     def forward_batch(self, a: torch.Tensor, state: torch.Tensor, window: torch.Tensor, mode: str = "replay",
-                      chunk: int = CHUNK) -> tuple[torch.Tensor, KdaBatchPending]:
+                      chunk: int = CHUNK, real: torch.Tensor | None = None) -> tuple[torch.Tensor, KdaBatchPending]:
         """B sequences at once, T rows each: a [B, T, D]; state [B, H, d, d] fp32 and window
         [B, K-1, 3C] are read, not written. mode "replay" (a verify's rows: keep the kernel inputs)
-        or "final" (prefill: keep the state after all rows). Fixed shapes for a given (B, T)."""
+        or "final" (prefill: keep the state after all rows). Fixed shapes for a given (B, T).
+
+        real [B] (device; None: all T): sequence b's rows from real[b] on are padding (a shared
+        prefill forward). They get g = 0 and beta = 0, no decay and no write, so `final` is the
+        state after the real rows, exact; their outputs are garbage nobody reads, and the conv
+        window of the kept rows comes from `extended` at commit as for any prefix."""
         if mode not in ("replay", "final"):
             raise ValueError(f"batched KDA forwards keep 'replay' or 'final', got {mode!r}")
         b, t = a.shape[:2]
         x, extended = self.inputs(a, window)
+        if real is not None:
+            live = torch.arange(t, device=a.device)[None, :] < real[:, None]          # [B, T]
+            x = KdaInputs(x.q, x.k, x.v, x.g * live[..., None, None], x.beta * live[..., None])
         flat = state.reshape(b * self.heads, *state.shape[2:])
         run = kda_chunked(x.folded(), flat, chunk) if t > 1 else kda_recurrent(x.folded(), flat)[:2]
         o = run[0].view(t, b, self.heads, self.head_dim).transpose(0, 1)
         if mode == "replay":
             pending = KdaBatchPending(extended, inputs=x)
         else:
-            pending = KdaBatchPending(extended, final=run[1].view(state.shape))
+            pending = KdaBatchPending(extended, final=run[1].view(state.shape), padded=real is not None)
         return self.output(a, o.to(a.dtype)), pending

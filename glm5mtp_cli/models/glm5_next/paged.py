@@ -33,13 +33,17 @@ from glm5mtp_cli.models.glm5_next.mhc import contract_streams, expand_streams
 class PagedContext:
     """One forward of B sequences appending t rows each. starts [B] (device): rows each sequence
     held before; rows: `mla`, `pool`, `raw` (CachedRows over tables L rows wide, L >= starts + t);
-    slots: `kda`, `conv` (target only); kda_mode: "replay" (verify-sized) or "final" (prefill)."""
+    slots: `kda`, `conv` (target only); kda_mode: "replay" (verify-sized) or "final" (prefill);
+    real [B] (device, None: all t): the rows of each sequence that are real, the rest padding of a
+    shared prefill forward, kept out of the KDA state (KdaLayer.forward_batch); paged rows past a
+    sequence's real ones are cut back by the caller, as GLM-5's are."""
 
     starts: torch.Tensor
     t: int
     rows: dict[str, CachedRows]
     slots: dict[str, CachedSlots] = field(default_factory=dict)
     kda_mode: str = "replay"
+    real: torch.Tensor | None = None
 
     def positions(self) -> torch.Tensor:
         """[B, t] position of each new row."""
@@ -132,7 +136,7 @@ def target_forward(model, ids: torch.Tensor, ctx: PagedContext) -> tuple[torch.T
             j = kda_at[i]
             state, window = ctx.slots["kda"].read(j), ctx.slots["conv"].read(j)
             streams, pending[j] = block.run(
-                streams, lambda a: block.self_attn.forward_batch(a, state, window, ctx.kda_mode))
+                streams, lambda a: block.self_attn.forward_batch(a, state, window, ctx.kda_mode, real=ctx.real))
         else:
             streams, _ = block.run(streams, lambda a: mla_paged(block.self_attn, a, ctx, idx_at[i])[:2])
     return model.norm(contract_streams(streams)), KdaBatchPending.stack(list(pending.values())) if pending else None

@@ -105,10 +105,11 @@ class PooledTarget(torch.nn.Module):
         return self.model.embed_tokens
 
     def context(self, starts: torch.Tensor, t: int, rows: dict[str, CachedRows],
-                slots: dict[str, CachedSlots]) -> PagedContext:
+                slots: dict[str, CachedSlots], real: torch.Tensor | None = None) -> PagedContext:
         """The context of a forward appending t rows at `starts` [B] (device) to B sequences:
-        rows `mla`/`pool`/`raw` through their tables, slots `kda`/`conv` through their slot indices."""
-        return PagedContext(starts, t, rows, slots, DEFAULT_ROLLBACK if t <= MAX_VERIFY_ROWS else "final")
+        rows `mla`/`pool`/`raw` through their tables, slots `kda`/`conv` through their slot indices;
+        real [B] (device): each sequence's real rows when the rest are padding (PagedContext)."""
+        return PagedContext(starts, t, rows, slots, DEFAULT_ROLLBACK if t <= MAX_VERIFY_ROWS else "final", real)
 
     @torch.no_grad()
     def forward_batch(self, input_ids: torch.Tensor, ctx: PagedContext, rows: str | torch.Tensor = "all") -> ForwardOut:
@@ -119,11 +120,13 @@ class PooledTarget(torch.nn.Module):
         return ForwardOut(self.model.lm_head(h), h, hidden_all=h_all, pending=pending)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all") -> ForwardOut:
-        """Append input_ids [B, T] to each sequence's cache (one batched forward)."""
+    def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all",
+                real: torch.Tensor | None = None) -> ForwardOut:
+        """Append input_ids [B, T] to each sequence's cache (one batched forward); real [B] (device):
+        rows past real[b] are padding, kept out of the KDA state (the caller truncates them away)."""
         t, dev = input_ids.shape[1], input_ids.device
         starts, paged = cached_rows(caches, t, dev)
-        out = self.forward_batch(input_ids, self.context(starts, t, paged, cached_slots(caches, dev)), rows)
+        out = self.forward_batch(input_ids, self.context(starts, t, paged, cached_slots(caches, dev), real), rows)
         self.leave_pending(caches, out.pending)
         for cache in caches:
             cache.length += t
