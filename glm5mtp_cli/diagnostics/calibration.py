@@ -77,8 +77,9 @@ def load(path: Path | None = None) -> Calibration:
 
 
 def efficiency_key(kind: str, fp8: bool, fitted) -> str:
-    """The efficiency a forward of `kind` uses: draft's or decode's (verify, prefill), FP8's when fitted."""
-    base = "draft" if kind == "draft" else "decode"
+    """The efficiency a forward of `kind` uses: draft's (draft, catch-up) or decode's (verify, prefill),
+    FP8's when fitted."""
+    base = "draft" if kind in ("draft", "catchup") else "decode"
     return f"{base}_fp8" if fp8 and f"{base}_fp8" in fitted else base
 
 

@@ -5,8 +5,9 @@ Every forward is costed from what it moves and runs, on one of --tp ranks:
 - bytes: sizing.draft_step_bytes / target_step_bytes (the batch-1 reads: active weights, KV / indexer /
   KDA state at the context), with the routed experts (sizing.routed_expert_bytes) scaled to the
   experts a batch touches: N tokens routed top-k of E uniformly touch E * (1 - (1 - k/E)^N) distinct
-  experts (k at N = 1, so batch 1 is sizing's number exactly); the state reads once per row (each
-  query of a verify selects its own keys; the KDA replay steps its state row by row);
+  experts (k at N = 1, so batch 1 is sizing's number exactly); the state reads once per row of a
+  decode, verify or draft (each query selects its own keys; the KDA replay steps its state row by
+  row), once per sequence in a prefill chunk (its tiles read the cached prefix once);
 - FLOPs: 2 x active parameters (info.active_params, embeddings left out: a lookup) x tokens; the
   attention's own score FLOPs are left out (a few % at decode, more in a long prefill);
 - communication at tp > 1: two all-reduces of the hidden rows per layer (attention and MLP/MoE
@@ -34,9 +35,10 @@ from glm5mtp_cli.diagnostics.hardware import Hardware
 from glm5mtp_cli.diagnostics.recommend import best_gamma, decode_tokens_per_s
 
 BF16 = 2
-PER_ROW = ("cache", "kda_state", "embed_row")  # sizing's step components each row reads again
+PER_ROW = ("cache", "kda_state", "embed_row")  # sizing's step components read again per row
 PREFILL_CHUNK = 1024  # rows of one prompt per prefill forward (EngineConfig.prefill_chunk)
 BLOCK_SIZE = 16  # tokens per cache block (the engine's default)
+DRAFTER = ("draft", "catchup")  # the MTP layer's forwards: a chained draft, a catch-up over prompt rows
 TERMS = ("bandwidth", "compute", "communication", "launch", "host")
 
 
@@ -82,7 +84,7 @@ class ModelSizes:
 class Forward:
     """One forward's cost: what it moves and the time of each term (seconds)."""
 
-    kind: str  # draft, verify, decode, prefill
+    kind: str  # draft, verify, decode, prefill, catchup
     rows: int  # tokens it runs (all sequences)
     bytes: float
     flops: float
@@ -133,11 +135,12 @@ def touched_experts_factor(tokens: int, experts: int, top_k: int) -> float:
     return experts / top_k * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
-def forward_bytes(step_bytes: dict, routed: int, tokens: int, s: ModelSizes) -> float:
-    """One forward of `tokens` rows in all: weights once (routed experts as touched), state per row."""
-    per_row = sum(step_bytes.get(k, 0) for k in PER_ROW)
-    shared = step_bytes["total"] - per_row - routed
-    return shared + routed * touched_experts_factor(tokens, s.experts, s.top_k) + tokens * per_row
+def forward_bytes(step_bytes: dict, routed: int, tokens: int, state_reads: int, s: ModelSizes) -> float:
+    """One forward of `tokens` rows in all: weights once (routed experts as touched), the state
+    `state_reads` times."""
+    per_read = sum(step_bytes.get(k, 0) for k in PER_ROW)
+    shared = step_bytes["total"] - per_read - routed
+    return shared + routed * touched_experts_factor(tokens, s.experts, s.top_k) + state_reads * per_read
 
 
 def _comm(tokens: int, layers: int, s: ModelSizes, c: PlanConfig) -> tuple[float, float]:
@@ -152,22 +155,22 @@ def _comm(tokens: int, layers: int, s: ModelSizes, c: PlanConfig) -> tuple[float
 
 
 def _launch_s(c: PlanConfig) -> float:
-    """A kernel's cost: the fitted one on the calibrated hardware, the table's prior elsewhere."""
-    cal = c.calibration
-    return cal.per_kernel_s if c.hardware.name == cal.hardware else c.hardware.launch_s
+    """A kernel's cost: the hardware's when given (--hardware-file), else the calibration's."""
+    return c.calibration.per_kernel_s if c.hardware.launch_s is None else c.hardware.launch_s
 
 
 def forward(kind: str, seqs: int, rows: int, s: ModelSizes, c: PlanConfig) -> Forward:
     """One forward of `kind` over `seqs` sequences of `rows` rows each."""
     hw, cal = c.hardware, c.calibration
     tokens = seqs * rows
+    reads = seqs if kind in ("prefill", "catchup") else tokens
     kernels = cal.kernels_for(s.family)
-    if kind == "draft":
-        nbytes = forward_bytes(s.draft_bytes, s.routed["mtp"], tokens, s)
+    if kind in DRAFTER:
+        nbytes = forward_bytes(s.draft_bytes, s.routed["mtp"], tokens, reads, s)
         flops = 2.0 * s.draft_params * tokens
         n_kernels, layers = kernels["draft"], 1
     else:
-        nbytes = forward_bytes(s.target_bytes, s.routed["target"], tokens, s)
+        nbytes = forward_bytes(s.target_bytes, s.routed["target"], tokens, reads, s)
         flops = 2.0 * s.target_params * tokens
         n_kernels, layers = kernels["target_per_layer"] * s.layers, s.layers
     peak = hw.fp8_flops if c.fp8 else hw.bf16_flops
@@ -197,7 +200,7 @@ def ttft_seconds(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> float:
     for rows in [PREFILL_CHUNK] * (chunks - 1) + [last]:
         total += forward("prefill", seqs, rows, s, c).seconds
         if gamma > 0:
-            total += forward("draft", seqs, rows, s, c).seconds
+            total += forward("catchup", seqs, rows, s, c).seconds
     return total
 
 

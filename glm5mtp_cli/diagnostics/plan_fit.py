@@ -22,6 +22,7 @@ from glm5mtp_cli.diagnostics.hardware import Hardware
 from glm5mtp_cli.diagnostics.plan import Forward, PlanConfig, forward, model_sizes
 
 ROUNDS = 50
+START_KERNEL_S = 2.5e-6  # where the alternation starts (a graph-replayed kernel's order); the fit moves it
 
 
 @lru_cache(maxsize=None)
@@ -65,7 +66,7 @@ def _terms(m: Measurement, hw: Hardware, cal: Calibration, keys: set[str]) -> di
     run = m.kind == "run"
     bw: dict[str, float] = {}
     for f, n in fwds:
-        key = cal_mod.efficiency_key(f.kind, m.fp8, keys)
+        key = cal_mod.efficiency_key(f.kind, m.fp8, keys)  # a run's forwards: draft, verify or decode
         bw[key] = bw.get(key, 0.0) + n * f.bytes / hw.memory_bytes_per_s
     return {"bw": bw, "kernels": sum(n * f.kernels for f, n in fwds), "host_step": 1.0 if run else 0.0,
             "host_forward": float(sum(n for _, n in fwds)) if run else 0.0,
@@ -74,10 +75,11 @@ def _terms(m: Measurement, hw: Hardware, cal: Calibration, keys: set[str]) -> di
 
 def fit(measurements: list[Measurement], hw: Hardware, files: list[str]) -> Calibration:
     """The calibration that best predicts `measurements` (taken on `hw`)."""
+    hw = dataclasses.replace(hw, launch_s=None)  # the per-kernel cost is fitted, not given
     kernels = cal_mod.kernel_counts(measurements, family_of_measurement)
     keys = {cal_mod.efficiency_key(m.kind, m.fp8, {"draft_fp8", "decode_fp8"})
             for m in measurements if m.kind != "run"} | {"draft", "decode"}
-    cal = Calibration(hw.name, {k: 0.8 for k in keys}, hw.launch_s, 0.0, 0.0, cal_mod.HOST_SEQUENCE_PRIOR_S,
+    cal = Calibration(hw.name, {k: 0.8 for k in keys}, START_KERNEL_S, 0.0, 0.0, cal_mod.HOST_SEQUENCE_PRIOR_S,
                       kernels)
     terms = [_terms(m, hw, cal, keys) for m in measurements]  # bytes and kernels do not depend on the fit
     y = np.array([m.seconds for m in measurements])
@@ -99,9 +101,8 @@ def fit(measurements: list[Measurement], hw: Hardware, files: list[str]) -> Cali
         # then k and the host terms the runs identify, by linear least squares on relative errors
         bw = np.array([sum(v / eff[key] for key, v in t["bw"].items()) for t in terms])
         names = ["kernels"] + (["host_step", "host_forward"] if fit_host else []) + (["host_seqs"] if fit_seqs else [])
-        A = np.stack([np.array([t[n] for t in terms]) for n in names], 1) / y[:, None]
         fixed = 0.0 if fit_seqs else np.array([t["host_seqs"] for t in terms]) * hs
-        sol = dict(zip(names, np.linalg.lstsq(A, (y - bw - fixed) / y, rcond=None)[0].tolist()))
+        sol = _nonnegative_lstsq(terms, names, (y - bw - fixed) / y, y)
         k, h, hf, hs = sol["kernels"], sol.get("host_step", 0.0), sol.get("host_forward", 0.0), sol.get("host_seqs", hs)
     out = Calibration(
         hw.name, eff, k, h, hf, hs, kernels,
@@ -114,8 +115,22 @@ def fit(measurements: list[Measurement], hw: Hardware, files: list[str]) -> Cali
     return dataclasses.replace(out, residuals=compare(measurements, hw, out))
 
 
+def _nonnegative_lstsq(terms: list[dict], names: list[str], rhs, y) -> dict:
+    """Least squares in `names` (columns: each term over measured time), a cost that comes out negative
+    held at 0 and the rest refitted: no time is negative."""
+    free = list(names)
+    while True:
+        A = np.stack([np.array([t[n] for t in terms]) for n in free], 1) / y[:, None]
+        sol = dict(zip(free, np.linalg.lstsq(A, rhs, rcond=None)[0].tolist()))
+        negative = [n for n in free if sol[n] < 0]
+        if not negative:
+            return {n: sol.get(n, 0.0) for n in names}
+        free.remove(min(negative, key=sol.__getitem__))
+
+
 def compare(measurements: list[Measurement], hw: Hardware, cal: Calibration) -> list[dict]:
     """Each measurement beside plan's prediction of it."""
+    hw = dataclasses.replace(hw, launch_s=None)  # the calibration's per-kernel cost
     out = []
     for m in measurements:
         p = predict_seconds(m, hw, cal)
