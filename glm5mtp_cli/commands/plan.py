@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.generate import check_output
-from glm5mtp_cli.commands.options import MODEL, OUTPUT, SPECULATION, JsonOpt, LayersOpt, TpOpt
+from glm5mtp_cli.commands.options import MODEL, OUTPUT, SPECULATION, JsonOpt, LayersOpt
 from glm5mtp_cli.commands.profile import PLOT_HINT
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.errors import UserError
@@ -105,8 +105,11 @@ def plan_cmd(
         "--hardware-file", metavar="FILE", rich_help_panel=HARDWARE,
         help='Hardware as one JSON object: {"name", "memory_bytes_per_s", "bf16_flops", "fp8_flops" (dense), '
              '"memory_bytes", "link_bytes_per_s" (one direction), "link_latency_s", "launch_s" (per '
-             'kernel), "sources": {field: text}}, SI units, numbers > 0, name and sources optional.')] = None,
-    tp: TpOpt = 1,
+             'kernel), "sources": {field: text}}, SI units, numbers > 0; name, launch_s (default: the '
+             'calibration\'s) and sources optional.')] = None,
+    tp: Annotated[int, typer.Option("--tp", metavar="N", rich_help_panel=MODEL,
+                                    help="Tensor/expert parallel ranks to plan for (heads, experts and vocabulary "
+                                         "split as the family's sharding rules split them).")] = 1,
     context: Annotated[int, typer.Option("--context", metavar="TOKENS",
                                          help="Cached tokens a decode step reads (and each prompt's length, "
                                               "for TTFT).")] = 4096,
