@@ -101,6 +101,7 @@ class Measurement:
     kernels: float | None = None  # a step's measured kernel count
     seqs: int = 1
     gamma: int = 0
+    tokens_per_step: float = 1.0  # a run's: sequences x mean acceptance length
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -149,7 +150,8 @@ def _bench_rows(src: str, doc: dict) -> list[Measurement]:
         seqs = min(r["batch"], r.get("prompts") or r["batch"])
         step_s = seqs * r["mean_acceptance_length"] / r["decode_tokens_per_s"]
         out.append(Measurement(src, f"batch {r['batch']} gamma {r['gamma']} step", doc["model"], None,
-                               bool(doc.get("fp8_weights")), "run", step_s, context, seqs=seqs, gamma=r["gamma"]))
+                               bool(doc.get("fp8_weights")), "run", step_s, context, seqs=seqs, gamma=r["gamma"],
+                               tokens_per_step=seqs * r["mean_acceptance_length"]))
     return out
 
 
@@ -167,7 +169,8 @@ def _generate_run(src: str, doc: dict) -> list[Measurement]:
     return [Measurement(src, f"batch {engine['batch_size']} gamma {doc['gamma']} step"
                         + (" (synthetic acceptance)" if doc.get("synthetic_acceptance") else ""),
                         model["name"], model.get("layers"), bool(model.get("fp8")), "run",
-                        seqs * mal / lat["decode_tokens_per_s"], context, seqs=seqs, gamma=doc["gamma"])]
+                        seqs * mal / lat["decode_tokens_per_s"], context, seqs=seqs, gamma=doc["gamma"],
+                        tokens_per_step=seqs * mal)]
 
 
 # ---- the fit -----------------------------------------------------------------------------------

@@ -134,6 +134,10 @@ def compare(measurements: list[Measurement], hw: Hardware, cal: Calibration) -> 
     out = []
     for m in measurements:
         p = predict_seconds(m, hw, cal)
-        out.append({"source": m.source, "what": m.what, "model": m.model, "measured_ms": m.seconds * 1e3,
-                    "predicted_ms": p * 1e3, "error": p / m.seconds - 1})
+        row = {"source": m.source, "what": m.what, "model": m.model, "measured_ms": m.seconds * 1e3,
+               "predicted_ms": p * 1e3, "error": p / m.seconds - 1}
+        if m.kind == "run":  # the run's decode tokens/s, measured and as predicted at its acceptance
+            row |= {"measured_tokens_per_s": m.tokens_per_step / m.seconds,
+                    "predicted_tokens_per_s": m.tokens_per_step / p}
+        out.append(row)
     return out
