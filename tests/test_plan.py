@@ -82,7 +82,7 @@ def test_more_bandwidth_is_never_slower_and_gamma0_is_the_baseline():
         assert g0["speedup"] == 1.0
         assert g0["tokens_per_s"] == row["batch_size"] / step_seconds(row["batch_size"], 0, s, c)
         assert math.isclose(g0["tpot_ms"], step_seconds(row["batch_size"], 0, s, c) * 1e3)
-    assert not doc["validated"]  # tp 8
+    assert not doc["validated"] and "not validated on hardware here" in doc["notes"][0]  # tp 8
 
 
 def test_one_speedup_model_with_bench():
@@ -128,6 +128,18 @@ def test_plan_json_and_table():
                                  "--hardware", "b200", "--batch-sizes", "1"])
     assert r.exit_code == 0, r.output
     assert "not validated on hardware here" in r.output and "--speculative-config" in r.output
+
+
+def test_plot_or_one_line_naming_matplotlib(tmp_path):
+    png = tmp_path / "plan.png"
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5-nano", "--acceptance", "0.9", "--batch-sizes", "1,8",
+                                 "--plot", str(png)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert r.exit_code == 2 and "matplotlib" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        return
+    assert r.exit_code == 0 and png.stat().st_size > 0, r.output
 
 
 def test_acceptance_file_reads_acceptance_json(tmp_path):

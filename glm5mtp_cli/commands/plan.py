@@ -22,8 +22,6 @@ from glm5mtp_cli.units import fmt_bytes
 
 HARDWARE = "Hardware"
 CALIBRATION = "Calibration"
-UNVALIDATED = ("tp > 1: not validated on hardware here (no multi-GPU machine is lent; the 8-GPU figures are "
-               "checked against published numbers only)")
 
 
 def _ints(text: str, flag: str, least: int) -> tuple[int, ...]:
@@ -168,34 +166,40 @@ def plan_cmd(
             raise UserError(PLOT_HINT) from None
     from glm5mtp_cli.engine.synthetic import parse_rates
 
+    from glm5mtp_cli.diagnostics import calibration as cal_mod
+    from glm5mtp_cli.diagnostics.plan import PlanConfig
+
     rates, source = ((parse_rates(acceptance, "--acceptance"), "--acceptance") if acceptance is not None
                      else read_acceptance(acceptance_file))
-    _plan(model, layers, fp8, draft_vocab, rates, source, hw, calibration, tp, context, budget,
-          _ints(batch_sizes, "--batch-sizes", 1), _ints(gammas, "--gammas", 0), json_out, plot)
+    c = PlanConfig(model, layers, fp8, draft_vocab, rates, source, hw, cal_mod.load(calibration), tp, context, budget,
+                   _ints(batch_sizes, "--batch-sizes", 1), _ints(gammas, "--gammas", 0))
+    _plan(c, json_out, plot)
 
 
-def _plan(model, layers, fp8, draft_vocab, rates, source, hw, calibration, tp, context, budget, batches, gammas,
-          json_out, plot) -> None:
+def model_config(c):
+    """The model's config as planned (--layers, --fp8), checked against the flags: no weights read."""
     from glm5mtp_cli.checkpoint.resolve import resolve_config
-    from glm5mtp_cli.diagnostics import calibration as cal_mod
-    from glm5mtp_cli.diagnostics.plan import PlanConfig, run_plan
-    from glm5mtp_cli.diagnostics.plan_exports import exports
     from glm5mtp_cli.engine.parallel import check_tp
     from glm5mtp_cli.models.fp8 import fp8_config
 
-    cfg, _ = resolve_config(model)  # the config alone: no weights
-    if layers is not None:
-        if not 1 <= layers <= cfg.num_hidden_layers:
-            raise UserError(f"--layers must be in 1..{cfg.num_hidden_layers}, got {layers}")
-        cfg = cfg.with_layers(layers)
-    if fp8:
+    cfg, _ = resolve_config(c.model)
+    if c.layers is not None:
+        if not 1 <= c.layers <= cfg.num_hidden_layers:
+            raise UserError(f"--layers must be in 1..{cfg.num_hidden_layers}, got {c.layers}")
+        cfg = cfg.with_layers(c.layers)
+    if c.fp8:
         cfg = fp8_config(cfg)
-    check_tp(cfg, tp)
-    if draft_vocab is not None and draft_vocab > cfg.vocab_size:
-        raise UserError(f"--draft-vocab {draft_vocab}: the vocabulary has {cfg.vocab_size} tokens")
-    c = PlanConfig(model, layers, fp8, draft_vocab, rates, source, hw, cal_mod.load(calibration), tp, context,
-                   budget, batches, gammas)
-    doc = run_plan(cfg, c)
+    check_tp(cfg, c.tp)
+    if c.draft_vocab is not None and c.draft_vocab > cfg.vocab_size:
+        raise UserError(f"--draft-vocab {c.draft_vocab}: the vocabulary has {cfg.vocab_size} tokens")
+    return cfg
+
+
+def _plan(c, json_out: bool, plot: Path | None) -> None:
+    from glm5mtp_cli.diagnostics.plan import run_plan
+    from glm5mtp_cli.diagnostics.plan_exports import exports
+
+    doc = run_plan(model_config(c), c)
     doc["exports"] = exports(doc["batches"], doc["speculation_stops_paying_at_batch"])
     if plot is not None:
         _plot(plot, doc)
@@ -243,19 +247,16 @@ def _print(out: Console, doc: dict) -> None:
     out.print(f"calibration: {cal['hardware']} fit at {cal['fitted'].get('commit')} "
               f"({len(cal['fitted'].get('files', []))} files); acceptance from {doc['acceptance']['source']}",
               highlight=False)
-    if doc["tp"] > 1:
-        out.print(f"[yellow]{UNVALIDATED}[/yellow]", highlight=False)
-    if doc["hardware"]["name"] != cal["hardware"]:
-        out.print(f"[yellow]{doc['hardware']['name']}: datasheet figures scaled by the {cal['hardware']}'s "
-                  "measured efficiencies, not measured here[/yellow]", highlight=False)
+    for note in doc["notes"]:
+        out.print(f"[yellow]{note}[/yellow]", highlight=False)
     ex = doc["exports"]
     if ex["vllm"] is None:
         out.print(ex["note"], highlight=False)
         return
     out.print(f"\nsettings for gamma {ex['gamma']}:", highlight=False)
-    out.print(f"vLLM ({ex['docs']['vllm']}):\n  --speculative-config '{ex['vllm']}'", highlight=False, markup=False)
-    out.print(f"SGLang ({ex['docs']['sglang']}):\n  {ex['sglang']}", highlight=False, markup=False)
-    out.print(f"TensorRT-LLM ({ex['docs']['trtllm']}):\n{ex['trtllm']}", highlight=False, markup=False)
+    out.print(f"vLLM ({ex['docs']['vllm']}):\n  --speculative-config '{ex['vllm']}'", highlight=False, markup=False, soft_wrap=True)
+    out.print(f"SGLang ({ex['docs']['sglang']}):\n  {ex['sglang']}", highlight=False, markup=False, soft_wrap=True)
+    out.print(f"TensorRT-LLM ({ex['docs']['trtllm']}):\n{ex['trtllm']}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _calibrate(files: list[str], check: list[str], hw, out: Path | None, json_out: bool) -> None:

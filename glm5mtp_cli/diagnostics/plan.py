@@ -40,6 +40,8 @@ PREFILL_CHUNK = 1024  # rows of one prompt per prefill forward (EngineConfig.pre
 BLOCK_SIZE = 16  # tokens per cache block (the engine's default)
 DRAFTER = ("draft", "catchup")  # the MTP layer's forwards: a chained draft, a catch-up over prompt rows
 TERMS = ("bandwidth", "compute", "communication", "launch", "host")
+UNVALIDATED = ("tp > 1: not validated on hardware here (no multi-GPU machine is lent; the 8-GPU figures are "
+               "checked against published numbers only)")
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,15 @@ def memory_doc(s: ModelSizes, c: PlanConfig) -> dict:
             "sequences_per_gpu": max(0, int(free // s.state_bytes)) if s.state_bytes else None}
 
 
+def notes(c: PlanConfig) -> list[str]:
+    """What the prediction is not: measured at this tp, or on this hardware."""
+    out = [UNVALIDATED] if c.tp > 1 else []
+    if c.hardware.name != c.calibration.hardware:
+        out.append(f"{c.hardware.name}: datasheet figures scaled by the {c.calibration.hardware}'s measured "
+                   "efficiencies, not measured on it")
+    return out
+
+
 def run_plan(cfg, c: PlanConfig) -> dict:
     """The plan document: per batch size and gamma, the four forwards, memory, the break-even
     concurrency (the command adds exports and prints it)."""
@@ -268,7 +279,7 @@ def run_plan(cfg, c: PlanConfig) -> dict:
                      **{k: getattr(c.hardware, k) for k in ("memory_bytes_per_s", "bf16_flops", "fp8_flops",
                                                            "memory_bytes", "link_bytes_per_s", "link_latency_s",
                                                            "launch_s")}},
-        "tp": c.tp, "validated": c.tp == 1 and c.hardware.name == cal.hardware,
+        "tp": c.tp, "validated": c.tp == 1 and c.hardware.name == cal.hardware, "notes": notes(c),
         "context": c.context, "acceptance": {"conditional": list(c.acceptance), "source": c.acceptance_source},
         "calibration": cal.summary(),
         "batches": [batch_row(b, s, c) for b in c.batch_sizes],
