@@ -103,9 +103,6 @@ class Measurement:
     gamma: int = 0
     tokens_per_step: float = 1.0  # a run's: sequences x mean acceptance length
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def read_measurements(path: Path) -> list[Measurement]:
     """Every measurement of one `bench --json` or `generate --json` document."""

@@ -11,8 +11,8 @@ Every forward is costed from what it moves and runs, on one of --tp ranks:
 - FLOPs: 2 x active parameters (info.active_params, embeddings left out: a lookup) x tokens; the
   attention's own score FLOPs are left out (a few % at decode, more in a long prefill);
 - communication at tp > 1: two all-reduces of the hidden rows per layer (attention and MLP/MoE
-  outputs) and one for the vocabulary-parallel head's rows, a ring's 2(tp-1)/tp of the bytes over
-  the link plus the link's latency each;
+  outputs) and one more for the vocabulary-parallel embedding and head (costed as one hidden-row
+  all-reduce), a ring's 2(tp-1)/tp of the bytes over the link plus the link's latency each;
 - launch: kernels (the family's per-layer and draft counts measured on the H200) x per-kernel cost;
 - host: the call of each forward (a graph replay), and the engine's bookkeeping per step and per
   sequence, charged to the verify (decode) forward.
@@ -146,7 +146,7 @@ def forward_bytes(step_bytes: dict, routed: int, tokens: int, state_reads: int, 
 
 
 def _comm(tokens: int, layers: int, s: ModelSizes, c: PlanConfig) -> tuple[float, float]:
-    """(bytes, seconds) of the all-reduces one forward runs at tp: 2 per layer + the head's."""
+    """(bytes, seconds) of the all-reduces one forward runs at tp: 2 per layer + 1 (module docstring)."""
     if c.tp == 1:
         return 0.0, 0.0
     hw = c.hardware
