@@ -194,8 +194,9 @@ def step_seconds(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> float:
 
 
 def ttft_seconds(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> float:
-    """The batch's prompts prefilled in chunks of PREFILL_CHUNK rows each (a shared forward per chunk),
-    the drafter's catch-up over the same rows when gamma > 0, then the first token's decode."""
+    """The batch's prompts prefilled in chunks of PREFILL_CHUNK rows each (a shared forward per chunk;
+    the last one's logits give the first token), and the drafter's catch-up over the same rows when
+    gamma > 0."""
     chunks = math.ceil(c.context / PREFILL_CHUNK)
     last = c.context - (chunks - 1) * PREFILL_CHUNK
     total = 0.0
@@ -207,8 +208,8 @@ def ttft_seconds(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> float:
 
 
 def rates_for(acceptance: tuple[float, ...], gamma: int) -> list[float]:
-    """Conditional rates for positions 1..gamma: positions past the list take its last value (as
-    --synthetic-acceptance does)."""
+    """Conditional rates for positions 1..gamma: positions past the list take its last value (the rule
+    engine/synthetic applies to --synthetic-acceptance)."""
     return [acceptance[min(k, len(acceptance) - 1)] for k in range(gamma)]
 
 
