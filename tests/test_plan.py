@@ -151,6 +151,23 @@ def test_acceptance_file_reads_acceptance_json(tmp_path):
                                  "--batch-sizes", "1", "--context", "64"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["acceptance"]["conditional"] == [0.8, 0.5]
+    f.write_text(json.dumps({"acceptance": {"gamma": 2, "per_position": [0.9, 0.45]}}))  # generate --json's
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5-nano", "--acceptance-file", str(f), "--json",
+                                 "--batch-sizes", "1", "--context", "64"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["acceptance"]["conditional"] == [0.9, 0.5]
+
+
+def test_calibrate_and_check_on_raw_h200_files(tmp_path):
+    out = tmp_path / "cal.json"
+    r = CliRunner().invoke(app, ["plan", "--calibrate", "profiles/glm5/fp8_h200/bench_bf16_steps_run29.json",
+                                 "--check", "profiles/glm5/fp8_h200/bench_fp8_steps_run29.json", "--out", str(out),
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert [x["what"] for x in doc["check"]] == ["draft step fp8", "target step (4 layers) fp8"]
+    assert all(abs(x["error"]) < 0.5 for x in doc["check"])
+    assert calibration.load(out).kernels["glm_moe_dsa"]["draft"] == 148
 
 
 def test_bad_input_is_one_line(tmp_path):
