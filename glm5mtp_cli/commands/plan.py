@@ -8,7 +8,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from glm5mtp_cli.commands.profile import PLOT_HINT
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.units import fmt_bytes
+
+if TYPE_CHECKING:  # the model's module imports torch: not for --help
+    from glm5mtp_cli.diagnostics.plan import PlanConfig
 
 HARDWARE = "Hardware"
 CALIBRATION = "Calibration"
@@ -164,10 +167,9 @@ def plan_cmd(
             import matplotlib  # noqa: F401
         except ImportError:
             raise UserError(PLOT_HINT) from None
-    from glm5mtp_cli.engine.synthetic import parse_rates
-
     from glm5mtp_cli.diagnostics import calibration as cal_mod
     from glm5mtp_cli.diagnostics.plan import PlanConfig
+    from glm5mtp_cli.engine.synthetic import parse_rates
 
     rates, source = ((parse_rates(acceptance, "--acceptance"), "--acceptance") if acceptance is not None
                      else read_acceptance(acceptance_file))
@@ -176,7 +178,7 @@ def plan_cmd(
     _plan(c, json_out, plot)
 
 
-def model_config(c):
+def model_config(c: "PlanConfig"):
     """The model's config as planned (--layers, --fp8), checked against the flags: no weights read."""
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.engine.parallel import check_tp
@@ -195,7 +197,7 @@ def model_config(c):
     return cfg
 
 
-def _plan(c, json_out: bool, plot: Path | None) -> None:
+def _plan(c: "PlanConfig", json_out: bool, plot: Path | None) -> None:
     from glm5mtp_cli.diagnostics.plan import run_plan
     from glm5mtp_cli.diagnostics.plan_exports import exports
 
