@@ -44,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "Write an FP8 (e4m3, 128x128 block scales) copy of a checkpoint, or an FP8 one's fp32 twin."),
     "draft-vocab": ("glm5mtp_cli.commands.draft_vocab:draft_vocab_cmd",
                     "Count token frequencies on a corpus for `generate --draft-vocab K`."),
+    "plan": ("glm5mtp_cli.commands.plan:plan_cmd",
+             "Predict what the MTP drafter buys on given GPUs and batch sizes; settings for vLLM, SGLang, TRT-LLM."),
 }
 
 app = typer.Typer(

@@ -1,4 +1,6 @@
-"""bench's gamma recommendation: decode tokens/s predicted for every gamma from what one bench measured.
+"""The project's one speedup model, and bench's gamma recommendation built on it: decode tokens/s
+predicted for every gamma from what one bench measured (`plan` feeds the same model step costs it
+predicts from the hardware instead: diagnostics/plan.py).
 
 A decode step with g drafts over `slots` sequences emits slots * E(g) tokens in C(g) seconds, so it
 decodes at slots * E(g) / C(g) tokens/s, where
@@ -31,11 +33,22 @@ def fit_line(points: dict[int, float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def decode_tokens_per_s(rates: list[float], gamma: int, step_s: float, slots: int) -> float:
+    """The speedup model: `slots` sequences each emit E(gamma) tokens per step of `step_s` seconds;
+    `rates` are conditional (engine/synthetic.conditional converts acceptance's cumulative ones)."""
+    return slots * expected_tokens(rates, gamma) / step_s
+
+
+def best_gamma(by_gamma: list[float]) -> int:
+    """The gamma (list index) with the most tokens/s; the smallest on a tie."""
+    return max(range(len(by_gamma)), key=by_gamma.__getitem__)
+
+
 def predict(per_position: list[float], verify: float, draft: float, slots: int) -> list[float]:
     """Decode tokens/s for gamma 0..len(per_position) (list index = gamma) from the per-position
     acceptance and the step cost line (seconds)."""
     rates = conditional(per_position)
-    return [slots * expected_tokens(rates, g) / (verify + g * draft) for g in range(len(per_position) + 1)]
+    return [decode_tokens_per_s(rates, g, verify + g * draft, slots) for g in range(len(per_position) + 1)]
 
 
 def recommend(rows: list[dict]) -> list[dict]:
@@ -57,7 +70,7 @@ def recommend(rows: list[dict]) -> list[dict]:
         by_gamma = predict(top["per_position"], verify, draft, slots)
         for g, r in measured.items():
             r["predicted_decode_tokens_per_s"] = by_gamma[g]
-        best = max(range(len(by_gamma)), key=by_gamma.__getitem__)
+        best = best_gamma(by_gamma)
         out.append({"batch": batch, "best_gamma": best, "predicted_tokens_per_s": by_gamma[best],
                     "measured_tokens_per_s": measured[best]["decode_tokens_per_s"] if best in measured else None,
                     "by_gamma": by_gamma, "verify_ms": verify * 1e3, "draft_ms": draft * 1e3})

@@ -105,6 +105,26 @@ def target_step_bytes(cfg, elem_bytes: int, context: int, tp: int = 1) -> dict:
     return family_of(cfg).sizing.target_step_bytes(cfg, elem_bytes, context, tp)
 
 
+ROUTED = "routed experts"  # the component name both families' component_of give routed expert tensors
+
+
+def routed_expert_bytes(cfg, elem_bytes: int, tp: int = 1) -> dict[str, int]:
+    """The routed experts' share of draft_step_bytes ('mtp') and target_step_bytes ('target'), as their
+    formulas count them: top-k of E experts a token, this rank's share (`plan` scales it to the
+    experts a batch of tokens touches)."""
+    family = family_of(cfg)
+    mtp = family.mtp_prefix(cfg)
+    block = cfg.fp8_block if getattr(cfg, "fp8", False) else None
+    out = {"mtp": 0, "target": 0}
+    for name, shape in family.tensor_shapes(cfg):
+        if family.component_of(cfg, name) != ROUTED:
+            continue
+        b = tensor_bytes(cfg, name, shape, elem_bytes, block, held=True)
+        out["mtp" if name.startswith(mtp) else "target"] += rank_share(
+            cfg, name, b * cfg.num_experts_per_tok // cfg.n_routed_experts, tp)
+    return out
+
+
 def scratch_bytes(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
     """Transient bytes of one verify forward of gamma+1 rows at `context` cached rows (the family's
     PyTorch path, its formula)."""

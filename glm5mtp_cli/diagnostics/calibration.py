@@ -1,0 +1,206 @@
+"""`plan`'s efficiencies, fitted on measured runs (`plan --calibrate FILE...`), so other hardware scales
+from measured H200 behaviour instead of datasheet peaks.
+
+What a fit reads: `bench --json` documents (their real-dimension `draft_step` / `target_step`, timed as
+graph replays: device time only, with `--kernels` their kernel count) and the fixed-gamma rows of
+`bench --json` / `generate --json` end-to-end runs (a step's wall time = sequences x mean acceptance
+length / decode tokens/s, recommend's reading of them). What it fits, by least squares on relative
+errors, alternating until it settles:
+
+- the achieved fraction of the memory bandwidth per kind of forward: `draft` from draft steps, `decode`
+  from target steps (verify and prefill forwards use it too), each also `_fp8` from FP8 steps when
+  some are given (FP8 forwards fall back to the bf16 value otherwise);
+- the cost of one kernel replayed from a graph, and the engine's host time per step, per forward (a
+  graph replay's call) and per sequence (the last only when some run decodes more than one sequence
+  at a time; else its prior, below).
+
+The compute efficiency is not fitted (no measured step is compute bound): COMPUTE_EFFICIENCY, assumed.
+Kernel counts per family (what `plan` multiplies the per-kernel cost by) are read from the files'
+`--kernels` tables: the draft step's, and the target step's per layer (its calls / its layers: the
+head's and embedding's kernels spread over the layers). Re-calibrate when kernels change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from glm5mtp_cli.errors import UserError
+
+DEFAULT_PATH = Path(__file__).with_name("plan_calibration_h200.json")
+COMPUTE_EFFICIENCY = 0.5  # assumed: no measured step here is compute bound
+# ~17 us per sequence-step: the step loop's host time without forwards (diagnostics/host_time on the
+# 2-core CPU, profiles/glm5-nano/RESULTS.md "the step loop's own host time"): the prior when no run
+# given to a fit decodes more than one sequence.
+HOST_SEQUENCE_PRIOR_S = 17e-6
+
+
+@dataclass(frozen=True)
+class Calibration:
+    hardware: str
+    bandwidth_efficiency: dict  # kind ('draft', 'decode') -> achieved fraction of the datasheet bandwidth
+    per_kernel_s: float
+    host_step_s: float
+    host_forward_s: float
+    host_sequence_s: float
+    kernels: dict  # model_type -> {'draft': n, 'target_per_layer': n, 'source': file}
+    compute_efficiency: float = COMPUTE_EFFICIENCY
+    fitted: dict = field(default_factory=dict)  # commit, files, what each value came from
+    residuals: list = field(default_factory=list)  # the fit's own measurements beside its predictions
+
+    def efficiency(self, kind: str, fp8: bool) -> float:
+        return self.bandwidth_efficiency[efficiency_key(kind, fp8, self.bandwidth_efficiency)]
+
+    def kernels_for(self, family: str) -> dict:
+        if family not in self.kernels:
+            raise UserError(f"no kernel counts for model family {family!r} in the calibration (known: "
+                            f"{', '.join(self.kernels)}); calibrate with a `bench --kernels --json` of it")
+        return self.kernels[family]
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "residuals"}
+
+
+def load(path: Path | None = None) -> Calibration:
+    """The shipped H200 calibration, or --calibration FILE (a `plan --calibrate --out` document)."""
+    p = Path(path) if path is not None else DEFAULT_PATH
+    try:
+        raw = json.loads(p.read_text())
+        return Calibration(**raw)
+    except OSError as e:
+        raise UserError(f"--calibration {p}: {e.strerror}") from None
+    except (json.JSONDecodeError, TypeError) as e:
+        raise UserError(f"--calibration {p}: not a `plan --calibrate` document ({e})") from None
+
+
+def efficiency_key(kind: str, fp8: bool, fitted) -> str:
+    """The efficiency a forward of `kind` uses: draft's (draft, catch-up) or decode's (verify, prefill),
+    FP8's when fitted."""
+    base = "draft" if kind in ("draft", "catchup") else "decode"
+    return f"{base}_fp8" if fp8 and f"{base}_fp8" in fitted else base
+
+
+# ---- measurements -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured time `plan`'s model predicts: a step (device time of one forward) or a run's
+    decode step (wall time, host included)."""
+
+    source: str
+    what: str
+    model: str
+    layers: int | None
+    fp8: bool
+    kind: str  # 'draft' or 'decode' (one forward, batch 1), 'run' (a decode step of a run)
+    seconds: float
+    context: int
+    kernels: float | None = None  # a step's measured kernel count
+    seqs: int = 1
+    gamma: int = 0
+    tokens_per_step: float = 1.0  # a run's: sequences x mean acceptance length
+
+
+def read_measurements(path: Path) -> list[Measurement]:
+    """Every measurement of one `bench --json` or `generate --json` document."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"--calibrate {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--calibrate {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(doc, dict) or "model" not in doc:
+        raise UserError(f"--calibrate {path}: expected a `bench --json` or `generate --json` document")
+    out = _steps(str(path), doc) + _bench_rows(str(path), doc) + _generate_run(str(path), doc)
+    if not out:
+        raise UserError(f"--calibrate {path}: no step timings and no fixed-gamma decode rows in it")
+    return out
+
+
+def _steps(src: str, doc: dict) -> list[Measurement]:
+    fp8 = bool(doc.get("fp8_weights"))
+    out = []
+    for key, kind in (("draft_step", "draft"), ("target_step", "decode")):
+        step = doc.get(key)
+        if not step or not step.get("step_ms"):
+            continue
+        layers = step.get("layers")
+        calls = (step.get("kernels") or {}).get("calls_per_step")
+        what = f"{key.replace('_', ' ')}" + (f" ({layers} layers)" if layers else "") + (" fp8" if fp8 else "")
+        out.append(Measurement(src, what, doc["model"], layers if kind == "decode" else 1, fp8, kind,
+                               step["step_ms"] / 1e3, step["context"], calls))
+    return out
+
+
+def _bench_rows(src: str, doc: dict) -> list[Measurement]:
+    out = []
+    # bench does not record prompt lengths: max_new_tokens stands for the context (the shipped nano
+    # models' cache reads are < 1% of a step's bytes either way)
+    context = int(doc.get("max_new_tokens") or 128)
+    for r in doc.get("rows") or []:
+        fixed = r.get("gamma") == 0 or r.get("gamma_policy") == "fixed"
+        if r.get("gamma") is None or not fixed or not r.get("decode_tokens_per_s") or r.get("system") == "transformers":
+            continue
+        seqs = min(r["batch"], r.get("prompts") or r["batch"])
+        step_s = seqs * r["mean_acceptance_length"] / r["decode_tokens_per_s"]
+        out.append(Measurement(src, f"batch {r['batch']} gamma {r['gamma']} step", doc["model"], None,
+                               bool(doc.get("fp8_weights")), "run", step_s, context, seqs=seqs, gamma=r["gamma"],
+                               tokens_per_step=seqs * r["mean_acceptance_length"]))
+    return out
+
+
+def _generate_run(src: str, doc: dict) -> list[Measurement]:
+    lat, conf = doc.get("latency"), doc.get("config")
+    if not lat or not conf or not lat.get("decode_tokens_per_s"):
+        return []
+    model, engine = conf["model"], conf["engine"]
+    requests = doc.get("requests") or []
+    seqs = min(engine["batch_size"], len(requests) or 1)
+    acc = doc.get("acceptance")
+    mal = acc["mean_acceptance_length"] if acc else 1.0
+    prompt = sum(r["prompt_tokens"] for r in requests) / max(len(requests), 1)
+    context = int(prompt + engine["max_new_tokens"] / 2)  # the mean position a decode step reads at
+    return [Measurement(src, f"batch {engine['batch_size']} gamma {doc['gamma']} step"
+                        + (" (synthetic acceptance)" if doc.get("synthetic_acceptance") else ""),
+                        model["name"], model.get("layers"), bool(model.get("fp8")), "run",
+                        seqs * mal / lat["decode_tokens_per_s"], context, seqs=seqs, gamma=doc["gamma"],
+                        tokens_per_step=seqs * mal)]
+
+
+# ---- the fit -----------------------------------------------------------------------------------
+
+def kernel_counts(measurements: list[Measurement], family_of_model) -> dict:
+    """Per family: the draft step's kernels and the target step's per layer, the mean over the files
+    that counted them (`bench --kernels`)."""
+    seen: dict[str, dict[str, list]] = {}
+    for m in measurements:
+        if m.kernels is None or m.kind == "run":
+            continue
+        fam = seen.setdefault(family_of_model(m), {"draft": [], "target_per_layer": [], "source": []})
+        fam["draft" if m.kind == "draft" else "target_per_layer"].append(
+            m.kernels if m.kind == "draft" else m.kernels / m.layers)
+        fam["source"].append(m.source)
+    return {f: {"draft": sum(v["draft"]) / len(v["draft"]),
+                "target_per_layer": sum(v["target_per_layer"]) / len(v["target_per_layer"]),
+                "source": sorted(set(v["source"]))}
+            for f, v in seen.items() if v["draft"] and v["target_per_layer"]}
+
+
+def file_record(path: str) -> dict:
+    return {"path": path, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]}
+
+
+def head_commit() -> str | None:
+    """This checkout's commit (the code that fitted), None outside git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def to_json(cal: Calibration) -> str:
+    return json.dumps(asdict(cal), indent=1) + "\n"

@@ -1,0 +1,143 @@
+"""`plan --calibrate`: the fit of diagnostics/calibration.py's values to measured runs, through the same
+forwards `plan` predicts with (diagnostics/plan.forward), and `--check`: files the fit did not see,
+predicted and set beside their measurements.
+
+Each measurement's predicted time is linear in the unknowns once the bandwidth efficiencies are
+held: sum over its forwards of bytes / (bandwidth x efficiency of the kind) + kernels x per-kernel
+cost (+ host per step + sequences x host per sequence for a run's step); so the fit alternates a
+closed-form efficiency per kind with a linear least squares in the rest, each equation divided by
+its measured time (relative errors: a 0.7 ms nano step weighs as a 2 ms GLM-5 one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+import numpy as np
+
+from glm5mtp_cli.diagnostics import calibration as cal_mod
+from glm5mtp_cli.diagnostics.calibration import Calibration, Measurement
+from glm5mtp_cli.diagnostics.hardware import Hardware
+from glm5mtp_cli.diagnostics.plan import Forward, PlanConfig, forward, model_sizes
+
+ROUNDS = 50
+START_KERNEL_S = 2.5e-6  # where the alternation starts (a graph-replayed kernel's order); the fit moves it
+
+
+@lru_cache(maxsize=None)
+def _config(model: str, layers: int | None, fp8: bool):
+    from glm5mtp_cli.checkpoint.resolve import resolve_config
+    from glm5mtp_cli.models.fp8 import fp8_config
+
+    cfg, _ = resolve_config(model)
+    if layers is not None:
+        cfg = cfg.with_layers(layers)
+    return fp8_config(cfg) if fp8 else cfg
+
+
+def family_of_measurement(m: Measurement) -> str:
+    return _config(m.model, None, False).model_type
+
+
+def _forwards(m: Measurement, hw: Hardware, cal: Calibration) -> list[tuple[Forward, int]]:
+    """(forward, times it runs) of one measurement, under `cal`."""
+    c = PlanConfig(m.model, m.layers, m.fp8, None, (1.0,), "calibration", hw, cal, 1, m.context, m.context,
+                   (m.seqs,), (m.gamma,))
+    s = model_sizes(_config(m.model, m.layers, m.fp8), c)
+    if m.kind != "run":
+        return [(forward(m.kind, 1, 1, s, c), 1)]
+    if m.gamma == 0:
+        return [(forward("decode", m.seqs, 1, s, c), 1)]
+    return [(forward("draft", m.seqs, 1, s, c), m.gamma), (forward("verify", m.seqs, m.gamma + 1, s, c), 1)]
+
+
+def predict_seconds(m: Measurement, hw: Hardware, cal: Calibration) -> float:
+    """What plan's model says the measurement took: a bench step is device time (no host term)."""
+    fwds = _forwards(m, hw, cal)
+    total = sum(n * f.seconds for f, n in fwds)
+    return total if m.kind == "run" else total - sum(n * f.times["host"] for f, n in fwds)
+
+
+def _terms(m: Measurement, hw: Hardware, cal: Calibration, keys: set[str]) -> dict:
+    """The measurement's coefficients: bytes / bandwidth per efficiency key, kernels, host per step,
+    per forward and per sequence (a bench step is device time: no host)."""
+    fwds = _forwards(m, hw, cal)
+    run = m.kind == "run"
+    bw: dict[str, float] = {}
+    for f, n in fwds:
+        key = cal_mod.efficiency_key(f.kind, m.fp8, keys)  # a run's forwards: draft, verify or decode
+        bw[key] = bw.get(key, 0.0) + n * f.bytes / hw.memory_bytes_per_s
+    return {"bw": bw, "kernels": sum(n * f.kernels for f, n in fwds), "host_step": 1.0 if run else 0.0,
+            "host_forward": float(sum(n for _, n in fwds)) if run else 0.0,
+            "host_seqs": float(m.seqs) if run else 0.0}
+
+
+def fit(measurements: list[Measurement], hw: Hardware, files: list[str]) -> Calibration:
+    """The calibration that best predicts `measurements` (taken on `hw`)."""
+    hw = dataclasses.replace(hw, launch_s=None)  # the per-kernel cost is fitted, not given
+    kernels = cal_mod.kernel_counts(measurements, family_of_measurement)
+    keys = {cal_mod.efficiency_key(m.kind, m.fp8, {"draft_fp8", "decode_fp8"})
+            for m in measurements if m.kind != "run"} | {"draft", "decode"}
+    cal = Calibration(hw.name, {k: 0.8 for k in keys}, START_KERNEL_S, 0.0, 0.0, cal_mod.HOST_SEQUENCE_PRIOR_S,
+                      kernels)
+    terms = [_terms(m, hw, cal, keys) for m in measurements]  # bytes and kernels do not depend on the fit
+    y = np.array([m.seconds for m in measurements])
+    runs = [m for m in measurements if m.kind == "run"]
+    fit_host = len({m.gamma > 0 for m in runs}) == 2  # a run without drafts and one with: step vs forward
+    fit_seqs = any(m.seqs > 1 for m in runs)
+    eff = dict(cal.bandwidth_efficiency)
+    k, hs = cal.per_kernel_s, cal.host_sequence_s
+    h = hf = 0.0
+    for _ in range(ROUNDS):
+        # the rest held: each efficiency from the single forwards that use it (closed form in 1/eff)
+        for key in eff:
+            rows = [(t, m) for t, m in zip(terms, measurements) if m.kind != "run" and key in t["bw"]]
+            if rows:
+                a = np.array([t["bw"][key] for t, _ in rows])
+                rest = np.array([m.seconds - t["kernels"] * k for t, m in rows])
+                w = 1 / np.array([m.seconds for _, m in rows]) ** 2
+                eff[key] = float(np.sum(w * a * a) / np.sum(w * a * rest))
+        # then k and the host terms the runs identify, by linear least squares on relative errors
+        bw = np.array([sum(v / eff[key] for key, v in t["bw"].items()) for t in terms])
+        names = ["kernels"] + (["host_step", "host_forward"] if fit_host else []) + (["host_seqs"] if fit_seqs else [])
+        fixed = 0.0 if fit_seqs else np.array([t["host_seqs"] for t in terms]) * hs
+        sol = _nonnegative_lstsq(terms, names, (y - bw - fixed) / y, y)
+        k, h, hf, hs = sol["kernels"], sol.get("host_step", 0.0), sol.get("host_forward", 0.0), sol.get("host_seqs", hs)
+    out = Calibration(
+        hw.name, eff, k, h, hf, hs, kernels,
+        fitted={"commit": cal_mod.head_commit(), "files": [cal_mod.file_record(f) for f in files],
+                "host_sequence_s": "fitted" if fit_seqs else
+                f"prior {cal_mod.HOST_SEQUENCE_PRIOR_S:g} s (no run given decodes more than one sequence)",
+                "host_step_s": "fitted" if fit_host else "0: needs runs at gamma 0 and gamma > 0",
+                "host_forward_s": "fitted" if fit_host else "0: needs runs at gamma 0 and gamma > 0",
+                "compute_efficiency": "assumed, not fitted"})
+    return dataclasses.replace(out, residuals=compare(measurements, hw, out))
+
+
+def _nonnegative_lstsq(terms: list[dict], names: list[str], rhs, y) -> dict:
+    """Least squares in `names` (columns: each term over measured time), a cost that comes out negative
+    held at 0 and the rest refitted: no time is negative."""
+    free = list(names)
+    while True:
+        A = np.stack([np.array([t[n] for t in terms]) for n in free], 1) / y[:, None]
+        sol = dict(zip(free, np.linalg.lstsq(A, rhs, rcond=None)[0].tolist()))
+        negative = [n for n in free if sol[n] < 0]
+        if not negative:
+            return {n: sol.get(n, 0.0) for n in names}
+        free.remove(min(negative, key=sol.__getitem__))
+
+
+def compare(measurements: list[Measurement], hw: Hardware, cal: Calibration) -> list[dict]:
+    """Each measurement beside plan's prediction of it."""
+    hw = dataclasses.replace(hw, launch_s=None)  # the calibration's per-kernel cost
+    out = []
+    for m in measurements:
+        p = predict_seconds(m, hw, cal)
+        row = {"source": m.source, "what": m.what, "model": m.model, "measured_ms": m.seconds * 1e3,
+               "predicted_ms": p * 1e3, "error": p / m.seconds - 1}
+        if m.kind == "run":  # the run's decode tokens/s, measured and as predicted at its acceptance
+            row |= {"measured_tokens_per_s": m.tokens_per_step / m.seconds,
+                    "predicted_tokens_per_s": m.tokens_per_step / p}
+        out.append(row)
+    return out

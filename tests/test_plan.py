@@ -1,0 +1,210 @@
+"""`glm5mtp plan`: its bytes are sizing's (and the loaded model's), its model is monotonic where it must
+be, gamma 0 is the no-speculation baseline, bad input is one line, the exports parse. No weights are
+loaded but for one glm5-nano check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shlex
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from glm5mtp_cli.checkpoint.resolve import resolve_config
+from glm5mtp_cli.cli import app
+from glm5mtp_cli.diagnostics import calibration, sizing
+from glm5mtp_cli.diagnostics.hardware import TABLE
+from glm5mtp_cli.diagnostics.info import model_info
+from glm5mtp_cli.diagnostics.plan import PlanConfig, forward, model_sizes, run_plan, step_seconds
+from glm5mtp_cli.diagnostics.plan_exports import exports
+
+
+def _config(model: str, **kw) -> PlanConfig:
+    base = dict(model=model, layers=None, fp8=False, draft_vocab=None, acceptance=(0.9, 0.8, 0.7),
+                acceptance_source="test", hardware=TABLE["h200"], calibration=calibration.load(), tp=1,
+                context=256, budget=512, batch_sizes=(1, 8, 64), gammas=(0, 1, 2, 3))
+    return PlanConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("model", ["glm5-nano", "glm5next-nano"])
+def test_batch1_bytes_are_sizings(model):
+    cfg, _ = resolve_config(model)
+    c = _config(model)
+    s = model_sizes(cfg, c)
+    assert forward("decode", 1, 1, s, c).bytes == sizing.target_step_bytes(cfg, 2, c.context)["total"]
+    assert forward("draft", 1, 1, s, c).bytes == sizing.draft_step_bytes(cfg, 2, c.context)["total"]
+    assert s.weights_bytes == sizing.predicted_weight_bytes(cfg, torch.bfloat16)
+    state = sizing.state_bytes(cfg, torch.bfloat16, c.budget + max(c.gammas), 16, with_drafter=True)
+    assert s.state_bytes == sum(state.values()) > 0
+    # more tokens touch more experts, never more than all of them
+    routed = s.routed["target"]
+    assert routed > 0 and forward("decode", 8, 1, s, c).bytes > forward("decode", 1, 1, s, c).bytes
+    every = routed * cfg.n_routed_experts / cfg.num_experts_per_tok
+    batch1 = sizing.target_step_bytes(cfg, 2, c.context)["total"]
+    assert forward("prefill", 1, 1024, s, c).bytes <= batch1 - routed + every
+
+
+def test_bytes_and_flops_equal_the_loaded_glm5_nano():
+    from glm5mtp_cli.engine.config import ModelSpec
+    from glm5mtp_cli.engine.runtime import load_runtime
+
+    rt = load_runtime(ModelSpec("glm5-nano", "cpu", "bf16"), progress=False)
+    cfg = rt.cfg
+    s = model_sizes(cfg, _config("glm5-nano"))
+    assert s.weights_bytes == sum(rt.weight_bytes().values())
+    info = model_info(cfg)
+    loaded = sum(t.numel() for m in (rt.target, rt.mtp) for t in m.state_dict().values())
+    assert loaded == sum(p.params for parts in (info.target, info.mtp) for p in parts.values())
+    routed = info.target["routed experts"].params
+    dense = sum(p.params for k, p in info.target.items() if k not in ("routed experts", "embeddings"))
+    assert s.target_params == dense + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+    c = _config("glm5-nano")
+    assert forward("decode", 1, 1, s, c).flops == 2 * s.target_params
+
+
+def test_more_bandwidth_is_never_slower_and_gamma0_is_the_baseline():
+    cfg, _ = resolve_config("glm5")
+    c = _config("glm5", fp8=True, tp=8, context=4096, batch_sizes=(1, 8, 64, 256))
+    from glm5mtp_cli.models.fp8 import fp8_config
+
+    cfg8 = fp8_config(cfg)
+    s = model_sizes(cfg8, c)
+    faster = dataclasses.replace(c, hardware=dataclasses.replace(c.hardware, memory_bytes_per_s=2 * c.hardware.memory_bytes_per_s))
+    for b in c.batch_sizes:
+        for g in c.gammas:
+            assert step_seconds(b, g, s, faster) <= step_seconds(b, g, s, c)
+    doc = run_plan(cfg8, c)
+    for row in doc["batches"]:
+        g0 = next(g for g in row["gammas"] if g["gamma"] == 0)
+        assert g0["speedup"] == 1.0
+        assert g0["tokens_per_s"] == row["batch_size"] / step_seconds(row["batch_size"], 0, s, c)
+        assert math.isclose(g0["tpot_ms"], step_seconds(row["batch_size"], 0, s, c) * 1e3)
+    assert not doc["validated"] and "not validated on hardware here" in doc["notes"][0]  # tp 8
+
+
+def test_one_speedup_model_with_bench():
+    """plan's tokens/s is recommend's formula on plan's step cost."""
+    from glm5mtp_cli.diagnostics.recommend import predict
+
+    cfg, _ = resolve_config("glm5-nano")
+    c = _config("glm5-nano", batch_sizes=(8,))
+    s = model_sizes(cfg, c)
+    verify = step_seconds(8, 0, s, c)
+    per_pos = [0.9, 0.9 * 0.8, 0.9 * 0.8 * 0.7]
+    by_gamma = predict(per_pos, verify, 0.0, 8)  # a zero-cost draft: E(g) alone
+    assert math.isclose(by_gamma[0], run_plan(cfg, c)["batches"][0]["gammas"][0]["tokens_per_s"])
+
+
+def test_exports_parse_and_name_the_gamma():
+    batches = [{"batch_size": 1, "best_gamma": 3, "gammas": []}, {"batch_size": 64, "best_gamma": 1, "gammas": []}]
+    ex = exports(batches, 128)
+    assert ex["gamma"] == 3
+    assert json.loads(ex["vllm"]) == {"method": "mtp", "num_speculative_tokens": 3}
+    words = shlex.split(ex["sglang"])
+    assert words[words.index("--speculative-num-steps") + 1] == "3"
+    assert words[words.index("--speculative-num-draft-tokens") + 1] == "4"
+    try:
+        import yaml
+    except ImportError:
+        pytest.skip("pyyaml is not installed: the TensorRT-LLM YAML is not parsed")
+    conf = yaml.safe_load(ex["trtllm"])["speculative_config"]
+    assert conf["decoding_type"] == "MTP" and conf["max_draft_len"] == 3
+    assert conf["draft_len_schedule"] == {1: 3, 64: 1} and conf["max_concurrency"] == 127
+
+
+def test_plan_json_and_table():
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5-nano", "--acceptance", "0.9,0.8", "--batch-sizes", "1,8",
+                                 "--gammas", "0,2", "--context", "128", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert [b["batch_size"] for b in doc["batches"]] == [1, 8]
+    for b in doc["batches"]:
+        assert b["best_gamma"] in (0, 2) and {"gamma", "tpot_ms", "tokens_per_s", "speedup"} <= set(b["gammas"][0])
+    assert set(doc["exports"]) >= {"vllm", "sglang", "trtllm"}
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5", "--fp8", "--tp", "8", "--acceptance", "0.9",
+                                 "--hardware", "b200", "--batch-sizes", "1"])
+    assert r.exit_code == 0, r.output
+    assert "not validated on hardware here" in r.output and "--speculative-config" in r.output
+
+
+def test_plot_or_one_line_naming_matplotlib(tmp_path):
+    png = tmp_path / "plan.png"
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5-nano", "--acceptance", "0.9", "--batch-sizes", "1,8",
+                                 "--plot", str(png)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert r.exit_code == 2 and "matplotlib" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        return
+    assert r.exit_code == 0 and png.stat().st_size > 0, r.output
+
+
+def test_acceptance_file_reads_acceptance_json(tmp_path):
+    doc = {"runs": [{"temperature": 0.0, "gamma": 0, "acceptance": None},
+                    {"temperature": 0.0, "gamma": 2, "acceptance": {"per_position": [0.8, 0.4]}}]}
+    f = tmp_path / "acc.json"
+    f.write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5-nano", "--acceptance-file", str(f), "--json",
+                                 "--batch-sizes", "1", "--context", "64"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["acceptance"]["conditional"] == [0.8, 0.5]
+    f.write_text(json.dumps({"acceptance": {"gamma": 2, "per_position": [0.9, 0.45]}}))  # generate --json's
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5-nano", "--acceptance-file", str(f), "--json",
+                                 "--batch-sizes", "1", "--context", "64"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["acceptance"]["conditional"] == [0.9, 0.5]
+
+
+def test_calibrate_and_check_on_raw_h200_files(tmp_path):
+    out = tmp_path / "cal.json"
+    r = CliRunner().invoke(app, ["plan", "--calibrate", "profiles/glm5/fp8_h200/bench_bf16_steps_run29.json",
+                                 "--check", "profiles/glm5/fp8_h200/bench_fp8_steps_run29.json", "--out", str(out),
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert [x["what"] for x in doc["check"]] == ["draft step fp8", "target step (4 layers) fp8"]
+    assert all(abs(x["error"]) < 0.5 for x in doc["check"])
+    assert calibration.load(out).kernels["glm_moe_dsa"]["draft"] == 148
+
+
+def test_bad_input_is_one_line(tmp_path):
+    bad = tmp_path / "hw.json"
+    bad.write_text('{"name": "x", "memory_bytes_per_s": 1e12}')
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+    neg = tmp_path / "neg.json"
+    neg.write_text(json.dumps({k: 1.0 for k in ("memory_bytes_per_s", "bf16_flops", "fp8_flops", "memory_bytes",
+                                               "link_bytes_per_s")} | {"link_latency_s": -1}))
+    base = ["plan", "--model", "glm5-nano", "--acceptance", "0.9"]
+    for args, needle in ((base + ["--hardware", "tpu9"], "unknown"),
+                         (base + ["--hardware-file", str(bad)], "missing"),
+                         (base + ["--hardware-file", str(junk)], "not JSON"),
+                         (base + ["--hardware-file", str(neg)], "link_latency_s"),
+                         (["plan", "--model", "glm5-nano", "--acceptance", "0.9,x"], "--acceptance"),
+                         (["plan", "--model", "glm5-nano", "--acceptance", "1.5"], "--acceptance"),
+                         (["plan", "--model", "glm5-nano"], "give the acceptance"),
+                         (base + ["--batch-sizes", "0"], "--batch-sizes"),
+                         (base + ["--acceptance-file", str(junk)], "one of them"),
+                         (["plan", "--model", "glm5-nano", "--acceptance-file", str(junk)], "not JSON"),
+                         (["plan", "--calibrate", str(junk)], "not JSON")):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2, (args, r.output)
+        assert needle in r.output and "Traceback" not in r.output, (args, r.output)
+        assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_calibrate_refits_the_shipped_values_from_its_files():
+    """The shipped calibration is what `plan --calibrate` fits on the files it names (reproducible)."""
+    from glm5mtp_cli.diagnostics import plan_fit
+
+    shipped = calibration.load()
+    files = [f["path"] for f in shipped.fitted["files"]]
+    measured = [m for f in files for m in calibration.read_measurements(f)]
+    refit = plan_fit.fit(measured, TABLE["h200"], files)
+    for key, v in shipped.bandwidth_efficiency.items():
+        assert math.isclose(refit.bandwidth_efficiency[key], v, rel_tol=1e-6)
+    assert math.isclose(refit.per_kernel_s, shipped.per_kernel_s, rel_tol=1e-6)
+    assert refit.kernels == shipped.kernels
