@@ -55,8 +55,10 @@ class FakeTarget(nn.Module):
         self.w = nn.Parameter(torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, caches: list, rows: str = "all") -> FakeOut:
-        """Token by token on purpose: the reference recurrence, nothing clever to get wrong."""
+    def forward(self, ids: torch.Tensor, caches: list, rows="all", real=None) -> FakeOut:
+        """Token by token on purpose: the reference recurrence, nothing clever to get wrong. real
+        (padding rows of a shared prefill forward): nothing to do, the pending commit keeps the
+        state after exactly the rows the engine keeps, and the recurrence is causal."""
         starts, paged = cached_rows(caches, ids.shape[1], ids.device)
         store = paged["row"]
         hiddens = []
@@ -77,7 +79,10 @@ class FakeTarget(nn.Module):
         h = torch.stack(hiddens)
         for c in caches:
             c.length += ids.shape[1]
-        out = h if rows == "all" else h[:, -1:]
+        if isinstance(rows, torch.Tensor):  # a row per sequence: each prompt's last real row
+            out = h.gather(1, rows.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))
+        else:
+            out = h if rows == "all" else h[:, -1:]
         return FakeOut(self.logits(out), out, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
