@@ -83,6 +83,18 @@ def test_the_chained_draft_equals_the_engines_chain_step_with_the_shared_top_k()
             torch.testing.assert_close(chained[b, i], want[0], atol=1e-4, rtol=0)
 
 
+def test_router_balancing_counts_both_mtp_calls_of_a_chained_step():
+    cfg, target, mtp = _models()
+    model, layer = target.model, mtp.layer
+    mtp.train()
+    x = torch.randint(2, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, hidden, _ = tr.target_forward(model, x)
+        tr.mtp_forward(layer, hidden[:, :-1], x[:, 1:], model.embed_tokens, model.lm_head, chain=True)
+    ids = layer.mlp.last_expert_ids
+    assert ids.shape[0] == 2 * 19 + 2 * 18  # the first draft's rows and the chained draft's
+
+
 def test_gradients_reach_every_tensor_and_the_indexer_loss_only_the_indexers():
     cfg, target, mtp = _models()
     model, layer = target.model, mtp.layer

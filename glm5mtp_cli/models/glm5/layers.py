@@ -289,6 +289,7 @@ class MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self.training:
-            self.last_expert_ids = ids.detach()
+        if self.training:  # every call of a training step counts (the MTP's chained loss calls it twice)
+            prev = self.last_expert_ids
+            self.last_expert_ids = ids.detach() if prev is None else torch.cat([prev, ids.detach()])
         return self.experts(x, weights, ids) if self.comm is None else self.experts.forward_local(x, weights, ids)
