@@ -1,4 +1,6 @@
-"""JSON-lines input files (prompts, conversations): one object per line, errors naming the line."""
+"""JSON input files: JSON-lines (prompts, conversations: one object per line, errors naming the
+line) and single documents (plan's acceptance, hardware and calibration inputs), each error one
+line naming the flag and file."""
 
 from __future__ import annotations
 
@@ -27,3 +29,13 @@ def read_jsonl(path: Path) -> list[dict]:
     if not items:
         raise UserError(f"{path}: no entries")
     return items
+
+
+def read_json(path: Path, flag: str, hint: str = ""):
+    """The JSON document in `path`, given by `flag`; `hint` follows a parse error (what was expected)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"{flag} {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{flag} {path}: not JSON ({e.msg}, line {e.lineno}){hint}") from None

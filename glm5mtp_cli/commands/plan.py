@@ -18,6 +18,7 @@ from glm5mtp_cli.commands.options import MODEL, OUTPUT, SPECULATION, JsonOpt, La
 from glm5mtp_cli.commands.profile import PLOT_HINT
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.jsonl import read_json
 from glm5mtp_cli.units import fmt_bytes
 
 if TYPE_CHECKING:  # the model's module imports torch: not for --help
@@ -49,12 +50,7 @@ def read_acceptance(path: Path) -> tuple[tuple[float, ...], str]:
     from glm5mtp_cli.engine.synthetic import conditional
 
     flag = f"--acceptance-file {path}"
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"{flag}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{flag}: not JSON ({e.msg}, line {e.lineno})") from None
+    doc = read_json(path, "--acceptance-file")
     found = []  # (gamma, per_position, what)
     if isinstance(doc, dict):
         runs = doc.get("runs") or []

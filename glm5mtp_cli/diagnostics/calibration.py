@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.jsonl import read_json
 
 DEFAULT_PATH = Path(__file__).with_name("plan_calibration_h200.json")
 COMPUTE_EFFICIENCY = 0.5  # assumed: no measured step here is compute bound
@@ -106,12 +107,7 @@ class Measurement:
 
 def read_measurements(path: Path) -> list[Measurement]:
     """Every measurement of one `bench --json` or `generate --json` document."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"--calibrate {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--calibrate {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    doc = read_json(path, "--calibrate")
     if not isinstance(doc, dict) or "model" not in doc:
         raise UserError(f"--calibrate {path}: expected a `bench --json` or `generate --json` document")
     out = _steps(str(path), doc) + _bench_rows(str(path), doc) + _generate_run(str(path), doc)

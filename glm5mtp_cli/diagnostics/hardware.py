@@ -12,11 +12,11 @@ front end assumed everywhere, said so in each source.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.jsonl import read_json
 
 T, G = 1e12, 1e9
 
@@ -121,12 +121,7 @@ def named(name: str) -> Hardware:
 
 def from_file(path: Path) -> Hardware:
     """--hardware-file: one JSON object in the SCHEMA above."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"--hardware-file {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--hardware-file {path}: not JSON ({e.msg}, line {e.lineno}); expected {SCHEMA}") from None
+    raw = read_json(path, "--hardware-file", f"; expected {SCHEMA}")
     if not isinstance(raw, dict):
         raise UserError(f"--hardware-file {path}: expected one JSON object: {SCHEMA}")
     unknown = set(raw) - {f.name for f in fields(Hardware)}
