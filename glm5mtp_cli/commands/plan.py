@@ -15,7 +15,7 @@ from rich.console import Console
 
 from glm5mtp_cli.commands.generate import check_output
 from glm5mtp_cli.commands.options import MODEL, OUTPUT, SPECULATION, JsonOpt, LayersOpt
-from glm5mtp_cli.commands.profile import PLOT_HINT
+from glm5mtp_cli.commands.plotting import check_plot, pyplot, save
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_json
@@ -157,12 +157,7 @@ def plan_cmd(
         raise UserError("--context and --budget must be >= 1")
     if draft_vocab is not None and draft_vocab < 1:
         raise UserError(f"--draft-vocab must be >= 1, got {draft_vocab}")
-    if plot is not None:
-        check_output(plot, "--plot")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError(PLOT_HINT) from None
+    check_plot(plot)
     from glm5mtp_cli.diagnostics import calibration as cal_mod
     from glm5mtp_cli.diagnostics.plan import PlanConfig
     from glm5mtp_cli.engine.synthetic import parse_rates
@@ -300,13 +295,7 @@ def _calibrate(files: list[str], check: list[str], hw, out: Path | None, json_ou
 
 
 def _plot(path: Path, doc: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError(PLOT_HINT) from None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     sizes = [b["batch_size"] for b in doc["batches"]]
     for i, g in enumerate(doc["batches"][0]["gammas"]):
@@ -317,8 +306,4 @@ def _plot(path: Path, doc: dict) -> None:
     acc = ",".join(f"{p:.2g}" for p in doc["acceptance"]["conditional"])
     ax.set_title(f"{doc['model']} on {doc['hardware']['name']} x tp {doc['tp']}, acceptance {acc}", fontsize="small")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as e:
-        raise UserError(f"--plot {path}: {e.strerror}") from None
+    save(fig, path)

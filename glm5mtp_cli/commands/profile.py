@@ -13,13 +13,12 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
-from glm5mtp_cli.commands.generate import check_output
 from glm5mtp_cli.commands.options import (DEFAULT_MODEL, MODEL, OUTPUT, DeviceOpt, JsonOpt, LayersOpt, ModelOpt,
                                           ThreadsOpt, TpOpt)
+from glm5mtp_cli.commands.plotting import check_plot, pyplot, save
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.engine.config import ModelSpec
 from glm5mtp_cli.units import fmt_bytes as _fmt
-from glm5mtp_cli.errors import UserError
 
 if TYPE_CHECKING:  # the engine's modules import torch: not for --help
     from glm5mtp_cli.diagnostics.profile import ProfileConfig
@@ -35,7 +34,6 @@ def _components(doc: dict) -> list[str]:
 def _label(component: str) -> str:
     return _SHORT.get(component, component.replace("_", " "))
 DEFAULT_LENGTHS = (4096, 32768, 131072)
-PLOT_HINT = "--plot needs matplotlib: pip install 'glm5mtp[plot]' (or pip install matplotlib)"
 
 
 def _short_bytes(n) -> str:
@@ -105,12 +103,7 @@ def profile_cmd(
 
     lengths = parse_lengths(max_seq_len) if max_seq_len is not None else None
     spec = ModelSpec(model, device, dtype, layers, tp=tp)
-    if plot is not None:
-        check_output(plot, "--plot")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError(PLOT_HINT) from None
+    check_plot(plot)
     from glm5mtp_cli.checkpoint.resolve import resolve_config
 
     cfg, _ = resolve_config(model)  # the config alone: every flag is checked before any weights load
@@ -301,13 +294,7 @@ def _print_tp(out: Console, doc: dict) -> None:
 
 
 def _plot(path: Path, doc: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError(PLOT_HINT) from None
+    plt = pyplot()
     labels = [f"{r['max_seq_len']}\n{r['policy']}" for r in doc["rows"]]
     fig, ax = plt.subplots(figsize=(max(6, len(labels)), 4))
     bottom = [0.0] * len(labels)
@@ -317,8 +304,4 @@ def _plot(path: Path, doc: dict) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("MiB per sequence")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as e:
-        raise UserError(f"--plot {path}: {e.strerror}") from None
+    save(fig, path)
