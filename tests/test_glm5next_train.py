@@ -168,3 +168,33 @@ def test_the_nano_profile_fits_its_budget():
     assert cfg.model_type == "glm5_next" and cfg.vocab_size == 4096 and cfg.index_kpool == 4
     assert cfg.index_n_heads >= 16 and cfg.hc_mult == 4 and cfg.kda_layers and cfg.indexed_layers
     assert p["bytes_bf16"] <= 20 * 2**20 and section["seq_len"] > cfg.index_topk  # pool selection is trained
+
+
+def test_the_distillation_loss_is_the_drafts_kl_from_the_detached_target():
+    from glm5mtp_cli.training.train import _kl_from
+
+    torch.manual_seed(0)
+    teacher = torch.randn(2, 5, 11, requires_grad=True)
+    student = torch.randn(2, 5, 11, requires_grad=True)
+    kl = _kl_from(teacher, student)
+    p, logq = teacher.softmax(-1), student.log_softmax(-1)
+    want = (p * (p.log() - logq)).sum(-1).mean()
+    torch.testing.assert_close(kl, want)
+    kl.backward()
+    assert teacher.grad is None and student.grad.abs().sum() > 0  # the target is the teacher, not moved
+    assert _kl_from(student, student.detach().clone()).abs() < 1e-6
+
+
+def test_distill_weight_trains_and_reports_the_kl(tmp_path):
+    out = tmp_path / "out"
+    args = ["train", "--config", str(_toy_config(tmp_path)), "--out", str(out), "--steps", "3", "--batch-size", "2",
+            "--seq-len", "24", "--corpus-files", str(FILES), "--cache-dir", str(tmp_path / "cache"),
+            "--eval-tokens", "256", "--device", "cpu", "--chain-weight", "0.5", "--distill-weight", "1.0"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["hyperparameters"]["distill_weight"] == 1.0
+    assert report["final_train"]["kl_draft"] > 0
+    args[args.index(str(out))] = str(tmp_path / "out2")
+    res = CliRunner().invoke(app, args[:-1] + ["-1"])
+    assert res.exit_code != 0 and "--distill-weight must not be negative" in res.output

@@ -67,6 +67,7 @@ def train_cmd(
     dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", rich_help_panel=MODEL, help="bf16 (autocast, fp32 master weights) | fp32; default bf16 on CUDA.")] = None,
     mtp_weight: Annotated[Optional[float], typer.Option("--mtp-weight", metavar="X", rich_help_panel=SCHEDULE, help="Weight of the MTP loss (DeepSeek-V3: 0.3) (default from the profile's train_config.json: glm5-nano 0.3; else 0.3).")] = None,
     chain_weight: Annotated[Optional[float], typer.Option("--chain-weight", metavar="X", rich_help_panel=SCHEDULE, help="Weight of the chained second draft's loss: the MTP fed its own output, as every draft after the first is (GLM-5-Next; default from the profile's train_config.json, else 0: off).")] = None,
+    distill_weight: Annotated[Optional[float], typer.Option("--distill-weight", metavar="X", rich_help_panel=SCHEDULE, help="Weight of the drafts' KL from the target's own (detached) distribution for the same token: trains the draft's argmax toward the target's, what greedy acceptance counts (default from the profile's train_config.json, else 0: off).")] = None,
     indexer_weight: Annotated[Optional[float], typer.Option("--indexer-weight", metavar="X", rich_help_panel=SCHEDULE, help="Weight of the DSA indexer KL loss (default from the profile's train_config.json: glm5-nano 1.0; else 1.0).")] = None,
     mtp_only: Annotated[bool, typer.Option("--mtp-only", metavar="", help="Train only a fresh MTP layer against the frozen target from --init.")] = False,
     init: Annotated[Optional[Path], typer.Option("--init", metavar="DIR", help="With --mtp-only: the trained checkpoint whose target is frozen.")] = None,
@@ -106,7 +107,7 @@ def train_cmd(
     opts = TrainOptions(
         out=out, profile=profile, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
         device=device, threads=threads, dtype=dtype, mtp_weight=mtp_weight, indexer_weight=indexer_weight,
-        chain_weight=chain_weight, mtp_only=mtp_only,
+        chain_weight=chain_weight, distill_weight=distill_weight, mtp_only=mtp_only,
         init=init, time_budget=time_budget, eval_every=eval_every, eval_tokens=eval_tokens, warmup=warmup,
         cache_dir=cache_dir, tokenizer=tokenizer, corpus_files=corpus_files, chat_samples=chat_samples,
         corpus_packages=tuple(p.strip() for p in corpus_packages.split(",") if p.strip()),

@@ -16,11 +16,17 @@ What one step computes, for a batch of windows w[0..T] of the tokenized corpus (
     chain:   (GLM-5-Next) the chain's second draft, teacher-forced: row i pairs the MTP's own g[i]
              with embed(x[i+2]), attends what row i attended plus itself, predicts w[i+3]
                                                                     -> CE_chain
-    loss = CE_next + mtp_weight * CE_mtp + chain_weight * CE_chain + indexer_weight * L_idx
+    distill: each draft's KL from the target's own distribution for the same token (detached:
+             the target is the teacher, not moved by it): KL(p_target[i+1] || p_mtp[i]), and with
+             chain KL(p_target[i+2] || p_chain[i])                 -> KL_draft
+    loss = CE_next + mtp_weight * CE_mtp + chain_weight * CE_chain + distill_weight * KL_draft
+           + indexer_weight * L_idx
 
 CE_chain trains what a draft chain runs: every draft after the first reads the MTP's own g where the
 first reads the target's hidden, an input the first-draft loss never shows it (EAGLE-3's
-training-time test, one step deep). The MTP loss flows back into the shared trunk, embeddings and head (DeepSeek-V3's joint MTP
+training-time test, one step deep). KL_draft trains what greedy acceptance measures, the
+draft's argmax against the target's rather than against the text (self-distillation, as Medusa-2
+and EAGLE train their drafters on the target's outputs). The MTP loss flows back into the shared trunk, embeddings and head (DeepSeek-V3's joint MTP
 training; weight 0.3). The indexer's inputs are detached inside the model when its loss is
 requested, so L_idx trains only the indexers (GLM-5-Next: KL of each pooled indexer to its layer's
 dense attention aggregated per pool). Routing uses DeepSeek's aux-loss-free balancing:
@@ -76,6 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "lr": 2e-3,
     "mtp_weight": 0.3,
     "chain_weight": 0.0,
+    "distill_weight": 0.0,
     "indexer_weight": 1.0,
     "eval_every": 250,
     "time_budget": None,
@@ -107,6 +114,7 @@ class TrainOptions:
     dtype: str | None = None               # bf16 (autocast) | fp32; default bf16 on CUDA, fp32 on CPU
     mtp_weight: float | None = None
     chain_weight: float | None = None      # the chained second draft's loss (GLM-5-Next)
+    distill_weight: float | None = None    # the drafts' KL from the target's distribution
     indexer_weight: float | None = None
     mtp_only: bool = False
     init: Path | None = None               # with mtp_only: the trained target to freeze
@@ -148,7 +156,7 @@ class TrainOptions:
                 raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {h[k]!r}")
         if h["seq_len"] < 3:
             raise UserError("--seq-len must be at least 3 (the MTP head predicts two tokens ahead)")
-        for k in ("mtp_weight", "chain_weight", "indexer_weight"):
+        for k in ("mtp_weight", "chain_weight", "distill_weight", "indexer_weight"):
             if h[k] < 0:
                 raise UserError(f"--{k.replace('_', '-')} must not be negative, got {h[k]}")
         if h["lr"] <= 0:
@@ -263,9 +271,17 @@ def lr_at(step: int, progress: float, base: float, warmup: int, min_ratio: float
 
 # ---- batches and losses --------------------------------------------------------------------------
 
+def _kl_from(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(softmax(teacher) || softmax(student)), the teacher detached."""
+    v = student.shape[-1]
+    t = teacher.detach().float().reshape(-1, v).log_softmax(-1)
+    s = student.float().reshape(-1, v).log_softmax(-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
 def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: bool, chain: bool,
-                   forward: Callable) -> dict[str, torch.Tensor]:
-    """Losses of a batch of windows w [B, T+1] (ce_chain 0 without chain)."""
+                   forward: Callable, distill: bool = False) -> dict[str, torch.Tensor]:
+    """Losses of a batch of windows w [B, T+1] (ce_chain 0 without chain, kl_draft 0 without distill)."""
     x = w[:, :-1]
     logits, mtp_logits, aux, chained = forward(target, mtp, x, mtp_only, want_indexer, chain)
     v = logits.shape[-1]
@@ -273,8 +289,13 @@ def compute_losses(target, mtp, w: torch.Tensor, mtp_only: bool, want_indexer: b
     ce_mtp = F.cross_entropy(mtp_logits.float().reshape(-1, v), w[:, 2:].reshape(-1))
     ce_chain = (F.cross_entropy(chained.float().reshape(-1, v), w[:, 3:].reshape(-1)) if chained is not None
                 else ce.new_zeros(()))
+    kl = ce.new_zeros(())
+    if distill:
+        kl = _kl_from(logits[:, 1:], mtp_logits)
+        if chained is not None:
+            kl = kl + _kl_from(logits[:, 2:], chained)
     idx = aux.float() if want_indexer else aux.new_zeros(())
-    return {"ce": ce, "ce_mtp": ce_mtp, "ce_chain": ce_chain, "indexer": idx}
+    return {"ce": ce, "ce_mtp": ce_mtp, "ce_chain": ce_chain, "kl_draft": kl, "indexer": idx}
 
 
 @torch.no_grad()
@@ -490,6 +511,7 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
     windows = heldout_windows(held_ids, hp["seq_len"], hp["eval_tokens"])
     want_indexer = hp["indexer_weight"] > 0 and not opts.mtp_only
     chain = hp["chain_weight"] > 0
+    distill = hp["distill_weight"] > 0
 
     # Loop.
     steps, budget = hp["steps"], hp["time_budget"]
@@ -512,12 +534,12 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
                 g["lr"] = lr
             w = sampler.next().to(device, non_blocking=True)
             with autocast():
-                losses = compute_losses(target, mtp, w, opts.mtp_only, want_indexer, chain, recipe.forward)
-            chain_loss = hp["chain_weight"] * losses["ce_chain"]
+                losses = compute_losses(target, mtp, w, opts.mtp_only, want_indexer, chain, recipe.forward, distill)
+            later = hp["chain_weight"] * losses["ce_chain"] + hp["distill_weight"] * losses["kl_draft"]
             if opts.mtp_only:
-                loss = losses["ce_mtp"] + chain_loss
+                loss = losses["ce_mtp"] + later
             else:
-                loss = (losses["ce"] + hp["mtp_weight"] * losses["ce_mtp"] + chain_loss
+                loss = (losses["ce"] + hp["mtp_weight"] * losses["ce_mtp"] + later
                         + hp["indexer_weight"] * losses["indexer"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -527,7 +549,7 @@ def _run(opts: TrainOptions, tmp: Path, log: Callable[[str], None], progress_fac
             step += 1
             tokens_seen += w.shape[0] * (w.shape[1] - 1)
             last = {"loss": loss.item(), "ce": losses["ce"].item(), "ce_mtp": losses["ce_mtp"].item(),
-                    "ce_chain": losses["ce_chain"].item(), "indexer": losses["indexer"].item(), "lr": lr,
+                    "ce_chain": losses["ce_chain"].item(), "kl_draft": losses["kl_draft"].item(), "indexer": losses["indexer"].item(), "lr": lr,
                     "grad_norm": float(gnorm)}
             if not math.isfinite(last["loss"]):
                 raise RuntimeError(f"loss became {last['loss']} at step {step}; try a lower --lr")
