@@ -75,7 +75,8 @@ def _tokens(rt, gamma, mode, compile="off"):
 
 @pytest.mark.parametrize("family, compile, path, gamma", [
     *[(f, c, p, g) for f, c, p in [("glm5", "kernels", "all"), ("glm5next", "torch", "cuda")] for g in (0, 2)],
-    ("glm5_fp8", "kernels", "all", 2)])  # FP8 Linears, joined ones among them, as custom ops
+    ("glm5_fp8", "kernels", "all", 2),  # FP8 Linears, joined ones among them, as custom ops
+    ("glm5next", "kernels", "all", 2)])  # mHC and KDA kernels as custom ops
 def test_compiled_forwards_equal_eager(request, family, compile, path, gamma):
     rt = request.getfixturevalue(family)
     counters.clear()

@@ -21,8 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5mtp_cli.models.glm5_next.config import NextConfig
+from kernels._triton import use_kernels
+from kernels.kda import kda_rows
 
 CHUNK = 64  # chunk length of the prefill form (transformers' and FLA's)
+# Up to this many rows, a kernel-path forward runs the recurrence (kernels/kda.py: one launch over
+# every row) instead of the chunked form's ~30 launches per chunk: a decode or a verify.
+KERNEL_ROWS = 16
 
 
 # ---- short causal conv -----------------------------------------------------------------------
@@ -84,27 +89,34 @@ def kda_recurrent(x: KdaInputs, state: torch.Tensor, keep_states: bool = False,
     Returns (o [T, H, d] fp32, final state, states [T, H, d, d] or None): states[t] is S after
     position t. states_out: a preallocated [>=T, H, d, d] fp32 buffer for those states (an engine's
     per-position slots); the update runs in place in it, with no 4 MiB allocation per row.
+    Without keep_states: kernels/kda.py's kda_rows (one kernel on CUDA).
     """
+    if not keep_states:
+        o, final = kda_rows(x.q, x.k, x.v, x.g, x.beta, state)
+        return o, final, None
     T = x.q.shape[0]
-    if keep_states and states_out is None:
+    if states_out is None:
         states_out = torch.empty(T, *state.shape, dtype=torch.float32, device=state.device)
     prev = state.float()
-    s = None if keep_states else prev.clone()
     outs = []
     for t in range(T):
-        decay = x.g[t].exp().unsqueeze(-1)
-        if keep_states:
-            s = torch.mul(prev, decay, out=states_out[t])          # Diag(exp g) S
-        else:
-            s.mul_(decay)
-        kv = torch.bmm(x.k[t].unsqueeze(1), s).squeeze(1)         # S^T k       [H, d]
-        delta = x.beta[t].unsqueeze(-1) * (x.v[t] - kv)            # beta (v - S^T k)
-        s.baddbmm_(x.k[t].unsqueeze(-1), delta.unsqueeze(1))       # S + k delta^T
-        outs.append(torch.bmm(x.q[t].unsqueeze(1), s).squeeze(1))  # S^T q
+        s = torch.mul(prev, x.g[t].exp().unsqueeze(-1), out=states_out[t])  # Diag(exp g) S
+        kv = torch.bmm(x.k[t].unsqueeze(1), s).squeeze(1)                   # S^T k       [H, d]
+        delta = x.beta[t].unsqueeze(-1) * (x.v[t] - kv)                      # beta (v - S^T k)
+        s.baddbmm_(x.k[t].unsqueeze(-1), delta.unsqueeze(1))                 # S + k delta^T
+        outs.append(torch.bmm(x.q[t].unsqueeze(1), s).squeeze(1))            # S^T q
         prev = s
     o = torch.stack(outs) if outs else x.v.new_zeros(x.v.shape)
-    final = prev if T else state.float().clone()
-    return o, final, (states_out[:T] if keep_states else None)
+    return o, (prev if T else state.float().clone()), states_out[:T]
+
+
+def kda_rows_form(x: KdaInputs, state: torch.Tensor, chunk: int = CHUNK):
+    """(o, final state) of rows x from state, in the form that suits them: the recurrence for one
+    row, or for up to KERNEL_ROWS on the kernel path; the chunked form otherwise."""
+    t = x.q.shape[0]
+    if t == 1 or (t <= KERNEL_ROWS and use_kernels(x.q)):
+        return kda_recurrent(x, state)[:2]
+    return kda_chunked(x, state, chunk)
 
 
 def kda_chunked(x: KdaInputs, state: torch.Tensor, chunk: int = CHUNK):
@@ -276,10 +288,10 @@ class KdaLayer(nn.Module):
             o, _, states = kda_recurrent(x, state, keep_states=True, states_out=states_out)
             pending = KdaPending(extended, states=states, start=state)
         elif mode == "replay":
-            o, _ = kda_chunked(x, state, chunk) if x.q.shape[0] > 1 else kda_recurrent(x, state)[:2]
+            o, _ = kda_rows_form(x, state, chunk)
             pending = KdaPending(extended, inputs=x, start=state)
         elif mode == "final":
-            o, s = kda_chunked(x, state, chunk) if x.q.shape[0] > 1 else kda_recurrent(x, state)[:2]
+            o, s = kda_rows_form(x, state, chunk)
             pending = KdaPending(extended, final=s, start=state)
         else:
             raise ValueError(f"unknown KDA mode {mode!r}")
@@ -303,7 +315,7 @@ class KdaLayer(nn.Module):
             live = torch.arange(t, device=a.device)[None, :] < real[:, None]          # [B, T]
             x = KdaInputs(x.q, x.k, x.v, x.g * live[..., None, None], x.beta * live[..., None])
         flat = state.reshape(b * self.heads, *state.shape[2:])
-        run = kda_chunked(x.folded(), flat, chunk) if t > 1 else kda_recurrent(x.folded(), flat)[:2]
+        run = kda_rows_form(x.folded(), flat, chunk)
         o = run[0].view(t, b, self.heads, self.head_dim).transpose(0, 1)
         if mode == "replay":
             pending = KdaBatchPending(extended, inputs=x)

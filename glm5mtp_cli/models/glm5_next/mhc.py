@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.mhc import hc_collapse, hc_expand, hc_mix  # noqa: F401 (the model's collapse and expand)
+
 
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     """[T, D] embeddings -> [T, n, D] streams (plain copies)."""
@@ -31,33 +33,9 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
     streams [T, n, D]; fn [(2+n)n, nD]; base [(2+n)n]; scale [3].
     Returns pre [T, n], post [T, n], comb [T, n, n] (all fp32); comb[j, k] weights input stream j
-    into output stream k.
+    into output stream k (kernels/mhc.py: hc_mix_ref, one kernel on CUDA).
     """
-    n = streams.shape[-2]
     f = streams.reshape(*streams.shape[:-2], -1).float()
     # unweighted RMSNorm with rms_norm_eps (not hc_eps)
     f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps)
-    m = F.linear(f, fn.float())
-    base, scale = base.float(), scale.float()
-    m_pre, m_post, m_comb = m.split([n, n, n * n], dim=-1)
-    b_pre, b_post, b_comb = base.split([n, n, n * n])
-    pre = torch.sigmoid(m_pre * scale[0] + b_pre) + hc_eps
-    post = 2 * torch.sigmoid(m_post * scale[1] + b_post)
-    comb = torch.softmax((m_comb * scale[2] + b_comb).view(*m_comb.shape[:-1], n, n), dim=-1) + hc_eps
-    # Sinkhorn: start and end with a column normalisation (sum over dim -2)
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
-
-
-def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Block input: sum_i pre_i X_i, computed in fp32 and cast to the stream dtype."""
-    return (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
-
-
-def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New streams: X_k <- post_k y + sum_j comb[j, k] X_j."""
-    dt = streams.dtype
-    return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+    return hc_mix(F.linear(f, fn.float()), base, scale, hc_eps, sinkhorn_iters)
