@@ -208,3 +208,29 @@ def test_calibrate_refits_the_shipped_values_from_its_files():
         assert math.isclose(refit.bandwidth_efficiency[key], v, rel_tol=1e-6)
     assert math.isclose(refit.per_kernel_s, shipped.per_kernel_s, rel_tol=1e-6)
     assert refit.kernels == shipped.kernels
+
+
+def test_the_fit_recovers_a_per_sequence_draft_cost():
+    """Runs generated from a known calibration are fitted back to it, the per-sequence draft cost
+    included (identified by drafting and decoding runs at batch > 1), and a draft forward pays it."""
+    from glm5mtp_cli.diagnostics import plan_fit
+
+    hw = dataclasses.replace(TABLE["h200"], launch_s=None)
+    truth = dataclasses.replace(calibration.load(), bandwidth_efficiency={"draft": 0.7, "decode": 0.6},
+                                per_kernel_s=2e-6, host_step_s=0.0, host_forward_s=1e-4, host_sequence_s=2e-5,
+                                draft_sequence_s=3e-5)
+    shape = dict(model="glm5", layers=4, fp8=False, context=128, source="synthetic")  # real dimensions
+    counts = {"draft": 150.0, "decode": 90.0 * 4}  # a step's kernels, as bench --kernels counts them
+    truth = dataclasses.replace(truth, kernels={"glm_moe_dsa": {"draft": 150.0, "target_per_layer": 90.0}})
+    steps = [calibration.Measurement(what=k, kind=k, seconds=0.0, kernels=counts[k], **shape) for k in counts]
+    runs = [calibration.Measurement(what=f"b{b} g{g}", kind="run", seconds=0.0, seqs=b, gamma=g, **shape)
+            for b in (1, 8, 32) for g in (0, 3)]
+    measured = [dataclasses.replace(m, seconds=plan_fit.predict_seconds(m, hw, truth)) for m in steps + runs]
+    fitted = plan_fit.fit(measured, hw, [])
+    assert math.isclose(fitted.draft_sequence_s, 3e-5, rel_tol=1e-3)
+    assert math.isclose(fitted.host_sequence_s, 2e-5, rel_tol=1e-3)
+    assert all(abs(r["error"]) < 1e-6 for r in fitted.residuals)
+    c = _config("glm5-nano", calibration=truth)
+    s = model_sizes(resolve_config("glm5-nano")[0], c)
+    assert math.isclose(forward("draft", 8, 1, s, c).times["host"] - forward("draft", 1, 1, s, c).times["host"],
+                        7 * 3e-5)

@@ -49,6 +49,9 @@ class Calibration:
     host_sequence_s: float
     kernels: dict  # model_type -> {'draft': n, 'target_per_layer': n, 'source': file}
     compute_efficiency: float = COMPUTE_EFFICIENCY
+    # each sequence of each draft forward of a run: the drafter's per-row bookkeeping and gathers,
+    # which steps with drafting at batch > 1 pay beyond the bytes they read
+    draft_sequence_s: float = 0.0
     fitted: dict = field(default_factory=dict)  # commit, files, what each value came from
     residuals: list = field(default_factory=list)  # the fit's own measurements beside its predictions
 

@@ -180,6 +180,8 @@ def forward(kind: str, seqs: int, rows: int, s: ModelSizes, c: PlanConfig) -> Fo
     host = cal.host_forward_s
     if kind in ("verify", "decode"):
         host += cal.host_step_s + seqs * cal.host_sequence_s
+    elif kind == "draft":
+        host += seqs * cal.draft_sequence_s
     times = {"bandwidth": nbytes / (hw.memory_bytes_per_s * cal.efficiency(kind, c.fp8)),
              "compute": flops / (peak * cal.compute_efficiency),
              "communication": comm_s, "launch": n_kernels * _launch_s(c), "host": host}

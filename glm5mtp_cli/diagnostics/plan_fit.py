@@ -4,7 +4,8 @@ predicted and set beside their measurements.
 
 Each measurement's predicted time is linear in the unknowns once the bandwidth efficiencies are
 held: sum over its forwards of bytes / (bandwidth x efficiency of the kind) + kernels x per-kernel
-cost (+ host per step + sequences x host per sequence for a run's step); so the fit alternates a
+cost (+ host per step + sequences x host per sequence for a run's step, + sequences x drafts x
+draft cost per sequence where it drafts); so the fit alternates a
 closed-form efficiency per kind with a linear least squares in the rest, each equation divided by
 its measured time (relative errors: a 0.7 ms nano step weighs as a 2 ms GLM-5 one).
 """
@@ -21,7 +22,8 @@ from glm5mtp_cli.diagnostics.calibration import Calibration, Measurement
 from glm5mtp_cli.diagnostics.hardware import Hardware
 from glm5mtp_cli.diagnostics.plan import Forward, PlanConfig, forward, model_sizes
 
-ROUNDS = 50
+ROUNDS = 5000  # at most: the alternation converges slowly (50 rounds left the efficiencies ~5% off)
+TOLERANCE = 1e-10  # stop when no value moves by more than this, relatively
 START_KERNEL_S = 2.5e-6  # where the alternation starts (a graph-replayed kernel's order); the fit moves it
 
 
@@ -70,7 +72,8 @@ def _terms(m: Measurement, hw: Hardware, cal: Calibration, keys: set[str]) -> di
         bw[key] = bw.get(key, 0.0) + n * f.bytes / hw.memory_bytes_per_s
     return {"bw": bw, "kernels": sum(n * f.kernels for f, n in fwds), "host_step": 1.0 if run else 0.0,
             "host_forward": float(sum(n for _, n in fwds)) if run else 0.0,
-            "host_seqs": float(m.seqs) if run else 0.0}
+            "host_seqs": float(m.seqs) if run else 0.0,
+            "draft_seqs": float(m.seqs * m.gamma) if run else 0.0}
 
 
 def fit(measurements: list[Measurement], hw: Hardware, files: list[str]) -> Calibration:
@@ -86,10 +89,15 @@ def fit(measurements: list[Measurement], hw: Hardware, files: list[str]) -> Cali
     runs = [m for m in measurements if m.kind == "run"]
     fit_host = len({m.gamma > 0 for m in runs}) == 2  # a run without drafts and one with: step vs forward
     fit_seqs = any(m.seqs > 1 for m in runs)
+    # a drafting run at batch > 1 beside a decoding one at batch > 1: the per-sequence draft cost
+    # is then told apart from the per-sequence step cost
+    fit_draft = fit_seqs and any(m.seqs > 1 and m.gamma > 0 for m in runs) and any(
+        m.seqs > 1 and m.gamma == 0 for m in runs)
     eff = dict(cal.bandwidth_efficiency)
     k, hs = cal.per_kernel_s, cal.host_sequence_s
-    h = hf = 0.0
+    h = hf = ds = 0.0
     for _ in range(ROUNDS):
+        before = [*eff.values(), k, h, hf, hs, ds]
         # the rest held: each efficiency from the single forwards that use it (closed form in 1/eff)
         for key in eff:
             rows = [(t, m) for t, m in zip(terms, measurements) if m.kind != "run" and key in t["bw"]]
@@ -100,17 +108,24 @@ def fit(measurements: list[Measurement], hw: Hardware, files: list[str]) -> Cali
                 eff[key] = float(np.sum(w * a * a) / np.sum(w * a * rest))
         # then k and the host terms the runs identify, by linear least squares on relative errors
         bw = np.array([sum(v / eff[key] for key, v in t["bw"].items()) for t in terms])
-        names = ["kernels"] + (["host_step", "host_forward"] if fit_host else []) + (["host_seqs"] if fit_seqs else [])
+        names = (["kernels"] + (["host_step", "host_forward"] if fit_host else []) + (["host_seqs"] if fit_seqs else [])
+                 + (["draft_seqs"] if fit_draft else []))
         fixed = 0.0 if fit_seqs else np.array([t["host_seqs"] for t in terms]) * hs
         sol = _nonnegative_lstsq(terms, names, (y - bw - fixed) / y, y)
         k, h, hf, hs = sol["kernels"], sol.get("host_step", 0.0), sol.get("host_forward", 0.0), sol.get("host_seqs", hs)
+        ds = sol.get("draft_seqs", 0.0)
+        after = [*eff.values(), k, h, hf, hs, ds]
+        if all(abs(a - b) <= TOLERANCE * max(abs(b), 1e-12) for a, b in zip(after, before)):
+            break
     out = Calibration(
-        hw.name, eff, k, h, hf, hs, kernels,
+        hw.name, eff, k, h, hf, hs, kernels, draft_sequence_s=ds,
         fitted={"commit": cal_mod.head_commit(), "files": [cal_mod.file_record(f) for f in files],
                 "host_sequence_s": "fitted" if fit_seqs else
                 f"prior {cal_mod.HOST_SEQUENCE_PRIOR_S:g} s (no run given decodes more than one sequence)",
                 "host_step_s": "fitted" if fit_host else "0: needs runs at gamma 0 and gamma > 0",
                 "host_forward_s": "fitted" if fit_host else "0: needs runs at gamma 0 and gamma > 0",
+                "draft_sequence_s": "fitted" if fit_draft else
+                "0: needs runs at batch > 1 at gamma 0 and gamma > 0",
                 "compute_efficiency": "assumed, not fitted"})
     return dataclasses.replace(out, residuals=compare(measurements, hw, out))
 
