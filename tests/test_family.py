@@ -6,8 +6,8 @@ every slot and block given back.
 The fake target: s_p = tanh(W s_{p-1} + E[x_p]) is the recurrent state after token p; each token
 also stores s_p as a paged row; m_p is the mean of the stored rows so far, the logits are
 (s_p + m_p) @ E^T and the hidden handed to the drafter is [s_p, m_p]. Its slot holds the state
-after the committed rows; a forward leaves the states of its rows pending, and the engine's
-truncate after a verify commits the accepted one (engine/cache.py, SequenceCache).
+after the committed rows; a forward leaves the states of its rows pending, and the target's
+commit after a verify keeps the accepted one (engine/target.py).
 """
 
 from __future__ import annotations
@@ -38,10 +38,18 @@ class FakeConfig:
 
 
 @dataclass
+class FakePending:
+    data: torch.Tensor  # the slot pool's [1, slots, H]
+    index: torch.Tensor  # each batch row's slot [B]
+    states: torch.Tensor  # the state after each row of the forward [B, T, H]
+
+
+@dataclass
 class FakeOut:
     logits: torch.Tensor
     hidden: torch.Tensor
     hidden_all: torch.Tensor
+    pending: FakePending
 
 
 class FakeTarget(nn.Module):
@@ -61,7 +69,7 @@ class FakeTarget(nn.Module):
         state after exactly the rows the engine keeps, and the recurrence is causal."""
         starts, paged = cached_rows(caches, ids.shape[1], ids.device)
         store = paged["row"]
-        hiddens = []
+        hiddens, states = [], []
         for b, c in enumerate(caches):
             n, slot = int(starts[b]), c.slots["rec"]
             s = slot.pool.data[0, slot.slot]
@@ -74,8 +82,9 @@ class FakeTarget(nn.Module):
             kept = store.data[0].index_select(0, store.all[b, : n + ids.shape[1]])
             means = kept.cumsum(0)[n:] / torch.arange(n + 1, n + ids.shape[1] + 1)[:, None]
             hiddens.append(torch.cat([torch.stack(seq), means], -1))
-            c.leave_pending(lambda length, slot=slot, seq=seq, n=n:
-                            slot.pool.data[0, slot.slot].copy_(seq[length - n - 1]) if length > n else None)
+            states.append(torch.stack(seq))
+        rec = caches[0].slots["rec"].pool.data
+        pending = FakePending(rec, torch.tensor([c.slots["rec"].slot for c in caches]), torch.stack(states))
         h = torch.stack(hiddens)
         for c in caches:
             c.length += ids.shape[1]
@@ -83,7 +92,13 @@ class FakeTarget(nn.Module):
             out = h.gather(1, rows.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))
         else:
             out = h if rows == "all" else h[:, -1:]
-        return FakeOut(self.logits(out), out, h)
+        return FakeOut(self.logits(out), out, h, pending)
+
+    def commit(self, pending: FakePending, kept: torch.Tensor) -> None:
+        """Each row's slot takes the state after its first kept[b] rows (none kept: unchanged)."""
+        after = pending.states[torch.arange(kept.shape[0]), (kept - 1).clamp(min=0)]
+        before = pending.data[0].index_select(0, pending.index)
+        pending.data[0].index_copy_(0, pending.index, torch.where((kept > 0)[:, None], after, before))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         s, m = hidden.split(self.cfg.hidden_size, -1)
@@ -241,14 +256,14 @@ def test_a_fixed_size_state_refuses_to_roll_back_past_its_last_forward():
     target = FakeTarget(CFG)
     pools = CachePools.create(CFG, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
     cache = pools.target_cache()
-    target(torch.tensor([[1, 2, 3]]), [cache])
-    target(torch.tensor([[4, 5]]), [cache])
+    target.commit(target(torch.tensor([[1, 2, 3]]), [cache]).pending, torch.tensor([3]))
+    out = target(torch.tensor([[4, 5]]), [cache])
     with pytest.raises(ValueError, match="before the last forward"):
         cache.truncate(2)
-    cache.truncate(4)  # inside the last forward: commits the state after token 4
+    target.commit(out.pending, torch.tensor([1]))  # inside the last forward: the state after token 4
+    cache.truncate(4)
     fresh = pools.target_cache()
-    target(torch.tensor([[1, 2, 3, 4]]), [fresh])
-    fresh.prepare(0)  # a later forward would commit the prefill whole
+    target.commit(target(torch.tensor([[1, 2, 3, 4]]), [fresh]).pending, torch.tensor([4]))  # a prefill, whole
     rec = pools.pools["target_rec"].data[0]
     assert torch.equal(rec[cache.slots["rec"].slot], rec[fresh.slots["rec"].slot])
     fresh.release()

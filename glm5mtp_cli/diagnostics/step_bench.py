@@ -204,7 +204,7 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     """Median seconds of one batch-1 decode step of `target` (sharded over `tp` ranks, each running
     this in lockstep) at `context` cached rows: CUDA graph
     replays with `graphs` on CUDA (compiled: _static_step); else an eager forward of one row plus
-    the commit of its fixed-size state (what the engine's truncate after a verify writes),
+    the commit of its fixed-size state (what the engine's commit after a verify writes),
     host-timed. With `kernels`, also the step's kernel_breakdown (else None); then the compile
     seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
@@ -222,10 +222,11 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
             return _static_step(f, context, repeats, kernels, graphs, compile)
         cache.length = context
         ids = torch.ones(1, 1, dtype=torch.long, device=device)
+        keep = torch.ones(1, dtype=torch.long, device=device)
 
         def step():
-            target(ids, [cache], rows="last")
-            cache.truncate(context + 1)  # keeps the row: commits the recurrent state it advanced
+            target.commit(target(ids, [cache], rows="last").pending, keep)  # keeps the row's recurrent state
+            cache.truncate(context + 1)
 
         def reset():
             cache.length = context  # the next step overwrites that row; states stay random-like

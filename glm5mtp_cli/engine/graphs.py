@@ -29,8 +29,9 @@ Fixed-size state (GLM-5-Next's KDA state and conv window, models/glm5_next/poole
 component an index [slots + 1] names each engine slot's SlotPool slot (the last entry a scratch slot
 taken once per engine): set by `occupy`, pointed at the scratch slot by `retire`, gathered by `idx`
 like the tables. A forward only reads those states; the target's commit records are the graph's
-outputs, left on the caches after the run (`leave_pending`) and committed by the engine's truncate
-after the verify, before that graph's next replay (or whole by the next run's `prepare`).
+outputs (with the slot indices the forward read), which the runner keeps until the engine's
+`commit` after the accept hands the accepted counts to the target (Target.commit, device tensors
+alone), before that graph's next replay.
 Compiled forwards (--compile, engine/compiled.py): `open` passes each static forward through
 torch.compile and runs it once (the compile, timed apart as `compile_s`), before any capture; the
 capture then records the compiled forward's kernels like any other.
@@ -236,6 +237,7 @@ class ForwardRunner:
         self.prefill: PrefillForwards | None = None  # --prefill-graphs: the admission prefill's graph set
         self.bucket: _Bucket | None = None
         self.active = 0
+        self.pending = None  # the last verify's commit records (Target.commit), until `commit`
 
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
@@ -306,22 +308,32 @@ class ForwardRunner:
     def verify(self, target, ids: torch.Tensor, caches: list):
         """The target forward over ids [A, T] appended to each active sequence's cache."""
         if self.graphs is None:
-            return target(ids, caches, rows="all")
+            out = target(ids, caches, rows="all")
+            self.pending = out.pending
+            return out
         f = self.bucket.verify[ids.shape[1] - 1]
         a = len(caches)
         f.ids[:a].copy_(ids)
         f.set_starts(self._starts(f, caches, [f.t] * a, "verify"))
         for c in caches:
-            c.prepare(f.t)  # commits a pending prefill state whole; within capacity (_starts): reserves nothing
+            c.prepare(f.t)  # within capacity (_starts): reserves nothing
         out = f.run()
-        if out.pending is not None:
-            # the commit records are the graph's outputs: the engine's truncate after this verify
-            # commits them, before the graph's next replay
-            target.leave_pending(caches, out.pending)
+        self.pending = out.pending  # the graph's outputs: committed before its next replay
         for c in caches:
             c.length += f.t
         # logits are read before the next replay; the hiddens are kept a step: copied out
         return type(out)(out.logits[:a], None, hidden_all=out.hidden_all[:a].clone())
+
+    def commit(self, target, accepted: torch.Tensor) -> None:
+        """The last verify's fixed-size state keeps each sequence's accepted drafts and the row
+        before them (accepted [A] on the device); a bucket's padding rows keep none."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        kept = accepted + 1
+        if self.graphs is not None and self.bucket.size > kept.shape[0]:
+            kept = torch.cat([kept, kept.new_zeros(self.bucket.size - kept.shape[0])])
+        target.commit(pending, kept)
 
     # ---- the drafter (called by the proposer) -----------------------------------------------
     def catchup(self, proposer, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list):

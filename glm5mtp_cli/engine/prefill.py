@@ -69,6 +69,7 @@ def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, 
             real = torch.tensor([k for _, k in members], dtype=torch.long).to(device)
             padded = any(k < t for _, k in members)
             out = target(ids.to(device), group, rows=real - 1, real=real if padded else None)
+            target.commit(out.pending, real)
             for j, (_, k) in enumerate(members):
                 if k < t:
                     group[j].truncate(starts[j] + k)  # the padding rows are dead: the next append overwrites them

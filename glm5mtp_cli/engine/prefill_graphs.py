@@ -155,7 +155,8 @@ class PrefillForwards:
 
     def _run(self, f: StaticForward, caches: list, real: list[int], commits=None):
         """Point rows 0..m-1 at the caches' blocks and slots, run, and grow each cache by its real
-        rows; `commits` (the target): what the forward advanced in fixed-size state is committed now."""
+        rows; `commits` (the target): what the forward advanced in fixed-size state is committed now,
+        at each member's real rows (padding rows keep none)."""
         m = len(caches)
         for name, tab in f.tables.items():
             for j, c in enumerate(caches):
@@ -167,11 +168,10 @@ class PrefillForwards:
             c.prepare(k)
         f.set_starts_rows([c.length for c in caches] + [0] * (f.b - m), [k - 1 for k in real] + [0] * (f.b - m))
         out = f.run()
-        if commits is not None:
-            commits.leave_pending(caches, out.pending)
+        if commits is not None:  # now: the bucket's next replay overwrites `out`
+            commits.commit(out.pending, to_device(list(real) + [0] * (f.b - m), self.device))
         for c, k in zip(caches, real):
             c.length += k
-            c.prepare(0)  # commit at the real rows now: the bucket's next replay overwrites `out`
         self.replays += 1
         return out
 

@@ -60,7 +60,7 @@ class Verdict:
     next: list[int]
     draft_ids: list[list[int]] | None
     next_dev: torch.Tensor
-    accepted_dev: torch.Tensor | None
+    accepted_dev: torch.Tensor
 
 
 class SpecEngine:
@@ -451,6 +451,7 @@ class SpecEngine:
         the accepted ones at the next draft (or, after a step without drafts, at the next drafting one)."""
         if self.policy.adaptive:
             self.policy.record_acceptance(v.proposed, v.accepted)
+        self.runner.commit(self.target, v.accepted_dev)
         fed = (self._drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
         for i, s in enumerate(active):
             a = v.accepted[i]
@@ -507,7 +508,7 @@ class SpecEngine:
             target_tokens = logits.argmax(-1)  # [B, g+1]
             if drafts is None:
                 nxt = target_tokens[:, 0]
-                return Verdict(proposed, proposed, nxt.tolist(), None, nxt, None)
+                return Verdict(proposed, proposed, nxt.tolist(), None, nxt, torch.zeros_like(nxt))
             tokens = drafts.tokens
             match = (target_tokens[:, :-1] == tokens).int()
             if min(proposed) < tokens.shape[1]:  # a confidence stop proposed fewer drafts somewhere
