@@ -12,6 +12,7 @@ commit after a verify keeps the accepted one (engine/target.py).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,8 +20,8 @@ import torch
 from torch import nn
 
 from glm5mtp_cli.engine.config import EngineConfig
-from glm5mtp_cli.engine.cache import CachePools, cached_rows
-from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
+from glm5mtp_cli.engine.cache import CachePools, SequenceCache, cached_rows
+from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
 from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.engine.sequence import Request
 from glm5mtp_cli.models import register_family
@@ -104,67 +105,67 @@ class FakeTarget(nn.Module):
         s, m = hidden.split(self.cfg.hidden_size, -1)
         return (s + m) @ self.embed.T
 
-    def advance(self, hidden: torch.Tensor, token: torch.Tensor, position: int) -> torch.Tensor:
-        """The hidden after `token` at `position`, from the hidden before it (what a drafter can
-        know without the caches)."""
+    def advance(self, hidden: torch.Tensor, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The hiddens [B, 2H] after `token` [B] at `position` [B], from the hiddens before them (what
+        a drafter can know without the caches)."""
         s, m = hidden.split(self.cfg.hidden_size, -1)
-        s = torch.tanh(self.w @ s + self.embed[token])
-        return torch.cat([s, (m * position + s) / (position + 1)])
+        s = torch.tanh(s @ self.w.T + self.embed[token])
+        return torch.cat([s, (m * position[:, None] + s) / (position[:, None] + 1)], -1)
 
 
 class SpoilingProposer:
     """Drafts the target's own greedy continuation, computed from the last hidden, but spoils
     every draft at a position divisible by 3, so verifies accept some drafts and reject the rest
-    and the rollback behind each partial acceptance is exercised. Holds no cache, only its row
-    count."""
+    and the rollback behind each partial acceptance is exercised. Its forward (drafter_forward,
+    run by the engine's runner like any family's) needs no cache rows: its drafter cache has no
+    components and holds only its row count."""
 
     def __init__(self, target: FakeTarget):
         self.target = target
 
     def alloc_state(self) -> ProposerState:
-        return ProposerState(None, 0)
+        return ProposerState(SequenceCache({}), 0)
 
     def alloc_state_for(self, budget_tokens: int) -> ProposerState:
-        return ProposerState(None, budget_tokens)
+        return ProposerState(SequenceCache({}), budget_tokens)
 
     def free_state(self, state: ProposerState) -> None:
-        pass
+        state.cache = None
 
     def drafter_rows(self, state: ProposerState) -> int:
-        return state.real_rows
+        return state.cache.length
 
     def catchup_drafter(self, tokens, hiddens, row_base, state) -> None:
-        state.real_rows += tokens.shape[0]
+        state.cache.length += tokens.shape[0]
+        state.add_real(tokens[None], 0, tokens.shape[0])
 
     def catchup_batch(self, tokens, hiddens, states, chunk, budget, static=None) -> None:
         for tok, st in zip(tokens, states):
-            st.real_rows += tok.shape[0]
+            self.catchup_drafter(tok, None, st.cache.length, st)
 
-    def after_verify(self, num_accepted: int, state: ProposerState) -> None:
+    def start_propose(self) -> None:
         pass
 
-    def propose_batch(self, tokens, hiddens, positions, num_drafts, states, runner) -> Drafts:
-        out = []
-        for tok, hid, st in zip(tokens, hiddens, states):
-            st.real_rows += tok.shape[0]
-            pos, h, t = st.real_rows, hid[-1], tok[-1]  # t sits at position real_rows
-            drafts = []
-            for k in range(num_drafts):
-                h = self.target.advance(h, t, pos + k)
-                t = self.target.logits(h).argmax()
-                drafts.append((t + 1) % self.target.cfg.vocab_size if (pos + k + 1) % 3 == 0 else t)
-            out.append(torch.stack(drafts))
-        return Drafts(torch.stack(out), [num_drafts] * len(out))
+    def choose(self, logits, states):
+        return logits.argmax(-1), None
 
-    def greedy_fusable(self) -> bool:
-        return False
+    def chained(self):
+        return nullcontext()
 
+    def after_verify(self, num_accepted: int, state: ProposerState) -> None:
+        state.cache.truncate(state.real_rows)
 
     def context(self, starts, t, rows):
-        raise NotImplementedError("eager only")
+        return starts
 
     def drafter_forward(self, ids, hidden, ctx, rows):
-        raise NotImplementedError("eager only")
+        """Row r = starts + T - 1 (the last) pairs token t[r+1] with the hidden after position r
+        and drafts t[r+2]: spoiled when r + 2 is divisible by 3."""
+        t = ids.shape[1]
+        h = self.target.advance(hidden[:, -1], ids[:, -1], ctx + t)
+        logits = self.target.logits(h)
+        spoil = (ctx + t + 1) % 3 == 0
+        return torch.where(spoil[:, None], logits.roll(1, -1), logits), h
 
     def greedy_chain(self, ids, hidden, starts, last_real, context_at, gamma):
         raise NotImplementedError("eager only")

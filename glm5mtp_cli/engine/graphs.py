@@ -49,6 +49,7 @@ import torch
 
 from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
+from glm5mtp_cli.engine.proposer import Feed
 from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table
 from glm5mtp_cli.errors import UserError
 
@@ -217,8 +218,8 @@ class EngineGraphs:
 class ForwardRunner:
     """Runs the engine's decode forwards in one of three modes (module docstring). The engine opens
     it once (`open`), tells it when a slot is taken or left (`occupy`, `retire`) and each step's
-    active slots (`step`); the proposer asks it for its catch-up, chain-step and fused-chain
-    forwards; nothing else in the engine knows the mode."""
+    active slots (`step`); the engine's drafting (engine/drafting.py) asks it for the proposer's
+    catch-up, chain-step and fused-chain forwards; nothing else in the engine knows the mode."""
 
     MODES = ("eager", "static", "cuda")
 
@@ -335,14 +336,14 @@ class ForwardRunner:
             kept = torch.cat([kept, kept.new_zeros(self.bucket.size - kept.shape[0])])
         target.commit(pending, kept)
 
-    # ---- the drafter (called by the proposer) -----------------------------------------------
-    def catchup(self, proposer, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list):
-        """Append each sequence's pending real rows (tokens[b] with hiddens[b]); -> the logits and
-        carried hidden at each sequence's last row ([A, V], [A, H])."""
+    # ---- the drafter (called by the engine's drafting) ----------------------------------------
+    def catchup(self, proposer, feed: Feed, caches: list):
+        """Append each sequence's pending real rows (feed row b); -> the logits and carried hidden
+        at each sequence's last row ([A, V], [A, H])."""
         if self.graphs is None:
-            return self._catchup_eager(proposer, tokens, hiddens, caches)
+            return self._catchup_eager(proposer, feed, caches)
         f = self.bucket.catchup
-        self._load(f, tokens, hiddens, caches, row_counts(tokens), "drafter catch-up")
+        self._load(f, feed, caches, feed.counts, "drafter catch-up")
         logits, carried = f.run()
         return logits[: len(caches)], carried[: len(caches)]
 
@@ -363,8 +364,7 @@ class ForwardRunner:
             c.length += 1
         return out
 
-    def fused_chain(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list,
-                    num_drafts: int) -> torch.Tensor | None:
+    def fused_chain(self, feed: Feed, caches: list, num_drafts: int) -> torch.Tensor | None:
         """Greedy drafts [A, num_drafts] from the bucket's one-forward draft chain, or None when the
         engine has no such forward (eager, or sampling)."""
         if self.graphs is None or not self.bucket.draft:
@@ -372,32 +372,42 @@ class ForwardRunner:
         f = self.bucket.draft.get(num_drafts)
         if f is None:
             raise ValueError(f"no fused draft forward for {num_drafts} drafts (built: {sorted(self.bucket.draft)})")
-        self._load(f, tokens, hiddens, caches, [n + num_drafts - 1 for n in row_counts(tokens)], "draft chain")
+        self._load(f, feed, caches, [n + num_drafts - 1 for n in feed.counts], "draft chain")
         return f.run()[: len(caches)].clone()
 
-    def _catchup_eager(self, proposer, tokens, hiddens, caches):
+    def _catchup_eager(self, proposer, feed: Feed, caches: list):
         """Sequences grouped by how many rows they append, one forward per group."""
-        logits = [None] * len(caches)
-        carried = [None] * len(caches)
         groups: dict[int, list[int]] = defaultdict(list)
-        for i, n in enumerate(row_counts(tokens)):
+        for i, n in enumerate(feed.counts):
             groups[n].append(i)
+        if len(groups) == 1:  # the common step: every sequence appends as many rows
+            (k,) = groups
+            return self._drafter_rows(proposer, feed.tokens[:, :k], feed.hiddens[:, :k], caches, k)
+        logits, carried = [None] * len(caches), [None] * len(caches)
         for k, members in groups.items():
-            group = [caches[i] for i in members]
-            starts, rows = cached_rows(group, k, tokens[members[0]].device)
-            lg, h = proposer.drafter_forward(torch.stack([tokens[i] for i in members]),
-                                             torch.stack([hiddens[i] for i in members]),
-                                             proposer.context(starts, k, rows), "last")
+            at = to_device(members, feed.tokens.device)
+            lg, h = self._drafter_rows(proposer, feed.tokens[at, :k], feed.hiddens[at, :k],
+                                       [caches[i] for i in members], k)
             for j, i in enumerate(members):
                 logits[i], carried[i] = lg[j], h[j]
-                caches[i].length += k
         return torch.stack(logits), torch.stack(carried)
 
-    def _load(self, f: StaticForward, tokens, hiddens, caches, grow: list[int], what: str) -> None:
-        """A padded catch-up feed into f's rows 0..A-1; each cache grows by grow[b] rows."""
-        load_rows(f.ids, tokens)
-        load_rows(f.hidden, hiddens)
-        last = [n - 1 for n in row_counts(tokens)] + [0] * (f.b - len(tokens))
+    @staticmethod
+    def _drafter_rows(proposer, ids: torch.Tensor, hidden: torch.Tensor, caches: list, k: int):
+        """One eager forward appending k rows to each of `caches`."""
+        starts, rows = cached_rows(caches, k, ids.device)
+        out = proposer.drafter_forward(ids, hidden, proposer.context(starts, k, rows), "last")
+        for c in caches:
+            c.length += k
+        return out
+
+    def _load(self, f: StaticForward, feed: Feed, caches, grow: list[int], what: str) -> None:
+        """A padded feed into f's rows 0..A-1 (past a row's count: whatever follows in the feed,
+        its padding rows); each cache grows by grow[b] rows."""
+        a = len(feed)
+        f.ids[:a, : min(f.t, feed.tokens.shape[1])].copy_(feed.tokens[:, : f.t])
+        f.hidden[:a, : min(f.t, feed.hiddens.shape[1])].copy_(feed.hiddens[:, : f.t])
+        last = [n - 1 for n in feed.counts] + [0] * (f.b - a)
         f.set_starts_rows(self._starts(f, caches, grow, what), last)
         for c, n in zip(caches, grow):
             c.length += n
@@ -410,46 +420,3 @@ class ForwardRunner:
                 raise RuntimeError(f"{what} past the reservation of its sequence")
         return [c.length for c in caches] + [0] * (f.b - len(caches))
 
-
-class BatchRows:
-    """Row j's first lengths[j] entries of one batched tensor, standing for the list of those views
-    (the proposer's per-sequence feeds): a view is made only when an entry is read. An unchanged
-    batch's drafter feed goes from one step's verify to the next step's draft forward as the one
-    tensor it already is. The per-sequence views (two per sequence per step) and the check that read
-    them back as one tensor were a fifth of the step loop's host time: diagnostics/host_time at
-    gamma 3, batch 64, 1282-1339 -> 988-1054 us per step (batch 32: 746-789 -> 598-613) on this
-    project's CPU."""
-
-    __slots__ = ("batch", "lengths")
-
-    def __init__(self, batch: torch.Tensor, lengths: list[int]):
-        self.batch, self.lengths = batch, lengths
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, j: int) -> torch.Tensor:
-        return self.batch[j, : self.lengths[j]]
-
-    def __iter__(self):
-        return (self[j] for j in range(len(self.lengths)))
-
-
-def row_counts(rows) -> list[int]:
-    """Rows per sequence of a feed: a list of tensors, or BatchRows."""
-    return rows.lengths if isinstance(rows, BatchRows) else [t.shape[0] for t in rows]
-
-
-def load_rows(buf: torch.Tensor, values) -> None:
-    """Write the active rows of a static buffer: values[j] (a tensor [A, k, ...], BatchRows, or a
-    list of A tensors of k_j rows) goes to buf[j, :k_j]. Past k_j a row may be written too (with
-    whatever follows in the tensor the rows come from): those are the padding rows of a feed."""
-    if isinstance(values, BatchRows):
-        values = values.batch[: len(values), : buf.shape[1]]
-    elif not isinstance(values, torch.Tensor) and len({v.shape[0] for v in values}) == 1:
-        values = torch.stack(values)
-    if isinstance(values, torch.Tensor):
-        buf[: values.shape[0], : values.shape[1]].copy_(values)
-        return
-    for j, v in enumerate(values):
-        buf[j, : v.shape[0]].copy_(v)

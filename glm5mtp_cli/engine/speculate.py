@@ -39,11 +39,12 @@ from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy
-from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, table_blocks
+from glm5mtp_cli.engine import drafting
+from glm5mtp_cli.engine.graphs import ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import graph_rows
-from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, StepRecord, budget_tokens, reserve_tokens
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
@@ -232,7 +233,7 @@ class SpecEngine:
         h = active[0].pend()[1]  # the hiddens the drafter takes (None: no drafter)
         hidden = (h.shape[-1], h.dtype) if h is not None else None
         self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
-                         hidden, greedy=self.head is not None and self.head.greedy_fusable())
+                         hidden, greedy=drafting.fusable(self.sampling, self.config.draft_conf_tau))
         for s in active:
             self.runner.occupy(s.slot, self._slot_caches(s))
 
@@ -370,15 +371,14 @@ class SpecEngine:
 
     def draft(self, active: list[LiveSequence], g: int) -> Drafts:
         """The proposer's drafts for the active sequences' next verify (g of them each). An unchanged
-        batch passes the last step's feed as it is (graphs.BatchRows): no per-sequence views."""
+        batch passes the last step's feed as it is (proposer.Feed): no per-sequence views."""
         src = active[0].pend_src
         if src is not None and all(s.pend_src is src and s.pend_i == i for i, s in enumerate(active)):
-            n = [s.pend_n for s in active]
-            tokens, hiddens = BatchRows(src[0], n), BatchRows(src[1], n)
+            feed = Feed(src[0][: len(active)], src[1][: len(active)], [s.pend_n for s in active])
         else:
-            tokens, hiddens = map(list, zip(*(s.pend() for s in active)))
-        drafts = self.head.propose_batch(tokens, hiddens, [s.state.real_rows for s in active], g,
-                                         [s.state for s in active], self.runner)
+            feed = Feed.of([s.pend() for s in active])
+        drafts = drafting.propose(self.head, self.runner, feed, [s.state for s in active], g,
+                                  self.config.draft_conf_tau)
         if self.config.check_invariants:
             for s in active:
                 assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
@@ -494,7 +494,7 @@ class SpecEngine:
     def _drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
         """[A, g + 1] device rows whose first a_i + 1 are sequence i's next drafter tokens: its a_i
         accepted drafts, then the target's token (built once for the batch: no host copy of tokens,
-        and an unchanged batch's next draft reads it whole, graphs.BatchRows)."""
+        and an unchanged batch's next draft reads it whole, proposer.Feed)."""
         pos = torch.arange(drafts.shape[1] + 1, device=drafts.device)
         return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
 
