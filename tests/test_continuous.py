@@ -175,11 +175,11 @@ def test_reoccupied_slot_never_touches_the_previous_blocks(glm5, gamma, monkeypa
     monkeypatch.setattr(BlockPool, "give", give)
     engine, pools = _glm5_engine(glm5, gamma, 2, mode="static")
     by_id = {id(p): p for p in pools.pools.values()}
-    real_step = engine._step
+    real_step = engine.step
     checked = []
 
-    def step(active):
-        real_step(active)
+    def step(run):
+        real_step(run)
         for pid, blocks in poisoned.items():
             pool = by_id[pid]
             for b in blocks:
@@ -189,7 +189,7 @@ def test_reoccupied_slot_never_touches_the_previous_blocks(glm5, gamma, monkeypa
                 assert bool((rows == POISON).all()), f"{pool.name}: freed block {b} was written"
                 checked.append(b)
 
-    engine._step = step
+    engine.step = step
     res = _run(engine, pools, 2)
     assert [r.tokens for r in res] == want
     assert checked, "no freed block stayed free while others ran"

@@ -123,9 +123,6 @@ class SpoilingProposer:
     def __init__(self, target: FakeTarget):
         self.target = target
 
-    def alloc_state(self) -> ProposerState:
-        return ProposerState(SequenceCache({}), 0)
-
     def alloc_state_for(self, budget_tokens: int) -> ProposerState:
         return ProposerState(SequenceCache({}), budget_tokens)
 

@@ -47,10 +47,6 @@ class MtpHead:
         self.carry_normed = carry_normed
 
     # ---- state ------------------------------------------------------------------------------
-    def alloc_state(self) -> ProposerState:
-        """Ceiling allocation: rows for --max-seq-len tokens, whatever the request needs."""
-        return self.alloc_state_for(self.max_seq_len)
-
     def alloc_state_for(self, budget_tokens: int) -> ProposerState:
         if budget_tokens > self.max_seq_len:
             raise UserError(f"request needs {budget_tokens} drafter rows, over --max-seq-len {self.max_seq_len}")
