@@ -136,9 +136,9 @@ class SpoilingProposer:
         state.cache.length += tokens.shape[0]
         state.add_real(tokens[None], 0, tokens.shape[0])
 
-    def catchup_batch(self, tokens, hiddens, states, chunk, budget, static=None) -> None:
-        for tok, st in zip(tokens, states):
-            self.catchup_drafter(tok, None, st.cache.length, st)
+    def append_rows(self, ids, hiddens, caches, real) -> None:
+        for c, k in zip(caches, real):
+            c.length += k
 
     def start_propose(self) -> None:
         pass

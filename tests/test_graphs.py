@@ -277,8 +277,8 @@ def test_an_unchanged_batch_feeds_the_drafter_its_last_step_as_one_tensor(rt, mo
         kinds.append(feed not in padded)
         return real(head, runner, feed, *args)
 
-    def of(rows):
-        feed = real_of(rows)
+    def of(rows, width=None):
+        feed = real_of(rows, width)
         padded.append(feed)
         return feed
 

@@ -20,7 +20,6 @@ from torch import nn
 from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
-from glm5mtp_cli.engine.prefill import padded_feed, plan_forwards
 from glm5mtp_cli.engine.proposer import DrafterKV, ProposerState, check_aligned
 from glm5mtp_cli.engine.sampling import choose
 from glm5mtp_cli.errors import UserError
@@ -75,29 +74,14 @@ class MtpHead:
             self.layer(tokens[None], hiddens[None], [state.cache], self.embed, self.head, rows="last")
             state.add_real(tokens[None], 0, tokens.shape[0])
 
-    def catchup_batch(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], states: list[ProposerState],
-                      chunk: int, budget: int, static=None) -> None:
-        """Append each state's real rows tokens[b] (with hiddens[b]) from its current length, in
-        forwards shared by several sequences (engine/prefill.py: the drafters' caches are paged rows);
-        `static` (engine/prefill_graphs.PrefillForwards) runs the forwards it has a bucket for."""
-        for st in states:
-            check_aligned(st.cache.length if st.cache is not None else -1, st)
-        caches = [st.cache for st in states]
-        done = [0] * len(states)
-        plan = plan_forwards([t.shape[0] for t in tokens], [c.capacity - c.length for c in caches], chunk, budget)
-        for t, members in plan:
-            toks = [tokens[i][done[i]:done[i] + k] for i, k in members]
-            ids, hid = padded_feed(toks, [hiddens[i][done[i]:done[i] + k] for i, k in members], t)
-            group = [caches[i] for i, _ in members]
-            if static is None or not static.drafter(ids, hid, group, [k for _, k in members]):
-                starts = [c.length for c in group]
-                self.layer(ids, hid, group, self.embed, self.head, rows="last")
-                for j, (_, k) in enumerate(members):
-                    if k < t:
-                        group[j].truncate(starts[j] + k)  # padding rows: overwritten by the next append
-            for j, (i, k) in enumerate(members):
-                states[i].add_real(toks[j][None], 0, k)
-                done[i] += k
+    def append_rows(self, ids: torch.Tensor, hiddens: torch.Tensor, caches: list, real: list[int]) -> None:
+        """One eager shared forward of drafter rows ids [m, t] with hiddens [m, t, H]; row j's rows
+        past real[j] are padding, cut back (the next append overwrites them)."""
+        starts = [c.length for c in caches]
+        self.layer(ids, hiddens, caches, self.embed, self.head, rows="last")
+        for c, start, k in zip(caches, starts, real):
+            if k < ids.shape[1]:
+                c.truncate(start + k)
 
     # ---- the forwards, as functions of device tensors (eager, static and captured alike) -------
     def context(self, starts: torch.Tensor, t: int, rows: dict):

@@ -15,7 +15,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from glm5mtp_cli.engine.cache import SequenceCache
-from glm5mtp_cli.engine.prefill import padded_feed
 
 
 @dataclass
@@ -67,10 +66,17 @@ class Feed:
         self.tokens, self.hiddens, self.counts = tokens, hiddens, counts
 
     @classmethod
-    def of(cls, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> "Feed":
-        """Each sequence's (tokens [n], hiddens [n, H]), padded into one feed."""
+    def of(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], width: int | None = None) -> "Feed":
+        """Each sequence's (tokens [n], hiddens [n, H]), zero-padded into one feed `width` rows wide
+        (default: the longest)."""
         counts = [t.shape[0] for t, _ in rows]
-        return cls(*padded_feed([t for t, _ in rows], [h for _, h in rows], max(counts)), counts)
+        t0, h0 = rows[0]
+        tokens = t0.new_zeros(len(rows), width or max(counts))
+        hiddens = h0.new_zeros(len(rows), tokens.shape[1], h0.shape[-1])
+        for j, (t, h) in enumerate(rows):
+            tokens[j, : t.shape[0]] = t
+            hiddens[j, : h.shape[0]] = h
+        return cls(tokens, hiddens, counts)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -128,12 +134,11 @@ class DraftProposer(Protocol):
     def alloc_state_for(self, budget_tokens: int) -> ProposerState: ...
     def free_state(self, state: ProposerState) -> None: ...  # safe twice
     def drafter_rows(self, state: ProposerState) -> int: ...
-    # real rows: a finished turn's pending rows, and admissions' and backlogs' in shared forwards
-    # (static: engine/prefill_graphs' forwards, or None)
+    # real rows: a finished turn's pending rows; the eager shared forwards of admissions and backlogs
+    # (engine/prefill.prefill_drafters: ids [m, t], row j's first real[j] real, the rest cut back)
     def catchup_drafter(self, tokens: torch.Tensor, hiddens: torch.Tensor, row_base: int,
                         state: ProposerState) -> None: ...
-    def catchup_batch(self, tokens: list, hiddens: list, states: list[ProposerState], chunk: int,
-                      budget: int, static=None) -> None: ...
+    def append_rows(self, ids: torch.Tensor, hiddens: torch.Tensor, caches: list, real: list[int]) -> None: ...
     # drafting (engine/drafting.py): a propose starts, each draft's ids (full vocabulary) and the
     # distributions they were drawn from (None: greedy) from a forward's logits, chained steps
     def start_propose(self) -> None: ...

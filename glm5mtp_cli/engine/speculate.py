@@ -42,7 +42,7 @@ from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine import drafting
 from glm5mtp_cli.engine.graphs import ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
-from glm5mtp_cli.engine.prefill import prefill_targets
+from glm5mtp_cli.engine.prefill import prefill_drafters, prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import graph_rows
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
@@ -353,8 +353,8 @@ class SpecEngine:
                 # rows d..P-2: (t[i+1], h[i]); hiddens[k] is h[target_start + k]
                 feeds.append((prompts[at + d + 1: at + p], hiddens[i][d - pl.target_start: p - 1 - pl.target_start]))
                 at += p
-            self.head.catchup_batch([f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
-                                    self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
+            prefill_drafters(self.head, [f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
+                             self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             req, p, d = seq.req, len(seq.req.prompt), drafted[i]
             seq.last = firsts[i]
@@ -448,8 +448,9 @@ class SpecEngine:
             if s.pending_rows > self.gamma + 1:
                 late.append((s, s.pending_rows - (self.gamma + 1), *s.pend()))
         if late:
-            self.head.catchup_batch([t[:e] for _, e, t, _ in late], [h[:e] for _, e, _, h in late],
-                                    [s.state for s, *_ in late], self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
+            prefill_drafters(self.head, [t[:e] for _, e, t, _ in late], [h[:e] for _, e, _, h in late],
+                             [s.state for s, *_ in late], self.config.prefill_chunk, self.config.prefill_tokens,
+                             self.runner.prefill)
             for s, e, t, h in late:
                 s.set_pend(t[e:], h[e:])
             self._wall()
