@@ -32,6 +32,12 @@ like the tables. A forward only reads those states; the target's commit records 
 outputs (with the slot indices the forward read), which the runner keeps until the engine's
 `commit` after the accept hands the accepted counts to the target (Target.commit, device tensors
 alone), before that graph's next replay.
+One memory pool, the runner's, holds every graph set's captures (decode, verify, draft chain, the
+prefill's buckets, bench's one-sequence steps). Graphs sharing a pool may reuse each other's freed
+intermediates, so a replay may overwrite what another graph left; that is safe because every
+replay's outputs are consumed before the next replay of any graph: copied out (the verify's
+hiddens, the fused chain's drafts, the prefill's logits and hiddens), read (logits by the accept,
+a catch-up's by the first draft) or committed (the KDA records) first.
 Compiled forwards (--compile, engine/compiled.py): `open` passes each static forward through
 torch.compile and runs it once (the compile, timed apart as `compile_s`), before any capture; the
 capture then records the compiled forward's kernels like any other.
@@ -50,7 +56,7 @@ import torch
 from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
-from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table
+from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table, sequence_forward
 from glm5mtp_cli.errors import UserError
 
 
@@ -92,18 +98,18 @@ class EngineGraphs:
     """An engine's static forwards for every bucket and gamma, over its block tables."""
 
     def __init__(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
-                 hidden: tuple[int, torch.dtype] | None, device: torch.device, capture: bool, greedy: bool):
+                 hidden: tuple[int, torch.dtype] | None, device: torch.device, mempool, greedy: bool):
+        """mempool: the runner's graph pool (None: static forwards run eagerly, nothing captured)."""
         self.slots = slots
         self.max_blocks = max_blocks  # the tables' width: the longest sequence they can name
         self.device = device
-        self.capture = capture
+        self.mempool = mempool
         self.pools = pools
         self.scratch: dict[str, list[int]] = {}
         self.scratch_slots: dict[str, int] = {}
         self.tables: dict[str, dict[str, Table]] = {}
         self.slot_index: dict[str, dict[str, SlotIndex]] = {}
         self.buckets: dict[int, _Bucket] = {}
-        self.mempool = None
         try:
             self._tables("target", target.reads_slots, max_blocks)
             if proposer is not None:
@@ -173,9 +179,8 @@ class EngineGraphs:
     def capture_all(self) -> None:
         """Capture every forward (CUDA only), largest bucket first (its intermediates size the
         shared pool the smaller ones reuse); every row points at the scratch row meanwhile."""
-        if not self.capture:
+        if self.mempool is None:
             return
-        self.mempool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
             for f in self.buckets[b].forwards():
                 f.capture(self.mempool)
@@ -205,7 +210,6 @@ class EngineGraphs:
             for f in bucket.forwards():
                 f.close()
         self.buckets = {}
-        self.mempool = None
         for name, blocks in self.scratch.items():
             self.pools.pools[name].give(blocks)
         for name, slot in self.scratch_slots.items():
@@ -234,8 +238,11 @@ class ForwardRunner:
         self.compile = compile
         self.compile_mode = compile_mode
         self.compile_s = 0.0  # compiling the static forwards (in open), apart from their capture
+        # every graph set's one pool (module docstring); None: nothing is captured
+        self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.graphs: EngineGraphs | None = None
         self.prefill: PrefillForwards | None = None  # --prefill-graphs: the admission prefill's graph set
+        self.sequences: list[StaticForward] = []  # bench's one-sequence steps (sequence_step)
         self.bucket: _Bucket | None = None
         self.active = 0
         self.pending = None  # the last verify's commit records (Target.commit), until `commit`
@@ -247,7 +254,7 @@ class ForwardRunner:
         if self.mode == "eager" or self.graphs is not None:
             return
         self.graphs = EngineGraphs(target, proposer, pools, slots, max_blocks, gammas, hidden, self.device,
-                                   capture=self.mode == "cuda", greedy=greedy)
+                                   self.mempool, greedy=greedy)
         try:
             if self.compile != "off":
                 self.compile_s += self.graphs.compile_all(self.compile, self.compile_mode)
@@ -267,8 +274,7 @@ class ForwardRunner:
         if self.prefill is not None and self.prefill.width >= width:
             return
         self.close_prefill()
-        self.prefill = PrefillForwards(target, proposer, pools, width, self.device, capture=self.mode == "cuda",
-                                       max_rows=max_rows)
+        self.prefill = PrefillForwards(target, proposer, pools, width, self.device, self.mempool, max_rows=max_rows)
 
     def take_capture_s(self) -> float:
         """Seconds the prefill forwards spent capturing since the last call (one-time setup)."""
@@ -299,11 +305,31 @@ class ForwardRunner:
         self.bucket.idx.copy_(to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device),
                               non_blocking=True)
 
+    def sequence_step(self, context_fn, fn, cache, ids: torch.Tensor, hidden: torch.Tensor | None = None) -> StaticForward:
+        """bench's step timing: a one-row static forward over ONE sequence's cache at its length
+        (static.sequence_forward), its inputs ids [1, 1] (and hidden [1, 1, H]), built as the
+        graph sets are: compiled (compile_s) and, on CUDA, captured in the runner's pool."""
+        f = sequence_forward(context_fn, fn, cache, 1, self.device,
+                             (hidden.shape[-1], hidden.dtype) if hidden is not None else None)
+        self.sequences.append(f)
+        f.ids.copy_(ids)
+        if hidden is not None:
+            f.hidden.copy_(hidden)
+        f.set_starts([cache.length])
+        if self.compile != "off":
+            self.compile_s += f.compile(self.compile, self.compile_mode)
+        if self.mempool is not None:
+            f.capture(self.mempool)
+        return f
+
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
         self.bucket = None
+        for f in self.sequences:
+            f.close()
+        self.sequences = []
 
     # ---- the target -------------------------------------------------------------------------
     def verify(self, target, ids: torch.Tensor, caches: list):
