@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from glm5mtp_cli.engine import drafting
 from glm5mtp_cli.engine.graphs import ForwardRunner
+from glm5mtp_cli.engine.proposer import Feed, check_aligned
 
 
 def prefill_drafter(head, prompt_tokens: torch.Tensor, hiddens: torch.Tensor, state) -> None:
@@ -18,9 +20,21 @@ def prefill_drafter(head, prompt_tokens: torch.Tensor, hiddens: torch.Tensor, st
 def propose_one(head, last_token, hidden: torch.Tensor, position: int, num_drafts: int, state):
     """One sequence's DraftChain, through an eager runner."""
     tokens = torch.as_tensor(last_token, device=hidden.device).reshape(-1)
-    runner = ForwardRunner("eager", hidden.device)
-    return head.propose_batch([tokens], [hidden.reshape(tokens.shape[0], -1)], [position], num_drafts, [state],
-                              runner)[0]
+    check_aligned(position, state)
+    feed = Feed(tokens[None], hidden.reshape(1, tokens.shape[0], -1), [tokens.shape[0]])
+    return drafting.propose(head, ForwardRunner("eager", hidden.device), feed, [state], num_drafts, None)[0]
+
+
+def spy_proposes(monkeypatch, seen: list) -> None:
+    """Every propose the engine makes appends (its feed, its states, the Drafts it returned) to `seen`."""
+    real = drafting.propose
+
+    def spy(head, runner, feed, states, g, tau):
+        drafts = real(head, runner, feed, states, g, tau)
+        seen.append((feed, states, drafts))
+        return drafts
+
+    monkeypatch.setattr(drafting, "propose", spy)
 
 
 def last_confidence(state) -> float | None:

@@ -53,6 +53,20 @@ def _glm5_engine(rt, gamma, slots, sampling=SamplingParams(), eos=(), mode="eage
     return engine, pools
 
 
+class Counting:
+    """The engine's target, noting the sequences of each eager forward in `widths`."""
+
+    def __init__(self, target, widths: list):
+        self.target, self.widths = target, widths
+
+    def __call__(self, ids, caches, rows="all", real=None):
+        self.widths.append(ids.shape[0])
+        return self.target(ids, caches, rows, real)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
 def _next_engine(models, gamma, slots, sampling=SamplingParams(), eos=(), schedule="continuous", max_seq_len=64,
                  **prefill):
     cfg, target, mtp = models
@@ -161,11 +175,11 @@ def test_reoccupied_slot_never_touches_the_previous_blocks(glm5, gamma, monkeypa
     monkeypatch.setattr(BlockPool, "give", give)
     engine, pools = _glm5_engine(glm5, gamma, 2, mode="static")
     by_id = {id(p): p for p in pools.pools.values()}
-    real_step = engine._step
+    real_step = engine.step
     checked = []
 
-    def step(active):
-        real_step(active)
+    def step(run):
+        real_step(run)
         for pid, blocks in poisoned.items():
             pool = by_id[pid]
             for b in blocks:
@@ -175,7 +189,7 @@ def test_reoccupied_slot_never_touches_the_previous_blocks(glm5, gamma, monkeypa
                 assert bool((rows == POISON).all()), f"{pool.name}: freed block {b} was written"
                 checked.append(b)
 
-    engine._step = step
+    engine.step = step
     res = _run(engine, pools, 2)
     assert [r.tokens for r in res] == want
     assert checked, "no freed block stayed free while others ran"
@@ -201,8 +215,7 @@ def test_prompts_of_different_lengths_prefilled_together_equal_alone(family, mod
     alone = _alone(family, models, gamma, work=MIXED)
     engine, pools = _make(family, models, gamma, len(MIXED), prefill_chunk=8, prefill_tokens=24)
     widths = []  # sequences per target forward during the admission
-    target = engine.target
-    engine.target = lambda ids, caches, rows, real=None: widths.append(ids.shape[0]) or target(ids, caches, rows, real)
+    engine.target = Counting(engine.target, widths)
     first = {}  # request -> target forwards run when its first token came
     engine.on_tokens = lambda rid, toks: first.setdefault(rid, len(widths))
     res = _run(engine, pools, len(MIXED), work=MIXED)
@@ -238,13 +251,16 @@ def test_glm5next_varlen_prefill_equals_each_prompt_alone(glm5next):
 
     alone, shared = caches(), caches()
     ref = [target(p[None], [c], rows="last") for p, c in zip(prompts, alone)]
+    for r, p in zip(ref, prompts):
+        target.commit(r.pending, torch.tensor([len(p)]))  # each prompt's own prefill, whole
     ids = torch.zeros(len(lengths), 70, dtype=torch.long)
     for j, p in enumerate(prompts):
         ids[j, : len(p)] = p
     real = torch.tensor(lengths)
     out = target(ids, shared, rows=real - 1, real=real)
+    target.commit(out.pending, real)  # as prefill_targets does: each KDA state at its real rows
     for j, c in enumerate(shared):
-        c.truncate(lengths[j])  # as prefill_targets does: commits each KDA state at its real rows
+        c.truncate(lengths[j])
         torch.testing.assert_close(out.logits[j, 0], ref[j].logits[0, 0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out.hidden_all[j, : lengths[j]], ref[j].hidden_all[0], atol=1e-4, rtol=1e-4)
     nxt = torch.tensor([[7], [8], [9], [10]])
@@ -272,8 +288,7 @@ def test_glm5next_prompts_admitted_together_equal_one_prompt_per_forward(glm5nex
     single = _per_request(_run(engine, pools, 3, work=LONG))
     engine, pools = _next_engine(glm5next, 2, 3, prefill_tokens=4096, eos=[eos], **kw)
     widths = []
-    target = engine.target
-    engine.target = lambda ids, caches, rows, real=None: widths.append(ids.shape[0]) or target(ids, caches, rows, real)
+    engine.target = Counting(engine.target, widths)
     shared = _per_request(_run(engine, pools, 3, work=LONG))
     assert max(widths) > 1  # prompts did share forwards
     assert shared == single

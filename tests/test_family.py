@@ -6,12 +6,13 @@ every slot and block given back.
 The fake target: s_p = tanh(W s_{p-1} + E[x_p]) is the recurrent state after token p; each token
 also stores s_p as a paged row; m_p is the mean of the stored rows so far, the logits are
 (s_p + m_p) @ E^T and the hidden handed to the drafter is [s_p, m_p]. Its slot holds the state
-after the committed rows; a forward leaves the states of its rows pending, and the engine's
-truncate after a verify commits the accepted one (engine/cache.py, SequenceCache).
+after the committed rows; a forward leaves the states of its rows pending, and the target's
+commit after a verify keeps the accepted one (engine/target.py).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,8 +20,8 @@ import torch
 from torch import nn
 
 from glm5mtp_cli.engine.config import EngineConfig
-from glm5mtp_cli.engine.cache import CachePools, cached_rows
-from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
+from glm5mtp_cli.engine.cache import CachePools, SequenceCache, cached_rows
+from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
 from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.engine.sequence import Request
 from glm5mtp_cli.models import register_family
@@ -38,10 +39,18 @@ class FakeConfig:
 
 
 @dataclass
+class FakePending:
+    data: torch.Tensor  # the slot pool's [1, slots, H]
+    index: torch.Tensor  # each batch row's slot [B]
+    states: torch.Tensor  # the state after each row of the forward [B, T, H]
+
+
+@dataclass
 class FakeOut:
     logits: torch.Tensor
     hidden: torch.Tensor
     hidden_all: torch.Tensor
+    pending: FakePending
 
 
 class FakeTarget(nn.Module):
@@ -61,7 +70,7 @@ class FakeTarget(nn.Module):
         state after exactly the rows the engine keeps, and the recurrence is causal."""
         starts, paged = cached_rows(caches, ids.shape[1], ids.device)
         store = paged["row"]
-        hiddens = []
+        hiddens, states = [], []
         for b, c in enumerate(caches):
             n, slot = int(starts[b]), c.slots["rec"]
             s = slot.pool.data[0, slot.slot]
@@ -74,8 +83,9 @@ class FakeTarget(nn.Module):
             kept = store.data[0].index_select(0, store.all[b, : n + ids.shape[1]])
             means = kept.cumsum(0)[n:] / torch.arange(n + 1, n + ids.shape[1] + 1)[:, None]
             hiddens.append(torch.cat([torch.stack(seq), means], -1))
-            c.leave_pending(lambda length, slot=slot, seq=seq, n=n:
-                            slot.pool.data[0, slot.slot].copy_(seq[length - n - 1]) if length > n else None)
+            states.append(torch.stack(seq))
+        rec = caches[0].slots["rec"].pool.data
+        pending = FakePending(rec, torch.tensor([c.slots["rec"].slot for c in caches]), torch.stack(states))
         h = torch.stack(hiddens)
         for c in caches:
             c.length += ids.shape[1]
@@ -83,73 +93,76 @@ class FakeTarget(nn.Module):
             out = h.gather(1, rows.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))
         else:
             out = h if rows == "all" else h[:, -1:]
-        return FakeOut(self.logits(out), out, h)
+        return FakeOut(self.logits(out), out, h, pending)
+
+    def commit(self, pending: FakePending, kept: torch.Tensor) -> None:
+        """Each row's slot takes the state after its first kept[b] rows (none kept: unchanged)."""
+        after = pending.states[torch.arange(kept.shape[0]), (kept - 1).clamp(min=0)]
+        before = pending.data[0].index_select(0, pending.index)
+        pending.data[0].index_copy_(0, pending.index, torch.where((kept > 0)[:, None], after, before))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         s, m = hidden.split(self.cfg.hidden_size, -1)
         return (s + m) @ self.embed.T
 
-    def advance(self, hidden: torch.Tensor, token: torch.Tensor, position: int) -> torch.Tensor:
-        """The hidden after `token` at `position`, from the hidden before it (what a drafter can
-        know without the caches)."""
+    def advance(self, hidden: torch.Tensor, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The hiddens [B, 2H] after `token` [B] at `position` [B], from the hiddens before them (what
+        a drafter can know without the caches)."""
         s, m = hidden.split(self.cfg.hidden_size, -1)
-        s = torch.tanh(self.w @ s + self.embed[token])
-        return torch.cat([s, (m * position + s) / (position + 1)])
+        s = torch.tanh(s @ self.w.T + self.embed[token])
+        return torch.cat([s, (m * position[:, None] + s) / (position[:, None] + 1)], -1)
 
 
 class SpoilingProposer:
     """Drafts the target's own greedy continuation, computed from the last hidden, but spoils
     every draft at a position divisible by 3, so verifies accept some drafts and reject the rest
-    and the rollback behind each partial acceptance is exercised. Holds no cache, only its row
-    count."""
+    and the rollback behind each partial acceptance is exercised. Its forward (drafter_forward,
+    run by the engine's runner like any family's) needs no cache rows: its drafter cache has no
+    components and holds only its row count."""
 
     def __init__(self, target: FakeTarget):
         self.target = target
 
-    def alloc_state(self) -> ProposerState:
-        return ProposerState(None, 0)
-
     def alloc_state_for(self, budget_tokens: int) -> ProposerState:
-        return ProposerState(None, budget_tokens)
+        return ProposerState(SequenceCache({}), budget_tokens)
 
     def free_state(self, state: ProposerState) -> None:
-        pass
+        state.cache = None
 
     def drafter_rows(self, state: ProposerState) -> int:
-        return state.real_rows
+        return state.cache.length
 
     def catchup_drafter(self, tokens, hiddens, row_base, state) -> None:
-        state.real_rows += tokens.shape[0]
+        state.cache.length += tokens.shape[0]
+        state.add_real(tokens[None], 0, tokens.shape[0])
 
-    def catchup_batch(self, tokens, hiddens, states, chunk, budget, static=None) -> None:
-        for tok, st in zip(tokens, states):
-            st.real_rows += tok.shape[0]
+    def append_rows(self, ids, hiddens, caches, real) -> None:
+        for c, k in zip(caches, real):
+            c.length += k
 
-    def after_verify(self, num_accepted: int, state: ProposerState) -> None:
+    def start_propose(self) -> None:
         pass
 
-    def propose_batch(self, tokens, hiddens, positions, num_drafts, states, runner) -> Drafts:
-        out = []
-        for tok, hid, st in zip(tokens, hiddens, states):
-            st.real_rows += tok.shape[0]
-            pos, h, t = st.real_rows, hid[-1], tok[-1]  # t sits at position real_rows
-            drafts = []
-            for k in range(num_drafts):
-                h = self.target.advance(h, t, pos + k)
-                t = self.target.logits(h).argmax()
-                drafts.append((t + 1) % self.target.cfg.vocab_size if (pos + k + 1) % 3 == 0 else t)
-            out.append(torch.stack(drafts))
-        return Drafts(torch.stack(out), [num_drafts] * len(out))
+    def choose(self, logits, states):
+        return logits.argmax(-1), None
 
-    def greedy_fusable(self) -> bool:
-        return False
+    def chained(self):
+        return nullcontext()
 
+    def after_verify(self, num_accepted: int, state: ProposerState) -> None:
+        state.cache.truncate(state.real_rows)
 
     def context(self, starts, t, rows):
-        raise NotImplementedError("eager only")
+        return starts
 
     def drafter_forward(self, ids, hidden, ctx, rows):
-        raise NotImplementedError("eager only")
+        """Row r = starts + T - 1 (the last) pairs token t[r+1] with the hidden after position r
+        and drafts t[r+2]: spoiled when r + 2 is divisible by 3."""
+        t = ids.shape[1]
+        h = self.target.advance(hidden[:, -1], ids[:, -1], ctx + t)
+        logits = self.target.logits(h)
+        spoil = (ctx + t + 1) % 3 == 0
+        return torch.where(spoil[:, None], logits.roll(1, -1), logits), h
 
     def greedy_chain(self, ids, hidden, starts, last_real, context_at, gamma):
         raise NotImplementedError("eager only")
@@ -241,14 +254,14 @@ def test_a_fixed_size_state_refuses_to_roll_back_past_its_last_forward():
     target = FakeTarget(CFG)
     pools = CachePools.create(CFG, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
     cache = pools.target_cache()
-    target(torch.tensor([[1, 2, 3]]), [cache])
-    target(torch.tensor([[4, 5]]), [cache])
+    target.commit(target(torch.tensor([[1, 2, 3]]), [cache]).pending, torch.tensor([3]))
+    out = target(torch.tensor([[4, 5]]), [cache])
     with pytest.raises(ValueError, match="before the last forward"):
         cache.truncate(2)
-    cache.truncate(4)  # inside the last forward: commits the state after token 4
+    target.commit(out.pending, torch.tensor([1]))  # inside the last forward: the state after token 4
+    cache.truncate(4)
     fresh = pools.target_cache()
-    target(torch.tensor([[1, 2, 3, 4]]), [fresh])
-    fresh.prepare(0)  # a later forward would commit the prefill whole
+    target.commit(target(torch.tensor([[1, 2, 3, 4]]), [fresh]).pending, torch.tensor([4]))  # a prefill, whole
     rec = pools.pools["target_rec"].data[0]
     assert torch.equal(rec[cache.slots["rec"].slot], rec[fresh.slots["rec"].slot])
     fresh.release()

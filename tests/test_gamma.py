@@ -299,14 +299,14 @@ def test_drafter_catch_up_after_steps_without_drafts_is_not_charged_to_a_gamma(g
     engine, pools = _make("glm5", glm5, 3, 1)
     used, measured = _adaptive(engine, probe_every=6)  # 5 steps off: 6 pending rows, 2 over gamma + 1
     calls = []
-    real = engine.head.catchup_batch
+    real = engine.head.append_rows
 
     def slow(*args):
         calls.append(len(used))
         time.sleep(0.3)
         return real(*args)
 
-    monkeypatch.setattr(engine.head, "catchup_batch", slow)
+    monkeypatch.setattr(engine.head, "append_rows", slow)
     _run(engine, pools, 1, work=[(list(range(10, 40)), 16)])
     assert any(n > 0 for n in calls), calls  # a catch-up ran between steps (not only at the prefill)
     drafted = [sec for g, sec in measured if g]

@@ -130,7 +130,8 @@ def _target_steps(models, batch: int, device: str, graphs: bool, tol: float):
     for p in prompts:
         cache = pools.target_cache()
         cache.reserve(60)
-        pooled(p[None].to(device), [cache], rows="last")  # eager prefill through the same batched path, B = 1
+        out = pooled(p[None].to(device), [cache], rows="last")  # eager prefill through the same batched path, B = 1
+        pooled.commit(out.pending, torch.tensor([len(p)], device=device))
         ref = model.new_state(64)
         model.prefill(p, ref)
         caches.append(cache)
@@ -144,7 +145,7 @@ def _target_steps(models, batch: int, device: str, graphs: bool, tol: float):
     for t, keeps in ((4, [2, 1, 3]), (1, [1, 1, 1]), (4, [4, 3, 1]), (4, [1, 2, 4]), (4, [3, 4, 2])):
         ids = torch.randint(2, cfg.vocab_size, (batch + 1, t), generator=g)
         for c in caches:
-            c.prepare(t)  # commits the prefill's pending state, as a runner does before a run
+            c.prepare(t)  # as a runner does before a run
         starts.copy_(static.starts())
         if t not in forwards:
             buf = torch.zeros(batch + 1, t, dtype=torch.long, device=device)
@@ -159,7 +160,7 @@ def _target_steps(models, batch: int, device: str, graphs: bool, tol: float):
         buf.copy_(ids)
         with sync_free():
             out = run()
-        pooled.leave_pending(caches, out.pending)
+        pooled.commit(out.pending, torch.tensor(keeps[:batch] + [0], device=device))  # the padding row keeps none
         for b, (cache, ref) in enumerate(zip(caches, refs)):
             logits, _, pending = model.verify(ids[b], ref)
             assert _rel(out.logits[b], logits) < tol, (t, b)
@@ -200,7 +201,7 @@ def test_padding_rows_touch_no_real_state(models):
         pools = _pools(cfg)
         cache = pools.target_cache()
         cache.reserve(40)
-        target(p[None], [cache], rows="last")
+        target.commit(target(p[None], [cache], rows="last").pending, torch.tensor([len(p)]))
         static = Static(pools, "target", [cache], pad=pad)
         cache.prepare(4)
         before = {n: pool.data.clone() for n, pool in pools.pools.items()}
@@ -218,7 +219,7 @@ def test_padding_rows_touch_no_real_state(models):
             for blk in blocks:
                 allowed[blk * BS:(blk + 1) * BS] = True
             assert not (changed & ~allowed).any(), name
-        target.leave_pending([cache], out.pending)
+        target.commit(out.pending, torch.tensor([2] + [0] * pad))
         cache.length += 4
         cache.truncate(cache.length - 2)
         outs.append((out.logits[0], pools.pools["target_kda"].data[:, cache.slots["kda"].slot].clone()))
@@ -341,5 +342,6 @@ def test_tables_narrower_than_a_pool(models):
     tokens = torch.randint(2, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
     for tok in tokens:
         out = target(tok.view(1, 1), [cache], "all")
+        target.commit(out.pending, torch.ones(1, dtype=torch.long))
         assert _rel(out.logits[0], model.decode(tok, ref)[0]) < 1e-5
     cache.release()

@@ -15,7 +15,9 @@ from proposer_calls import prefill_drafter, propose_one  # noqa: E402
 
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachePools  # noqa: E402
+from glm5mtp_cli.engine import drafting  # noqa: E402
 from glm5mtp_cli.engine.graphs import ForwardRunner  # noqa: E402
+from glm5mtp_cli.engine.proposer import Feed  # noqa: E402
 from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
 from glm5mtp_cli.engine.sequence import Request  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
@@ -156,8 +158,8 @@ def test_index_share_keeps_each_sequences_own_step0(models):
         states = [head.alloc_state_for(64) for _ in members]
         for st, (prompt, hid, f) in zip(states, members):
             prefill_drafter(head, prompt[:-f], hid[:-f], st)
-        chains = head.propose_batch([p[-f:] for p, _, f in members], [h[-f - 1:-1] for _, h, f in members],
-                                    [st.cache.length for st in states], 4, states, ForwardRunner("eager", torch.device("cpu")))
+        feed = Feed.of([(p[-f:], h[-f - 1:-1]) for p, h, f in members])
+        chains = drafting.propose(head, ForwardRunner("eager", torch.device("cpu")), feed, states, 4, None)
         for st in states:
             head.free_state(st)
         return [c.tokens for c in chains]

@@ -155,8 +155,8 @@ def test_sequence_forward_reads_the_sequences_state_slots(rt):
     pools = CachePools.create(rt.cfg, 8, 4, torch.float32, "cpu", with_drafter=False)
     cache = pools.target_cache()
     prompt = torch.tensor([_work(rt)[0][0]])
-    rt.target(prompt, [cache])
-    cache.prepare(1)  # commits the prefill's state; room for the step's row
+    rt.target.commit(rt.target(prompt, [cache]).pending, torch.tensor([prompt.shape[1]]))  # the prefill's state
+    cache.prepare(1)  # room for the step's row
     n = cache.length
     f = sequence_forward(rt.target.context, lambda f: rt.target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
                          cache, 1, torch.device("cpu"))

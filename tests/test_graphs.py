@@ -216,29 +216,39 @@ def test_paged_kernel_path_equals_the_torch_path(rt, gamma, monkeypatch):
     assert [r.tokens for r in static] == [r.tokens for r in want]
 
 
-def test_load_rows_writes_each_view_into_its_row():
-    from glm5mtp_cli.engine.graphs import load_rows
+def test_a_feed_pads_each_sequences_rows_into_its_row():
+    """Feed.of: each sequence's rows in its own row of one tensor, counts kept; the runner's load of
+    a feed writes row j's first counts[j] into its buffer row and leaves the padding rows alone."""
+    from glm5mtp_cli.engine.graphs import ForwardRunner
+    from glm5mtp_cli.engine.proposer import Feed
+    from glm5mtp_cli.engine.static import StaticForward
 
-    feed = torch.arange(24).view(4, 6).clone()
-    views = [feed[j, : j + 1] for j in range(3)]  # each sequence's first a_j + 1 rows, in order
-    buf = torch.full((4, 8), -1)
-    load_rows(buf, views)
+    source = torch.arange(24).view(4, 6).clone()
+    views = [source[j, : j + 1] for j in range(3)]  # each sequence's first a_j + 1 rows, in order
+    feed = Feed.of([(v, v[:, None].float()) for v in views])
+    assert len(feed) == 3 and feed.counts == [1, 2, 3]
     for j, v in enumerate(views):
-        assert torch.equal(buf[j, : v.shape[0]], v)
-    assert (buf[3] == -1).all()
+        assert torch.equal(feed.tokens[j, : v.shape[0]], v)
+    f = StaticForward(None, None, 4, 8, {}, torch.device("cpu"), (1, torch.float32), pick_row=True)
+    f.ids.fill_(-1)
+    ForwardRunner("static", torch.device("cpu"))._load(f, Feed(source[:3], source[:3, :, None].float(), [1, 3, 2]),
+                                                        [], [0, 0, 0], "test")
+    for j, n in enumerate([1, 3, 2]):
+        assert torch.equal(f.ids[j, :n], source[j, :n])
+    assert (f.ids[3] == -1).all() and f.rows.tolist() == [0, 2, 1, 0]
 
 
 def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
-    """Static forwards, greedy: propose_batch returns the fused chain's [A, g] output as one
+    """Static forwards, greedy: a propose returns the fused chain's [A, g] output as one
     Drafts (no per-sequence views), every state's last_drafts is it, a row read from it is that
     sequence's DraftChain, and the tokens are eager's."""
-    from glm5mtp_cli.engine.mtp_head import MtpHead
+    from glm5mtp_cli.engine import drafting
     from glm5mtp_cli.engine.proposer import Drafts
 
-    seen, real = [], MtpHead.propose_batch
+    seen, real = [], drafting.propose
 
-    def spy(self, tokens, hiddens, positions, g, states, runner):
-        out = real(self, tokens, hiddens, positions, g, states, runner)
+    def spy(head, runner, feed, states, g, tau):
+        out = real(head, runner, feed, states, g, tau)
         seen.append(out)
         if isinstance(out, Drafts):
             assert all(st.last_drafts is out for st in states) and len(out) == len(states)
@@ -246,41 +256,34 @@ def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
             assert out[0].num_drafts == g and out[0].probs is None
         return out
 
-    monkeypatch.setattr(MtpHead, "propose_batch", spy)
+    monkeypatch.setattr(drafting, "propose", spy)
     static = _run(rt, 3, "static", 2)
     assert seen and all(isinstance(c, Drafts) for c in seen)
     monkeypatch.undo()
     assert [r.tokens for r in static] == [r.tokens for r in _run(rt, 3, "eager", 2)]
 
 
-def test_batch_rows_stand_for_the_list_of_row_views():
-    from glm5mtp_cli.engine.graphs import BatchRows, load_rows, row_counts
-
-    feed = torch.arange(24).view(4, 6).clone()
-    rows = BatchRows(feed[:3], [1, 3, 2])
-    assert len(rows) == 3 and row_counts(rows) == [1, 3, 2] and row_counts([feed[0, :4]]) == [4]
-    assert [r.tolist() for r in rows] == [[0], [6, 7, 8], [12, 13]] and torch.equal(rows[1], feed[1, :3])
-    buf = torch.full((4, 8), -1)
-    load_rows(buf, rows)
-    for j, n in enumerate(rows.lengths):
-        assert torch.equal(buf[j, :n], feed[j, :n])
-    assert (buf[3] == -1).all()
-
-
 def test_an_unchanged_batch_feeds_the_drafter_its_last_step_as_one_tensor(rt, monkeypatch):
-    """After a drafting step the batch's pending rows stay one tensor (graphs.BatchRows) into the
-    next draft; once the batch changes (a sequence finished, one was admitted) they go as tensors of
-    their own. Both paths run here, and the tokens are eager's (test_static_forwards_equal_eager)."""
-    from glm5mtp_cli.engine.graphs import BatchRows
-    from glm5mtp_cli.engine.mtp_head import MtpHead
+    """After a drafting step the batch's pending rows stay one tensor (the last verify's drafter
+    feed) into the next draft; once the batch changes (a sequence finished, one was admitted) each
+    sequence's rows are padded into a feed of their own (Feed.of). Both paths run here, and the
+    tokens are eager's (test_static_forwards_equal_eager)."""
+    from glm5mtp_cli.engine import drafting
+    from glm5mtp_cli.engine.proposer import Feed
 
-    kinds, real = [], MtpHead.propose_batch
+    kinds, padded, real, real_of = [], [], drafting.propose, Feed.of
 
-    def spy(self, tokens, *args):
-        kinds.append(isinstance(tokens, BatchRows))
-        return real(self, tokens, *args)
+    def spy(head, runner, feed, *args):
+        kinds.append(feed not in padded)
+        return real(head, runner, feed, *args)
 
-    monkeypatch.setattr(MtpHead, "propose_batch", spy)
+    def of(rows, width=None):
+        feed = real_of(rows, width)
+        padded.append(feed)
+        return feed
+
+    monkeypatch.setattr(drafting, "propose", spy)
+    monkeypatch.setattr(Feed, "of", staticmethod(of))
     static = _run(rt, 3, "static", 2)
     assert True in kinds and False in kinds, kinds
     monkeypatch.undo()

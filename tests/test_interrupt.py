@@ -16,18 +16,18 @@ from glm5mtp_cli.engine import speculate
 
 
 def test_ctrl_c_keeps_the_finished_requests(monkeypatch, tmp_path):
-    step = speculate.SpecEngine._step
+    step = speculate.SpecEngine.step
     calls = []
     held = []
 
-    def interrupted_step(self, active):
-        calls.append(len(active))
+    def interrupted_step(self, run):
+        calls.append(run)
         held.append(self.pools)
         if len(calls) == 6:  # the first request ends after 3 steps (4 tokens at gamma 0, one from the prefill)
             raise KeyboardInterrupt
-        step(self, active)
+        step(self, run)
 
-    monkeypatch.setattr(speculate.SpecEngine, "_step", interrupted_step)
+    monkeypatch.setattr(speculate.SpecEngine, "step", interrupted_step)
     trace = tmp_path / "t.jsonl"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [8, 9]}\n')

@@ -77,19 +77,23 @@ def _generate(rt, gamma, sampling=None, prompts=PROMPTS, max_new_tokens=20):
 
 def _first_drafts(rt, prompt, gamma=3, sampling=None) -> list[int]:
     """The drafts of the first verify step, as the engine's proposer returned them."""
+    from glm5mtp_cli.engine import drafting
     from glm5mtp_cli.engine.sequence import Request
 
     engine = _engine(rt, gamma, sampling)
     seen = []
-    original = engine.head.propose_batch
+    original = drafting.propose
 
     def spy(*args, **kwargs):
         chains = original(*args, **kwargs)
         seen.append(chains[0].tokens.tolist())
         return chains
 
-    engine.head.propose_batch = spy
-    engine.generate([Request(prompt, 2)])
+    drafting.propose = spy
+    try:
+        engine.generate([Request(prompt, 2)])
+    finally:
+        drafting.propose = original
     return seen[0]
 
 

@@ -31,7 +31,7 @@ def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: in
     reqs = [Request([rnd.randrange(rt.cfg.vocab_size) for _ in range(rnd.randrange(20, 60))], new_tokens, i)
             for i in range(requests)]
     spent, steps = [0.0], [0]
-    run, step = static.StaticForward.run, engine._step
+    run, step = static.StaticForward.run, engine.step
 
     def timed_run(f):
         t0 = time.perf_counter()
@@ -39,11 +39,11 @@ def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: in
         spent[0] += time.perf_counter() - t0
         return out
 
-    def counted_step(active):
+    def counted_step(schedule):
         steps[0] += 1
-        return step(active)
+        return step(schedule)
 
-    static.StaticForward.run, engine._step = timed_run, counted_step
+    static.StaticForward.run, engine.step = timed_run, counted_step
     try:
         engine.generate(reqs, batch_size=batch)  # warm-up: builds the static forwards
         best = None

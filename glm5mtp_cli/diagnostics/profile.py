@@ -22,7 +22,9 @@ from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.sizing import bytes_per_token, growth_bytes, predicted_bytes, predicted_weight_bytes
+from glm5mtp_cli.engine import drafting
 from glm5mtp_cli.engine.config import EngineConfig, check_seed
+from glm5mtp_cli.engine.proposer import Feed
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request, reserve_tokens
 
@@ -169,7 +171,8 @@ def measure_latency(rt: Runtime, c: ProfileConfig, context: int) -> dict:
         rt.target(prompt, [cache], rows="last")
 
     def propose():
-        return engine.head.propose_batch([last], [hidden], [state.real_rows], g, [state], engine.runner)
+        return drafting.propose(engine.head, engine.runner, Feed(last[None], hidden[None], [1]), [state], g,
+                                engine.config.draft_conf_tau)
 
     def verify():
         return rt.target(ids, [cache], rows="all")

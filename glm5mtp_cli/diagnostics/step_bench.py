@@ -32,6 +32,7 @@ from glm5mtp_cli.checkpoint.load import build_loaded
 from glm5mtp_cli.checkpoint.random import RandomReader
 from glm5mtp_cli.diagnostics.sizing import draft_step_bytes, target_step_bytes
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
+from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 
@@ -93,30 +94,28 @@ def kernel_breakdown(step, device: torch.device, reset=lambda: None, steps: int 
                      "share": us / total_us} for name, count, us in rows[:top]]}
 
 
-def _static_step(f, context: int, repeats: int, kernels: bool, graphs: bool,
-                 compile: tuple[str, str]) -> tuple[float, dict | None, float | None]:
-    """A one-row static forward (graphs.StaticForward) appending at row `context`, compiled first
-    unless compile[0] is "off" (-> its compile seconds, else None); captured and replayed on CUDA
-    with `graphs` (the median device time of its replays), else run and host-timed. With `kernels`,
-    also the kernel breakdown."""
-    f.ids.fill_(1)
-    f.set_starts([context])
-    compile_s = f.compile(*compile) if compile[0] != "off" else None
-    if not (graphs and f.device.type == "cuda"):
+def _step_runner(device: torch.device, graphs: bool, compile: tuple[str, str]) -> ForwardRunner:
+    """The runner of a timed static step: CUDA graphs with `graphs` on CUDA, else static forwards
+    run eagerly; compiled unless compile[0] is "off"."""
+    return ForwardRunner("cuda" if graphs and device.type == "cuda" else "static", device, *compile)
+
+
+def _static_step(f, runner: ForwardRunner, repeats: int, kernels: bool) -> tuple[float, dict | None, float | None]:
+    """A one-row static forward the runner built (ForwardRunner.sequence_step): its replays' median
+    device time when captured, else host-timed runs; then the kernel breakdown with `kernels`, and
+    the compile seconds (None: not compiled)."""
+    compile_s = runner.compile_s if runner.compile != "off" else None
+    if f.graph is None:
         return (_host_seconds(f.run, lambda: None, f.device, repeats),
                 kernel_breakdown(f.run, f.device) if kernels else None, compile_s)
-    f.capture(torch.cuda.graph_pool_handle())
-    try:
-        seconds = _replay_seconds(f.run, repeats)
-        if not kernels:
-            return seconds, None, compile_s
-        prof = kernel_breakdown(f.run, f.device)
-        if not prof["top"]:  # a profiler that does not see kernels inside graph replays: the same forward, eager
-            prof = kernel_breakdown(f._forward, f.device)
-            prof["source"] += " (eager forwards: none seen in graph replays)"
-        return seconds, prof, compile_s
-    finally:
-        f.close()
+    seconds = _replay_seconds(f.run, repeats)
+    if not kernels:
+        return seconds, None, compile_s
+    prof = kernel_breakdown(f.run, f.device)
+    if not prof["top"]:  # a profiler that does not see kernels inside graph replays: the same forward, eager
+        prof = kernel_breakdown(f._forward, f.device)
+        prof["source"] += " (eager forwards: none seen in graph replays)"
+    return seconds, prof, compile_s
 
 
 def _replay_seconds(run, repeats: int) -> float:
@@ -163,7 +162,6 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
     (compiled: the static forward, _static_step). With `kernels`, also the step's kernel_breakdown
     (else None); then the compile seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
-    from glm5mtp_cli.engine.static import sequence_forward
     from glm5mtp_cli.engine.config import EngineConfig
     from glm5mtp_cli.engine.mtp_head import MtpHead
 
@@ -180,11 +178,14 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
         hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
         token = torch.tensor([1], device=device)
         if (graphs and device.type == "cuda") or compile[0] != "off":
-            f = sequence_forward(head_.context,
-                                 lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
-                                 state.cache, 1, device, (cfg.hidden_size, dtype))
-            f.hidden.copy_(hidden[None])
-            return _static_step(f, context, repeats, kernels, graphs, compile)
+            runner = _step_runner(device, graphs, compile)
+            try:
+                f = runner.sequence_step(head_.context,
+                                         lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
+                                         state.cache, token[None], hidden[None])
+                return _static_step(f, runner, repeats, kernels)
+            finally:
+                runner.close()
 
         def step():
             mtp(token[None], hidden[None], [state.cache], embed, out_head, rows="last")
@@ -204,11 +205,10 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     """Median seconds of one batch-1 decode step of `target` (sharded over `tp` ranks, each running
     this in lockstep) at `context` cached rows: CUDA graph
     replays with `graphs` on CUDA (compiled: _static_step); else an eager forward of one row plus
-    the commit of its fixed-size state (what the engine's truncate after a verify writes),
+    the commit of its fixed-size state (what the engine's commit after a verify writes),
     host-timed. With `kernels`, also the step's kernel_breakdown (else None); then the compile
     seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
-    from glm5mtp_cli.engine.static import sequence_forward
 
     cfg = target.cfg
     pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, with_drafter=False, tp=tp)
@@ -216,16 +216,22 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
     cache.reserve(context + 8)
     try:
         _fill_random(pools)
-        if (graphs and device.type == "cuda") or compile[0] != "off":
-            f = sequence_forward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
-                                 cache, 1, device)
-            return _static_step(f, context, repeats, kernels, graphs, compile)
         cache.length = context
         ids = torch.ones(1, 1, dtype=torch.long, device=device)
+        if (graphs and device.type == "cuda") or compile[0] != "off":
+            runner = _step_runner(device, graphs, compile)
+            try:
+                f = runner.sequence_step(target.context,
+                                         lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
+                                         cache, ids)
+                return _static_step(f, runner, repeats, kernels)
+            finally:
+                runner.close()
+        keep = torch.ones(1, dtype=torch.long, device=device)
 
         def step():
-            target(ids, [cache], rows="last")
-            cache.truncate(context + 1)  # keeps the row: commits the recurrent state it advanced
+            target.commit(target(ids, [cache], rows="last").pending, keep)  # keeps the row's recurrent state
+            cache.truncate(context + 1)
 
         def reset():
             cache.length = context  # the next step overwrites that row; states stay random-like

@@ -239,7 +239,7 @@ class CachedSlots:
     """One fixed-size component's (a recurrent state) side of a cached forward: the pool's data
     [layers, slots, *shape] and the slot of each of the B sequences [B] on the device, so a forward
     reads its sequences' states with no host value (a static forward's padding rows name a scratch
-    slot). Forwards only read through it; what they advance is committed after (leave_pending)."""
+    slot). Forwards only read through it; what they advance is committed after (Target.commit)."""
 
     data: torch.Tensor
     index: torch.Tensor
@@ -280,19 +280,16 @@ class SequenceCache:
     "indexer", ...) and fixed-size slots per component. `length` is the rows the sequence holds.
 
     Rollback. Truncating `length` is the whole rollback for rows. A fixed-size state cannot be cut
-    back, so a forward that advances one leaves `pending`: a function that commits the state
-    after the first k rows of that forward (k given as the kept length). The engine's truncate
-    after a verify calls it with the accepted length; the next forward commits all of its rows
-    first if nobody truncated (a prefill). Rolling a slot further back than its last forward is
-    refused."""
+    back: the target's explicit commit (Target.commit, after its forward) keeps the accepted prefix
+    of the forward's rows, and the truncate to that prefix then only moves the length. So a cache
+    with slots rolls back only into its last forward, and only once."""
 
     def __init__(self, rows: dict[str, PagedRows], slots: dict[str, SlotRef] | None = None):
         self.rows = rows
         self.slots = slots or {}
         self.length = 0
         self.released = False
-        self.pending = None  # set by a model's forward over slot components: pending(kept_length)
-        self.pending_from = 0  # the length before that forward
+        self.forward_from: int | None = None  # slots: the length before the last forward, until a truncate
         self._capacity = self._least_capacity()
 
     @property
@@ -310,9 +307,10 @@ class SequenceCache:
         self._capacity = self._least_capacity()
 
     def prepare(self, num_new: int) -> None:
-        """Room for num_new more rows; grows the reservation only if the budget was exceeded.
-        Commits a previous forward's pending state whole (nothing rolled it back)."""
-        self._commit(self.length)
+        """Room for num_new more rows, before a forward appends them; grows the reservation only if
+        the budget was exceeded."""
+        if self.slots:
+            self.forward_from = self.length
         end = self.length + num_new
         if end > self.capacity:
             self.reserve(end)
@@ -321,22 +319,13 @@ class SequenceCache:
         """Drop rows past `length` (they are overwritten by the next append)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} rows to {length}")
-        if self.slots and self.pending is None and length < self.length:
+        if self.slots and self.forward_from is None and length < self.length:
             raise ValueError(f"a fixed-size state cannot roll back from {self.length} rows to {length}: "
                              "only into its last forward")
-        if self.pending is not None and length < self.pending_from:
-            raise ValueError(f"cannot roll back to {length} rows, before the last forward ({self.pending_from})")
-        self._commit(length)
+        if self.forward_from is not None and length < self.forward_from:
+            raise ValueError(f"cannot roll back to {length} rows, before the last forward ({self.forward_from})")
+        self.forward_from = None
         self.length = length
-
-    def leave_pending(self, commit) -> None:
-        """A model's forward advanced fixed-size state: `commit(kept_length)` keeps a prefix of it."""
-        self.pending, self.pending_from = commit, self.length
-
-    def _commit(self, length: int) -> None:
-        if self.pending is not None:
-            commit, self.pending = self.pending, None
-            commit(length)
 
     def release(self, keep: str | None = None) -> None:
         """Give every block and slot back (except component `keep`: leak-check's self-test). Safe
@@ -344,7 +333,7 @@ class SequenceCache:
         for name, part in (*self.rows.items(), *self.slots.items()):
             if name != keep:
                 part.release()
-        self.pending = None
+        self.forward_from = None
         self.length = 0
         self.released = True
         self._capacity = self._least_capacity()

@@ -29,8 +29,15 @@ Fixed-size state (GLM-5-Next's KDA state and conv window, models/glm5_next/poole
 component an index [slots + 1] names each engine slot's SlotPool slot (the last entry a scratch slot
 taken once per engine): set by `occupy`, pointed at the scratch slot by `retire`, gathered by `idx`
 like the tables. A forward only reads those states; the target's commit records are the graph's
-outputs, left on the caches after the run (`leave_pending`) and committed by the engine's truncate
-after the verify, before that graph's next replay (or whole by the next run's `prepare`).
+outputs (with the slot indices the forward read), which the runner keeps until the engine's
+`commit` after the accept hands the accepted counts to the target (Target.commit, device tensors
+alone), before that graph's next replay.
+One memory pool, the runner's, holds every graph set's captures (decode, verify, draft chain, the
+prefill's buckets, bench's one-sequence steps). Graphs sharing a pool may reuse each other's freed
+intermediates, so a replay may overwrite what another graph left; that is safe because every
+replay's outputs are consumed before the next replay of any graph: copied out (the verify's
+hiddens, the fused chain's drafts, the prefill's logits and hiddens), read (logits by the accept,
+a catch-up's by the first draft) or committed (the KDA records) first.
 Compiled forwards (--compile, engine/compiled.py): `open` passes each static forward through
 torch.compile and runs it once (the compile, timed apart as `compile_s`), before any capture; the
 capture then records the compiled forward's kernels like any other.
@@ -48,7 +55,8 @@ import torch
 
 from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
-from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table
+from glm5mtp_cli.engine.proposer import Feed
+from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table, sequence_forward
 from glm5mtp_cli.errors import UserError
 
 
@@ -90,18 +98,18 @@ class EngineGraphs:
     """An engine's static forwards for every bucket and gamma, over its block tables."""
 
     def __init__(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
-                 hidden: tuple[int, torch.dtype] | None, device: torch.device, capture: bool, greedy: bool):
+                 hidden: tuple[int, torch.dtype] | None, device: torch.device, mempool, greedy: bool):
+        """mempool: the runner's graph pool (None: static forwards run eagerly, nothing captured)."""
         self.slots = slots
         self.max_blocks = max_blocks  # the tables' width: the longest sequence they can name
         self.device = device
-        self.capture = capture
+        self.mempool = mempool
         self.pools = pools
         self.scratch: dict[str, list[int]] = {}
         self.scratch_slots: dict[str, int] = {}
         self.tables: dict[str, dict[str, Table]] = {}
         self.slot_index: dict[str, dict[str, SlotIndex]] = {}
         self.buckets: dict[int, _Bucket] = {}
-        self.mempool = None
         try:
             self._tables("target", target.reads_slots, max_blocks)
             if proposer is not None:
@@ -171,9 +179,8 @@ class EngineGraphs:
     def capture_all(self) -> None:
         """Capture every forward (CUDA only), largest bucket first (its intermediates size the
         shared pool the smaller ones reuse); every row points at the scratch row meanwhile."""
-        if not self.capture:
+        if self.mempool is None:
             return
-        self.mempool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
             for f in self.buckets[b].forwards():
                 f.capture(self.mempool)
@@ -203,7 +210,6 @@ class EngineGraphs:
             for f in bucket.forwards():
                 f.close()
         self.buckets = {}
-        self.mempool = None
         for name, blocks in self.scratch.items():
             self.pools.pools[name].give(blocks)
         for name, slot in self.scratch_slots.items():
@@ -216,8 +222,8 @@ class EngineGraphs:
 class ForwardRunner:
     """Runs the engine's decode forwards in one of three modes (module docstring). The engine opens
     it once (`open`), tells it when a slot is taken or left (`occupy`, `retire`) and each step's
-    active slots (`step`); the proposer asks it for its catch-up, chain-step and fused-chain
-    forwards; nothing else in the engine knows the mode."""
+    active slots (`step`); the engine's drafting (engine/drafting.py) asks it for the proposer's
+    catch-up, chain-step and fused-chain forwards; nothing else in the engine knows the mode."""
 
     MODES = ("eager", "static", "cuda")
 
@@ -232,10 +238,14 @@ class ForwardRunner:
         self.compile = compile
         self.compile_mode = compile_mode
         self.compile_s = 0.0  # compiling the static forwards (in open), apart from their capture
+        # every graph set's one pool (module docstring); None: nothing is captured
+        self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.graphs: EngineGraphs | None = None
         self.prefill: PrefillForwards | None = None  # --prefill-graphs: the admission prefill's graph set
+        self.sequences: list[StaticForward] = []  # bench's one-sequence steps (sequence_step)
         self.bucket: _Bucket | None = None
         self.active = 0
+        self.pending = None  # the last verify's commit records (Target.commit), until `commit`
 
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
@@ -244,7 +254,7 @@ class ForwardRunner:
         if self.mode == "eager" or self.graphs is not None:
             return
         self.graphs = EngineGraphs(target, proposer, pools, slots, max_blocks, gammas, hidden, self.device,
-                                   capture=self.mode == "cuda", greedy=greedy)
+                                   self.mempool, greedy=greedy)
         try:
             if self.compile != "off":
                 self.compile_s += self.graphs.compile_all(self.compile, self.compile_mode)
@@ -264,8 +274,7 @@ class ForwardRunner:
         if self.prefill is not None and self.prefill.width >= width:
             return
         self.close_prefill()
-        self.prefill = PrefillForwards(target, proposer, pools, width, self.device, capture=self.mode == "cuda",
-                                       max_rows=max_rows)
+        self.prefill = PrefillForwards(target, proposer, pools, width, self.device, self.mempool, max_rows=max_rows)
 
     def take_capture_s(self) -> float:
         """Seconds the prefill forwards spent capturing since the last call (one-time setup)."""
@@ -296,41 +305,71 @@ class ForwardRunner:
         self.bucket.idx.copy_(to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device),
                               non_blocking=True)
 
+    def sequence_step(self, context_fn, fn, cache, ids: torch.Tensor, hidden: torch.Tensor | None = None) -> StaticForward:
+        """bench's step timing: a one-row static forward over ONE sequence's cache at its length
+        (static.sequence_forward), its inputs ids [1, 1] (and hidden [1, 1, H]), built as the
+        graph sets are: compiled (compile_s) and, on CUDA, captured in the runner's pool."""
+        f = sequence_forward(context_fn, fn, cache, 1, self.device,
+                             (hidden.shape[-1], hidden.dtype) if hidden is not None else None)
+        self.sequences.append(f)
+        f.ids.copy_(ids)
+        if hidden is not None:
+            f.hidden.copy_(hidden)
+        f.set_starts([cache.length])
+        if self.compile != "off":
+            self.compile_s += f.compile(self.compile, self.compile_mode)
+        if self.mempool is not None:
+            f.capture(self.mempool)
+        return f
+
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
         self.bucket = None
+        for f in self.sequences:
+            f.close()
+        self.sequences = []
 
     # ---- the target -------------------------------------------------------------------------
     def verify(self, target, ids: torch.Tensor, caches: list):
         """The target forward over ids [A, T] appended to each active sequence's cache."""
         if self.graphs is None:
-            return target(ids, caches, rows="all")
+            out = target(ids, caches, rows="all")
+            self.pending = out.pending
+            return out
         f = self.bucket.verify[ids.shape[1] - 1]
         a = len(caches)
         f.ids[:a].copy_(ids)
         f.set_starts(self._starts(f, caches, [f.t] * a, "verify"))
         for c in caches:
-            c.prepare(f.t)  # commits a pending prefill state whole; within capacity (_starts): reserves nothing
+            c.prepare(f.t)  # within capacity (_starts): reserves nothing
         out = f.run()
-        if out.pending is not None:
-            # the commit records are the graph's outputs: the engine's truncate after this verify
-            # commits them, before the graph's next replay
-            target.leave_pending(caches, out.pending)
+        self.pending = out.pending  # the graph's outputs: committed before its next replay
         for c in caches:
             c.length += f.t
         # logits are read before the next replay; the hiddens are kept a step: copied out
         return type(out)(out.logits[:a], None, hidden_all=out.hidden_all[:a].clone())
 
-    # ---- the drafter (called by the proposer) -----------------------------------------------
-    def catchup(self, proposer, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list):
-        """Append each sequence's pending real rows (tokens[b] with hiddens[b]); -> the logits and
-        carried hidden at each sequence's last row ([A, V], [A, H])."""
+    def commit(self, target, accepted: torch.Tensor) -> None:
+        """The last verify's fixed-size state keeps each sequence's accepted drafts and the row
+        before them (accepted [A] on the device); a bucket's padding rows keep none."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        kept = accepted + 1
+        if self.graphs is not None and self.bucket.size > kept.shape[0]:
+            kept = torch.cat([kept, kept.new_zeros(self.bucket.size - kept.shape[0])])
+        target.commit(pending, kept)
+
+    # ---- the drafter (called by the engine's drafting) ----------------------------------------
+    def catchup(self, proposer, feed: Feed, caches: list):
+        """Append each sequence's pending real rows (feed row b); -> the logits and carried hidden
+        at each sequence's last row ([A, V], [A, H])."""
         if self.graphs is None:
-            return self._catchup_eager(proposer, tokens, hiddens, caches)
+            return self._catchup_eager(proposer, feed, caches)
         f = self.bucket.catchup
-        self._load(f, tokens, hiddens, caches, row_counts(tokens), "drafter catch-up")
+        self._load(f, feed, caches, feed.counts, "drafter catch-up")
         logits, carried = f.run()
         return logits[: len(caches)], carried[: len(caches)]
 
@@ -351,8 +390,7 @@ class ForwardRunner:
             c.length += 1
         return out
 
-    def fused_chain(self, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list,
-                    num_drafts: int) -> torch.Tensor | None:
+    def fused_chain(self, feed: Feed, caches: list, num_drafts: int) -> torch.Tensor | None:
         """Greedy drafts [A, num_drafts] from the bucket's one-forward draft chain, or None when the
         engine has no such forward (eager, or sampling)."""
         if self.graphs is None or not self.bucket.draft:
@@ -360,32 +398,42 @@ class ForwardRunner:
         f = self.bucket.draft.get(num_drafts)
         if f is None:
             raise ValueError(f"no fused draft forward for {num_drafts} drafts (built: {sorted(self.bucket.draft)})")
-        self._load(f, tokens, hiddens, caches, [n + num_drafts - 1 for n in row_counts(tokens)], "draft chain")
+        self._load(f, feed, caches, [n + num_drafts - 1 for n in feed.counts], "draft chain")
         return f.run()[: len(caches)].clone()
 
-    def _catchup_eager(self, proposer, tokens, hiddens, caches):
+    def _catchup_eager(self, proposer, feed: Feed, caches: list):
         """Sequences grouped by how many rows they append, one forward per group."""
-        logits = [None] * len(caches)
-        carried = [None] * len(caches)
         groups: dict[int, list[int]] = defaultdict(list)
-        for i, n in enumerate(row_counts(tokens)):
+        for i, n in enumerate(feed.counts):
             groups[n].append(i)
+        if len(groups) == 1:  # the common step: every sequence appends as many rows
+            (k,) = groups
+            return self._drafter_rows(proposer, feed.tokens[:, :k], feed.hiddens[:, :k], caches, k)
+        logits, carried = [None] * len(caches), [None] * len(caches)
         for k, members in groups.items():
-            group = [caches[i] for i in members]
-            starts, rows = cached_rows(group, k, tokens[members[0]].device)
-            lg, h = proposer.drafter_forward(torch.stack([tokens[i] for i in members]),
-                                             torch.stack([hiddens[i] for i in members]),
-                                             proposer.context(starts, k, rows), "last")
+            at = to_device(members, feed.tokens.device)
+            lg, h = self._drafter_rows(proposer, feed.tokens[at, :k], feed.hiddens[at, :k],
+                                       [caches[i] for i in members], k)
             for j, i in enumerate(members):
                 logits[i], carried[i] = lg[j], h[j]
-                caches[i].length += k
         return torch.stack(logits), torch.stack(carried)
 
-    def _load(self, f: StaticForward, tokens, hiddens, caches, grow: list[int], what: str) -> None:
-        """A padded catch-up feed into f's rows 0..A-1; each cache grows by grow[b] rows."""
-        load_rows(f.ids, tokens)
-        load_rows(f.hidden, hiddens)
-        last = [n - 1 for n in row_counts(tokens)] + [0] * (f.b - len(tokens))
+    @staticmethod
+    def _drafter_rows(proposer, ids: torch.Tensor, hidden: torch.Tensor, caches: list, k: int):
+        """One eager forward appending k rows to each of `caches`."""
+        starts, rows = cached_rows(caches, k, ids.device)
+        out = proposer.drafter_forward(ids, hidden, proposer.context(starts, k, rows), "last")
+        for c in caches:
+            c.length += k
+        return out
+
+    def _load(self, f: StaticForward, feed: Feed, caches, grow: list[int], what: str) -> None:
+        """A padded feed into f's rows 0..A-1 (past a row's count: whatever follows in the feed,
+        its padding rows); each cache grows by grow[b] rows."""
+        a = len(feed)
+        f.ids[:a, : min(f.t, feed.tokens.shape[1])].copy_(feed.tokens[:, : f.t])
+        f.hidden[:a, : min(f.t, feed.hiddens.shape[1])].copy_(feed.hiddens[:, : f.t])
+        last = [n - 1 for n in feed.counts] + [0] * (f.b - a)
         f.set_starts_rows(self._starts(f, caches, grow, what), last)
         for c, n in zip(caches, grow):
             c.length += n
@@ -398,46 +446,3 @@ class ForwardRunner:
                 raise RuntimeError(f"{what} past the reservation of its sequence")
         return [c.length for c in caches] + [0] * (f.b - len(caches))
 
-
-class BatchRows:
-    """Row j's first lengths[j] entries of one batched tensor, standing for the list of those views
-    (the proposer's per-sequence feeds): a view is made only when an entry is read. An unchanged
-    batch's drafter feed goes from one step's verify to the next step's draft forward as the one
-    tensor it already is. The per-sequence views (two per sequence per step) and the check that read
-    them back as one tensor were a fifth of the step loop's host time: diagnostics/host_time at
-    gamma 3, batch 64, 1282-1339 -> 988-1054 us per step (batch 32: 746-789 -> 598-613) on this
-    project's CPU."""
-
-    __slots__ = ("batch", "lengths")
-
-    def __init__(self, batch: torch.Tensor, lengths: list[int]):
-        self.batch, self.lengths = batch, lengths
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, j: int) -> torch.Tensor:
-        return self.batch[j, : self.lengths[j]]
-
-    def __iter__(self):
-        return (self[j] for j in range(len(self.lengths)))
-
-
-def row_counts(rows) -> list[int]:
-    """Rows per sequence of a feed: a list of tensors, or BatchRows."""
-    return rows.lengths if isinstance(rows, BatchRows) else [t.shape[0] for t in rows]
-
-
-def load_rows(buf: torch.Tensor, values) -> None:
-    """Write the active rows of a static buffer: values[j] (a tensor [A, k, ...], BatchRows, or a
-    list of A tensors of k_j rows) goes to buf[j, :k_j]. Past k_j a row may be written too (with
-    whatever follows in the tensor the rows come from): those are the padding rows of a feed."""
-    if isinstance(values, BatchRows):
-        values = values.batch[: len(values), : buf.shape[1]]
-    elif not isinstance(values, torch.Tensor) and len({v.shape[0] for v in values}) == 1:
-        values = torch.stack(values)
-    if isinstance(values, torch.Tensor):
-        buf[: values.shape[0], : values.shape[1]].copy_(values)
-        return
-    for j, v in enumerate(values):
-        buf[j, : v.shape[0]].copy_(v)

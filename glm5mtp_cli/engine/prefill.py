@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from glm5mtp_cli.engine.proposer import Feed, check_aligned
+
 
 def plan_forwards(remaining: list[int], headroom: list[int], chunk: int,
                   budget: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -69,6 +71,7 @@ def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, 
             real = torch.tensor([k for _, k in members], dtype=torch.long).to(device)
             padded = any(k < t for _, k in members)
             out = target(ids.to(device), group, rows=real - 1, real=real if padded else None)
+            target.commit(out.pending, real)
             for j, (_, k) in enumerate(members):
                 if k < t:
                     group[j].truncate(starts[j] + k)  # the padding rows are dead: the next append overwrites them
@@ -79,11 +82,24 @@ def prefill_targets(target, caches: list, prompts: list[list[int]], chunk: int, 
     return torch.stack(logits), [torch.cat(h) for h in hiddens]
 
 
-def padded_feed(tokens: list[torch.Tensor], hiddens: list[torch.Tensor], t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [m, t] and [m, t, H] of a shared drafter forward: each sequence's rows, zeros after."""
-    ids = tokens[0].new_zeros(len(tokens), t)
-    hid = hiddens[0].new_zeros(len(hiddens), t, hiddens[0].shape[-1])
-    for j, (tok, h) in enumerate(zip(tokens, hiddens)):
-        ids[j, : tok.shape[0]] = tok
-        hid[j, : h.shape[0]] = h
-    return ids, hid
+
+def prefill_drafters(head, tokens: list[torch.Tensor], hiddens: list[torch.Tensor], states: list, chunk: int,
+                     budget: int, static=None) -> None:
+    """Append each drafter state's real rows tokens[i] (with hiddens[i], device) from its current
+    length in shared forwards, planned as the targets' are (the drafters' caches are paged rows);
+    `static` (PrefillForwards) runs the forwards it has a bucket for, the proposer's eager
+    `append_rows` the rest."""
+    for st in states:
+        check_aligned(st.cache.length if st.cache is not None else -1, st)
+    caches = [st.cache for st in states]
+    done = [0] * len(states)
+    plan = plan_forwards([t.shape[0] for t in tokens], [c.capacity - c.length for c in caches], chunk, budget)
+    for t, members in plan:
+        rows = [(tokens[i][done[i]:done[i] + k], hiddens[i][done[i]:done[i] + k]) for i, k in members]
+        feed = Feed.of(rows, t)
+        group = [caches[i] for i, _ in members]
+        if static is None or not static.drafter(feed.tokens, feed.hiddens, group, feed.counts):
+            head.append_rows(feed.tokens, feed.hiddens, group, feed.counts)
+        for j, (i, k) in enumerate(members):
+            states[i].add_real(feed.tokens, j, k)
+            done[i] += k

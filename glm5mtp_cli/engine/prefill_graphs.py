@@ -62,14 +62,14 @@ def bucket(n: int, least: int = 1) -> int:
 class PrefillForwards:
     """The static prefill forwards of one engine, for the target and (with a drafter) the drafter."""
 
-    def __init__(self, target, proposer, pools, width: int, device: torch.device, capture: bool,
-                 max_rows: int):
+    def __init__(self, target, proposer, pools, width: int, device: torch.device, mempool, max_rows: int):
+        """mempool: the runner's graph pool (None: the buckets run eagerly, nothing captured)."""
         owners = ["target"] + (["drafter"] if proposer is not None else [])  # `check`ed by the engine
         self.models = {"target": target, "drafter": proposer}
         self.pools = pools
         self.width = width
         self.device = device
-        self.capture = capture
+        self.mempool = mempool
         self.max_rows = max_rows
         self.rows = max_rows // MIN_ROWS  # the most sequences a bucket holds
         self.scratch: dict[str, list[int]] = {}  # a block per paged component
@@ -77,7 +77,6 @@ class PrefillForwards:
         self.tables: dict[str, dict[str, Table]] = {}
         self.slot_index: dict[str, dict[str, SlotIndex]] = {}
         self.forwards: dict[tuple, StaticForward] = {}
-        self.mempool = None
         self.replays = 0  # forwards run from a bucket (tests; a count, not a timing)
         self.capture_s = 0.0  # capturing since the engine last took it (one-time setup, apart from e2e)
         try:
@@ -142,9 +141,7 @@ class PrefillForwards:
             idx = torch.full((b,), self.rows, dtype=torch.long, device=self.device)  # all scratch while built
             f = StaticForward(model.context, fn_of(model), b, bt, self.tables[owner], self.device, hidden,
                               pick_row=True, idx=idx, slots=self.slot_index[owner])
-            if self.capture:
-                if self.mempool is None:
-                    self.mempool = torch.cuda.graph_pool_handle()
+            if self.mempool is not None:
                 torch.cuda.synchronize(self.device)
                 t0 = time.perf_counter()
                 f.capture(self.mempool)
@@ -155,7 +152,8 @@ class PrefillForwards:
 
     def _run(self, f: StaticForward, caches: list, real: list[int], commits=None):
         """Point rows 0..m-1 at the caches' blocks and slots, run, and grow each cache by its real
-        rows; `commits` (the target): what the forward advanced in fixed-size state is committed now."""
+        rows; `commits` (the target): what the forward advanced in fixed-size state is committed now,
+        at each member's real rows (padding rows keep none)."""
         m = len(caches)
         for name, tab in f.tables.items():
             for j, c in enumerate(caches):
@@ -167,11 +165,10 @@ class PrefillForwards:
             c.prepare(k)
         f.set_starts_rows([c.length for c in caches] + [0] * (f.b - m), [k - 1 for k in real] + [0] * (f.b - m))
         out = f.run()
-        if commits is not None:
-            commits.leave_pending(caches, out.pending)
+        if commits is not None:  # now: the bucket's next replay overwrites `out`
+            commits.commit(out.pending, to_device(list(real) + [0] * (f.b - m), self.device))
         for c, k in zip(caches, real):
             c.length += k
-            c.prepare(0)  # commit at the real rows now: the bucket's next replay overwrites `out`
         self.replays += 1
         return out
 
@@ -186,7 +183,6 @@ class PrefillForwards:
         for f in self.forwards.values():
             f.close()
         self.forwards = {}
-        self.mempool = None
         for name, blocks in self.scratch.items():
             self.pools.pools[name].give(blocks)
         for name, slot in self.scratch_slots.items():

@@ -1,4 +1,5 @@
-"""The DraftProposer protocol and the per-sequence ProposerState (ARCHITECTURE.md).
+"""The DraftProposer protocol, the per-sequence ProposerState and what drafting passes around:
+a batch's Feed in, its Drafts out (ARCHITECTURE.md).
 
 Row bookkeeping, shared by every proposer: drafter row i pairs target token t[i+1] with the
 target's hidden h[i] and predicts t[i+2]. Rows built from target hiddens are "real"; rows built
@@ -51,6 +52,36 @@ class Drafts:
         return (self[i] for i in range(len(self)))
 
 
+class Feed:
+    """The drafter rows one propose appends, for the whole batch: row j's first counts[j] entries
+    of tokens [A, W] and hiddens [A, W, H] (device). An unchanged batch passes the last verify's
+    rows as the one tensor they already are (the engine's drafter feed); a changed one pads each
+    sequence's rows into one (`of`). One form for every feed: per-sequence views (two per sequence
+    per step) were a fifth of the step loop's host time at gamma 3, batch 64 (diagnostics/host_time:
+    1282-1339 -> 988-1054 us per step on this project's CPU)."""
+
+    __slots__ = ("tokens", "hiddens", "counts")
+
+    def __init__(self, tokens: torch.Tensor, hiddens: torch.Tensor, counts: list[int]):
+        self.tokens, self.hiddens, self.counts = tokens, hiddens, counts
+
+    @classmethod
+    def of(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], width: int | None = None) -> "Feed":
+        """Each sequence's (tokens [n], hiddens [n, H]), zero-padded into one feed `width` rows wide
+        (default: the longest)."""
+        counts = [t.shape[0] for t, _ in rows]
+        t0, h0 = rows[0]
+        tokens = t0.new_zeros(len(rows), width or max(counts))
+        hiddens = h0.new_zeros(len(rows), tokens.shape[1], h0.shape[-1])
+        for j, (t, h) in enumerate(rows):
+            tokens[j, : t.shape[0]] = t
+            hiddens[j, : h.shape[0]] = h
+        return cls(tokens, hiddens, counts)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+
 @dataclass
 class DrafterKV:
     """A finished turn's drafter cache, taken out of its state to seed the next turn."""
@@ -67,36 +98,54 @@ class ProposerState:
     real_rows: int = 0  # rows built from target hiddens; rows past this are speculative
     last_drafts: Drafts | None = None  # the last propose call's, this state's row `row` of them
     row: int = 0
-    row_tokens: list = field(default_factory=list)  # chunks of t[i+1], one per real row i (MtpHead._mark_real)
+    # the ids t[i+1] of the real rows i, as (tokens [R, W], row j, n): row j's first n, on the device
+    # (reading them back would sync every step; a carry's take_drafter_kv reads them)
+    row_tokens: list = field(default_factory=list)
     gen: torch.Generator | None = None  # the request's random stream (sampled drafts); None: the proposer's
+
+    def add_real(self, tokens: torch.Tensor, j: int, n: int) -> None:
+        """n real rows went into the drafter, their ids row j's first n of tokens [R, W]."""
+        self.real_rows += n
+        self.row_tokens.append((tokens, j, n))
+
+    def host_tokens(self) -> list[int]:
+        return torch.cat([t[j, :n] for t, j, n in self.row_tokens]).tolist() if self.row_tokens else []
+
+
+def check_aligned(row_base: int, state: ProposerState) -> None:
+    """Refuse a feed that does not start at the drafter's current row count."""
+    if state.cache is None:
+        raise CatchupMisaligned("drafter state was freed or its KV taken")
+    if row_base != state.cache.length or state.real_rows != state.cache.length:
+        raise CatchupMisaligned(
+            f"catch-up starts at row {row_base}, but the drafter holds {state.cache.length} rows "
+            f"({state.real_rows} real): call after_verify first and feed from drafter_rows()")
 
 
 @runtime_checkable
 class DraftProposer(Protocol):
-    """A model family's drafter: what the engine (speculate.py) and the runner (graphs.py,
-    prefill_graphs.py) call, nothing more. The engine owns the loop and the runner owns how
-    forwards run; a proposer owns its per-sequence state and its drafting math, written once as
-    functions of device tensors (drafter_forward, greedy_chain) that the runner calls eagerly, over
-    static buffers, or inside a captured CUDA graph."""
+    """A model family's drafter: what the engine (speculate.py, drafting.py) and the runner
+    (graphs.py, prefill_graphs.py) call, nothing more. The engine owns the loop, drafting included,
+    and the runner owns how forwards run; a proposer owns its per-sequence state and describes its
+    forwards as functions of device tensors (drafter_forward, greedy_chain) that the runner calls
+    eagerly, over static buffers, or inside a captured CUDA graph; it never calls the runner."""
 
     # per-sequence state
-    def alloc_state(self) -> ProposerState: ...
     def alloc_state_for(self, budget_tokens: int) -> ProposerState: ...
     def free_state(self, state: ProposerState) -> None: ...  # safe twice
     def drafter_rows(self, state: ProposerState) -> int: ...
-    # real rows: a finished turn's pending rows, and admissions' and backlogs' in shared forwards
-    # (static: engine/prefill_graphs' forwards, or None)
+    # real rows: a finished turn's pending rows; the eager shared forwards of admissions and backlogs
+    # (engine/prefill.prefill_drafters: ids [m, t], row j's first real[j] real, the rest cut back)
     def catchup_drafter(self, tokens: torch.Tensor, hiddens: torch.Tensor, row_base: int,
                         state: ProposerState) -> None: ...
-    def catchup_batch(self, tokens: list, hiddens: list, states: list[ProposerState], chunk: int,
-                      budget: int, static=None) -> None: ...
-    # drafting: tokens/hiddens are one tensor per sequence, as a list or as graphs.BatchRows; `runner`
-    # is the engine's ForwardRunner
-    def propose_batch(self, tokens, hiddens, positions: list[int], num_drafts: int,
-                      states: list[ProposerState], runner) -> Drafts: ...
-    def greedy_fusable(self) -> bool: ...
+    def append_rows(self, ids: torch.Tensor, hiddens: torch.Tensor, caches: list, real: list[int]) -> None: ...
+    # drafting (engine/drafting.py): a propose starts, each draft's ids (full vocabulary) and the
+    # distributions they were drawn from (None: greedy) from a forward's logits, chained steps
+    def start_propose(self) -> None: ...
+    def choose(self, logits: torch.Tensor, states: list[ProposerState]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def chained(self): ...
     def after_verify(self, num_accepted: int, state: ProposerState) -> None: ...
-    # the math the runner runs: contexts over cached rows, one forward, the fused greedy chain
+    # the forwards the runner runs: contexts over cached rows, one forward, the fused greedy chain
     def context(self, starts: torch.Tensor, t: int, rows: dict): ...
     def drafter_forward(self, ids: torch.Tensor, hidden: torch.Tensor, ctx, rows) -> tuple[torch.Tensor, torch.Tensor]: ...
     def greedy_chain(self, ids, hidden, starts, last_real, context_at, gamma: int) -> torch.Tensor: ...

@@ -39,15 +39,32 @@ from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy
-from glm5mtp_cli.engine.graphs import BatchRows, ForwardRunner, table_blocks
+from glm5mtp_cli.engine import drafting
+from glm5mtp_cli.engine.graphs import ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
-from glm5mtp_cli.engine.prefill import prefill_targets
+from glm5mtp_cli.engine.prefill import prefill_drafters, prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import graph_rows
-from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, StepRecord, budget_tokens, reserve_tokens
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
 from glm5mtp_cli.errors import UserError
+
+@dataclass
+class Run:
+    """One generate call's schedule: its requests still waiting (popped from the end: request
+    order), the slots, each request's result as it ends (after an exception, what ended before it;
+    None: aborted), the clock mark queue times count from, the graphs' table width, and the call's
+    admission and capture seconds."""
+
+    waiting: list
+    slots: list
+    results: list
+    arrive: object
+    width: int
+    prefill_s: float = 0.0
+    capture_s: float = 0.0
+
 
 @dataclass
 class Verdict:
@@ -60,7 +77,7 @@ class Verdict:
     next: list[int]
     draft_ids: list[list[int]] | None
     next_dev: torch.Tensor
-    accepted_dev: torch.Tensor | None
+    accepted_dev: torch.Tensor
 
 
 class SpecEngine:
@@ -98,7 +115,7 @@ class SpecEngine:
         self.wall_decode_s = 0.0
         self.wall_capture_s = 0.0  # building (compiling: runner.compile_s) and capturing the graphs (one-time setup)
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
-        self.results: list[SeqResult | None] = []  # the last generate call's (see there)
+        self.results: list[SeqResult | None] = []  # the last generate call's (Run.results)
         self.head = proposer if config.gamma > 0 else None
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -130,59 +147,92 @@ class SpecEngine:
         batch_size = min(batch_size, max(len(requests), 1))  # no slot (nor graph bucket) that nothing could fill
         for r in requests:
             self.check_request(r)  # refuse before anything is allocated
+        run = self._start_run(requests, batch_size)
+        w0 = self._wall()
+        try:
+            while run.waiting or any(run.slots):
+                self.step(run)
+        finally:
+            for s in run.slots:
+                if s is not None:
+                    self.release(s)
+        self.wall_prefill_s += run.prefill_s
+        self.wall_capture_s += run.capture_s
+        self.wall_decode_s += self._wall() - w0 - run.prefill_s - run.capture_s
+        return run.results
+
+    def _start_run(self, requests: list[Request], batch_size: int) -> "Run":
+        """A generate call's schedule; graphs built for fewer slots or narrower tables are dropped
+        (built again at the first step), the prefill's opened."""
         built = self.runner.graphs  # a rebuild for more slots keeps the width (it never narrows)
         width = max(self._table_blocks(requests), built.max_blocks if built is not None else 0)
         if built is not None and (built.slots < batch_size or built.max_blocks < width):
-            self.runner.close()  # built for fewer slots or shorter sequences: built again below
+            self.runner.close()
         if self.config.prefill_graphs:
             self.runner.open_prefill(self.target, self.head, self.pools, width, graph_rows(self.cfg.hidden_size))
-        waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
-        # the call's results as requests end: after an exception, what ended before it (None: aborted)
-        results: list[SeqResult | None] = [None] * len(requests)
-        self.results = results
-        slots: list[LiveSequence | None] = [None] * batch_size
-        arrive = self.clock.now()
-        w0 = self._wall()
-        prefill = capture = 0.0
-        try:
-            while waiting or any(slots):
-                free = [i for i, s in enumerate(slots) if s is None]
-                if waiting and free and self._admit_now(len(free), batch_size, len(waiting), len(free) < batch_size):
-                    a0 = self._wall()
-                    while waiting and free:
-                        batch = self._next_batch(waiting, len(free))
-                        for (i, _), seq in zip(batch, self.admit([r for _, r in batch], arrive)):
-                            results[i] = seq.res
-                            if seq.done is None:
-                                self._seat(seq, free.pop(0), slots)
-                    captured = self.runner.take_capture_s()
-                    self._admission_s = self._wall() - a0 - captured
-                    self._idle_s = 0.0
-                    prefill += self._admission_s
-                    self.admissions += 1
-                    capture += captured
-                active = [s for s in slots if s is not None]
-                if not active:
-                    continue
-                if not self.runner.ready:
-                    c0 = self._wall()
-                    self._open_graphs(active, batch_size, width)
-                    capture += self._wall() - c0
-                s0 = time.perf_counter()  # the step ends in a host read of its tokens: no sync needed
-                self._step(active)
-                self._idle_s += (batch_size - len(active)) * (time.perf_counter() - s0)
-                capture += self.runner.take_capture_s()  # a catch-up's bucket
-                for s in active:
-                    if s.done is not None:
-                        slots[s.slot] = None
-        finally:
-            for s in slots:
-                if s is not None:
-                    self.release(s)
-        self.wall_prefill_s += prefill
-        self.wall_capture_s += capture
-        self.wall_decode_s += self._wall() - w0 - prefill - capture
-        return results
+        self.results = [None] * len(requests)
+        return Run(list(enumerate(requests))[::-1], [None] * batch_size, self.results, self.clock.now(), width)
+
+    def step(self, run: "Run") -> None:
+        """One engine step, top-down: schedule (admit waiting requests into free slots), draft,
+        verify [t_n, d1..dg] in one target forward, accept (the step's one host read), commit both
+        caches to the accepted prefix, finish (emit; the finished leave their slots)."""
+        active = self._schedule(run)
+        if not active:
+            return
+        s0 = time.perf_counter()  # the step ends in a host read of its tokens: no sync needed
+        g = self._choose_gamma(len(active))
+        if g > 0:
+            self._catch_up_backlog(active)
+        h0, p0 = time.perf_counter(), self.clock.now()  # h0: the step's cost for the gamma policy
+        self.runner.step([s.slot for s in active])
+        drafts = self.draft(active, g) if g > 0 else None
+        v0 = self.clock.now()
+        if self.hooks is not None:
+            self.hooks.before_verify(active)
+        starts = [s.cache.length for s in active]
+        out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
+        verdict = self._accept(drafts, out.logits, active)
+        times = StepTimes(p0, v0, self.clock.now())
+        self._commit(active, verdict, drafts, out.hidden_all, starts)
+        self._finish(active, verdict, times, starts, run.slots)
+        # a step ends in a host read of its tokens, so its host wall time is its device time plus the
+        # per-sequence bookkeeping, which at batch 64 outweighs the graph replay (and drafting
+        # amortizes it over more tokens): the device time alone undervalued drafting there
+        self.policy.record_cost(len(active), g, time.perf_counter() - h0)
+        self._idle_s += (len(run.slots) - len(active)) * (time.perf_counter() - s0)
+        run.capture_s += self.runner.take_capture_s()  # a catch-up's bucket
+
+    def _schedule(self, run: "Run") -> list[LiveSequence]:
+        """Admit waiting requests into free slots when the schedule says so, build the graphs once;
+        -> the active sequences, in slot order."""
+        free = [i for i, s in enumerate(run.slots) if s is None]
+        n = len(run.slots)
+        if run.waiting and free and self._admit_now(len(free), n, len(run.waiting), len(free) < n):
+            self._admit_into(run, free)
+        active = [s for s in run.slots if s is not None]
+        if active and not self.runner.ready:
+            c0 = self._wall()
+            self._open_graphs(active, n, run.width)
+            run.capture_s += self._wall() - c0
+        return active
+
+    def _admit_into(self, run: "Run", free: list[int]) -> None:
+        """One admission phase: waiting requests into the free slots, in batches whose prompts share
+        prefill forwards; its wall time is the rent-or-buy rule's price."""
+        a0 = self._wall()
+        while run.waiting and free:
+            batch = self._next_batch(run.waiting, len(free))
+            for (i, _), seq in zip(batch, self.admit([r for _, r in batch], run.arrive)):
+                run.results[i] = seq.res
+                if seq.done is None:
+                    self._seat(seq, free.pop(0), run.slots)
+        captured = self.runner.take_capture_s()
+        self._admission_s = self._wall() - a0 - captured
+        self._idle_s = 0.0
+        run.prefill_s += self._admission_s
+        run.capture_s += captured
+        self.admissions += 1
 
     def _admit_now(self, free: int, slots: int, waiting: int, running: bool) -> bool:
         """Whether to admit before the next step (module docstring: the schedules)."""
@@ -232,7 +282,7 @@ class SpecEngine:
         h = active[0].pend()[1]  # the hiddens the drafter takes (None: no drafter)
         hidden = (h.shape[-1], h.dtype) if h is not None else None
         self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
-                         hidden, greedy=self.head is not None and self.head.greedy_fusable())
+                         hidden, greedy=drafting.fusable(self.sampling, self.config.draft_conf_tau))
         for s in active:
             self.runner.occupy(s.slot, self._slot_caches(s))
 
@@ -303,8 +353,8 @@ class SpecEngine:
                 # rows d..P-2: (t[i+1], h[i]); hiddens[k] is h[target_start + k]
                 feeds.append((prompts[at + d + 1: at + p], hiddens[i][d - pl.target_start: p - 1 - pl.target_start]))
                 at += p
-            self.head.catchup_batch([f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
-                                    self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
+            prefill_drafters(self.head, [f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
+                             self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             req, p, d = seq.req, len(seq.req.prompt), drafted[i]
             seq.last = firsts[i]
@@ -323,9 +373,7 @@ class SpecEngine:
                 self.on_tokens(req.request_id, list(seq.out))
 
     def _alloc_state(self, req: Request) -> ProposerState:
-        if self.config.alloc == "budget":
-            return self.head.alloc_state_for(self.budget_tokens(req))
-        return self.head.alloc_state()
+        return self.head.alloc_state_for(self.reserve_tokens(req))  # its budget, or the --max-seq-len ceiling
 
     def _install_carry(self, seq: LiveSequence) -> CarryPlan:
         """Move the previous turn's caches into this sequence, trimmed to what the prompt reuses."""
@@ -370,15 +418,14 @@ class SpecEngine:
 
     def draft(self, active: list[LiveSequence], g: int) -> Drafts:
         """The proposer's drafts for the active sequences' next verify (g of them each). An unchanged
-        batch passes the last step's feed as it is (graphs.BatchRows): no per-sequence views."""
+        batch passes the last step's feed as it is (proposer.Feed): no per-sequence views."""
         src = active[0].pend_src
         if src is not None and all(s.pend_src is src and s.pend_i == i for i, s in enumerate(active)):
-            n = [s.pend_n for s in active]
-            tokens, hiddens = BatchRows(src[0], n), BatchRows(src[1], n)
+            feed = Feed(src[0][: len(active)], src[1][: len(active)], [s.pend_n for s in active])
         else:
-            tokens, hiddens = map(list, zip(*(s.pend() for s in active)))
-        drafts = self.head.propose_batch(tokens, hiddens, [s.state.real_rows for s in active], g,
-                                         [s.state for s in active], self.runner)
+            feed = Feed.of([s.pend() for s in active])
+        drafts = drafting.propose(self.head, self.runner, feed, [s.state for s in active], g,
+                                  self.config.draft_conf_tau)
         if self.config.check_invariants:
             for s in active:
                 assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
@@ -401,8 +448,9 @@ class SpecEngine:
             if s.pending_rows > self.gamma + 1:
                 late.append((s, s.pending_rows - (self.gamma + 1), *s.pend()))
         if late:
-            self.head.catchup_batch([t[:e] for _, e, t, _ in late], [h[:e] for _, e, _, h in late],
-                                    [s.state for s, *_ in late], self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
+            prefill_drafters(self.head, [t[:e] for _, e, t, _ in late], [h[:e] for _, e, _, h in late],
+                             [s.state for s, *_ in late], self.config.prefill_chunk, self.config.prefill_tokens,
+                             self.runner.prefill)
             for s, e, t, h in late:
                 s.set_pend(t[e:], h[e:])
             self._wall()
@@ -414,30 +462,6 @@ class SpecEngine:
             s.set_pend(torch.cat([tokens, *(t for t, _ in s.backlog)]),
                        torch.cat([hiddens, *(h for _, h in s.backlog)]))
             s.backlog = []
-
-    def _step(self, active: list[LiveSequence]) -> None:
-        """One decode step: draft, verify [t_n, d1..dg] in one target forward, accept (the step's
-        one host read), commit both caches to the accepted prefix, then emit and finish."""
-        g = self._choose_gamma(len(active))
-        if g > 0:
-            self._catch_up_backlog(active)
-        h0, p0 = time.perf_counter(), self.clock.now()  # h0: the step's cost for the gamma policy
-        self.runner.step([s.slot for s in active])
-        drafts = self.draft(active, g) if g > 0 else None
-        v0 = self.clock.now()
-        if self.hooks is not None:
-            self.hooks.before_verify(active)
-        starts = [s.cache.length for s in active]
-        out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
-        verdict = self._accept(drafts, out.logits, active)
-        times = StepTimes(p0, v0, self.clock.now())
-        self._commit(active, verdict, drafts, out.hidden_all, starts)
-        for i, s in enumerate(active):
-            self._emit(s, verdict, i, times, starts[i])
-        # a step ends in a host read of its tokens, so its host wall time is its device time plus the
-        # per-sequence bookkeeping, which at batch 64 outweighs the graph replay (and drafting
-        # amortizes it over more tokens): the device time alone undervalued drafting there
-        self.policy.record_cost(len(active), g, time.perf_counter() - h0)
 
     def _verify_ids(self, active: list[LiveSequence], drafts: Drafts | None) -> torch.Tensor:
         """[A, g + 1]: each sequence's newest token, then its drafts."""
@@ -451,6 +475,7 @@ class SpecEngine:
         the accepted ones at the next draft (or, after a step without drafts, at the next drafting one)."""
         if self.policy.adaptive:
             self.policy.record_acceptance(v.proposed, v.accepted)
+        self.runner.commit(self.target, v.accepted_dev)
         fed = (self._drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
         for i, s in enumerate(active):
             a = v.accepted[i]
@@ -463,6 +488,15 @@ class SpecEngine:
                 s.pend_src, s.pend_i, s.pend_n = fed, i, a + 1  # views of `fed` only if needed (draft)
             else:
                 s.backlog.append((s.last_dev, hidden_all[i, :1]))
+
+    def _finish(self, active: list[LiveSequence], v: "Verdict", times: StepTimes, starts: list[int],
+                slots: list) -> None:
+        """Each sequence's tokens of this step; one that finished (EOS, length, cancel: released)
+        leaves its slot to the next admission."""
+        for i, s in enumerate(active):
+            self._emit(s, v, i, times, starts[i])
+            if s.done is not None:
+                slots[s.slot] = None
 
     def _emit(self, s: LiveSequence, v: "Verdict", i: int, times: StepTimes, start: int) -> None:
         """Sequence i's tokens of this step (a accepted drafts and the target's own), its record of
@@ -493,7 +527,7 @@ class SpecEngine:
     def _drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
         """[A, g + 1] device rows whose first a_i + 1 are sequence i's next drafter tokens: its a_i
         accepted drafts, then the target's token (built once for the batch: no host copy of tokens,
-        and an unchanged batch's next draft reads it whole, graphs.BatchRows)."""
+        and an unchanged batch's next draft reads it whole, proposer.Feed)."""
         pos = torch.arange(drafts.shape[1] + 1, device=drafts.device)
         return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
 
@@ -507,7 +541,7 @@ class SpecEngine:
             target_tokens = logits.argmax(-1)  # [B, g+1]
             if drafts is None:
                 nxt = target_tokens[:, 0]
-                return Verdict(proposed, proposed, nxt.tolist(), None, nxt, None)
+                return Verdict(proposed, proposed, nxt.tolist(), None, nxt, torch.zeros_like(nxt))
             tokens = drafts.tokens
             match = (target_tokens[:, :-1] == tokens).int()
             if min(proposed) < tokens.shape[1]:  # a confidence stop proposed fewer drafts somewhere

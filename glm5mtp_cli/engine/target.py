@@ -5,9 +5,12 @@ Every forward appends rows to SequenceCaches (engine/cache.py). The eager call r
 them through their block tables; `forward_batch` is the same forward as a function of device
 tensors alone over a `context` (what the runner runs over static buffers or captures in a CUDA
 graph; engine/graphs.py). A target with fixed-size state (GLM-5-Next's KDA layers) whose context
-takes the slot indices (`reads_slots`) can run as static forwards; its forwards return in
-`out.pending` what they advanced;
-`leave_pending` hands that to the caches, whose truncate to the accepted prefix commits it.
+takes the slot indices (`reads_slots`) can run as static forwards. Its forwards only read that
+state and return in `out.pending` what they advanced; `commit(pending, kept)` then writes each
+sequence's state after its first kept[b] rows, with kept a device tensor: no host value on the
+way, so a commit can run inside a captured forward. Whoever runs a forward commits it (the
+runner after a verify's accept, the prefill right after each forward); an uncommitted forward
+leaves the state as it was.
 """
 
 from __future__ import annotations
@@ -35,4 +38,5 @@ class Target(Protocol):
     # the same forward over a runner's buffers: ctx = context(starts [B], t, rows[, slots])
     def context(self, starts: torch.Tensor, t: int, rows: dict, slots: dict | None = None): ...
     def forward_batch(self, input_ids: torch.Tensor, ctx, rows="all"): ...
-    def leave_pending(self, caches: list, pending) -> None: ...
+    # pending: a forward's out.pending (None: nothing to commit); kept [B] long on the device
+    def commit(self, pending, kept: torch.Tensor) -> None: ...

@@ -102,7 +102,7 @@ class Glm5ForCausalLM(nn.Module):
         """The context of a forward appending t rows at `starts` through `rows` (static buffers)."""
         return rope_context(self.cfg, starts, t, rows["mla"], rows.get("indexer"))
 
-    def leave_pending(self, caches: list, pending) -> None:
+    def commit(self, pending, kept: torch.Tensor) -> None:
         """Nothing to commit: every component rolls back by length."""
 
     def _run(self, input_ids, bc: BatchContext, indexer_losses=None):

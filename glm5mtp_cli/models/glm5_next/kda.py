@@ -185,36 +185,44 @@ class KdaPending:
 class KdaBatchPending:
     """What a KDA forward over B sequences x T rows leaves (KdaLayer.forward_batch), for the commit
     after it: S is untouched by the forward (the engine's slot). `stack` puts every KDA layer's
-    behind one leading layer dim, so one sequence's commit replays all its layers at once (layers
-    folded into heads: a few ops per kept row, not a few per kept row and layer)."""
+    behind one leading layer dim, so the commit replays every layer of every sequence at once
+    (layers and sequences folded into heads: a few ops per row, not a few per row, layer and
+    sequence)."""
 
     extended: torch.Tensor                 # [(Lk,) B, K-1+T, 3C]
     final: torch.Tensor | None = None      # mode final: [(Lk,) B, H, d, d]
     inputs: KdaInputs | None = None        # mode replay: [(Lk,) B, T, H, d] ([(Lk,) B, T, H] beta)
     padded: bool = False                   # rows past each sequence's real ones were kept out of `final`
+    slots: dict | None = None              # the target's: the CachedSlots (kda, conv) it read, where it commits
 
     @classmethod
-    def stack(cls, layers: list["KdaBatchPending"]) -> "KdaBatchPending":
+    def stack(cls, layers: list["KdaBatchPending"], slots: dict) -> "KdaBatchPending":
         x = [p.inputs for p in layers]
         return cls(torch.stack([p.extended for p in layers]),
                    None if layers[0].final is None else torch.stack([p.final for p in layers]),
                    None if x[0] is None else KdaInputs(*(torch.stack([getattr(i, n) for i in x])
                                                          for n in ("q", "k", "v", "g", "beta"))),
-                   layers[0].padded)
+                   layers[0].padded, slots)
 
-    def commit_row(self, b: int, state: torch.Tensor, keep: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stacked: sequence b's (S [Lk, H, d, d], conv windows [Lk, K-1, 3C]) after keeping its first
-        `keep` rows, from its committed S `state` [Lk, H, d, d]; k = conv kernel width."""
-        window = self.extended[:, b, keep:keep + k - 1].clone()
-        if keep == 0:
-            return state.clone(), window
-        if self.inputs is not None:
-            x = KdaInputs(*(getattr(self.inputs, n)[:, b] for n in ("q", "k", "v", "g", "beta"))).folded()
-            _, s, _ = kda_recurrent(x.take(keep), state.reshape(-1, *state.shape[2:]))
-            return s.view(state.shape), window
-        if not self.padded and keep != self.extended.shape[2] - (k - 1):
-            raise ValueError("a 'final' KDA forward can only commit all of its rows")
-        return self.final[:, b], window  # padded: the caller keeps exactly the row's real rows
+    def commit(self, state: torch.Tensor, keep: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked: every sequence's (S [Lk, B, H, d, d], conv windows [Lk, B, K-1, 3C]) after keeping
+        its first keep[b] rows (keep [B] on the device: no host value, so a captured forward can
+        commit), from the committed S `state` [Lk, B, H, d, d]; k = conv kernel width. Replay: the
+        rows past keep[b] get g = 0 and beta = 0, no decay and no write, so the recurrence over all
+        T rows leaves exactly the kept rows' state. 'final' keeps its state where keep > 0 (the
+        caller keeps exactly the real rows of such a forward) and S where nothing is kept."""
+        ext = self.extended
+        at = keep[:, None] + torch.arange(k - 1, device=keep.device)  # [B, K-1]
+        window = ext.gather(2, at[None, :, :, None].expand(ext.shape[0], -1, -1, ext.shape[-1]))
+        if self.inputs is None:
+            return torch.where(keep.view(1, -1, 1, 1, 1) > 0, self.final, state), window
+        x = self.inputs
+        live = (torch.arange(x.q.shape[2], device=keep.device)[None, :] < keep[:, None])[None]  # [1, B, T]
+        x = KdaInputs(x.q, x.k, x.v, x.g * live[..., None, None], x.beta * live[..., None])
+        lk, b = state.shape[:2]
+        folded = KdaInputs(*(t.flatten(0, 1) for t in (x.q, x.k, x.v, x.g, x.beta))).folded()  # [T, Lk*B*H, ...]
+        _, s, _ = kda_recurrent(folded, state.reshape(-1, *state.shape[3:]))
+        return s.view(state.shape), window
 
 
 class _Weight(nn.Module):

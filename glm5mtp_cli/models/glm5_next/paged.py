@@ -139,7 +139,7 @@ def target_forward(model, ids: torch.Tensor, ctx: PagedContext) -> tuple[torch.T
                 streams, lambda a: block.self_attn.forward_batch(a, state, window, ctx.kda_mode, real=ctx.real))
         else:
             streams, _ = block.run(streams, lambda a: mla_paged(block.self_attn, a, ctx, idx_at[i])[:2])
-    return model.norm(contract_streams(streams)), KdaBatchPending.stack(list(pending.values())) if pending else None
+    return model.norm(contract_streams(streams)), KdaBatchPending.stack(list(pending.values()), ctx.slots) if pending else None
 
 
 def mtp_forward(layer, ids: torch.Tensor, hidden: torch.Tensor, ctx: PagedContext, embed,

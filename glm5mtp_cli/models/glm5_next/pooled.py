@@ -11,8 +11,8 @@ Components, per owner (target: every KDA and indexed layer; drafter: the MTP lay
 Keeping the raw rows of every token (not only the incomplete pool's tail) makes every indexed
 component roll back by length alone, also across the several forwards of a draft chain; it costs
 2 x index_head_dim values a token beside the latent's kv_lora_rank. Only KDA state needs a commit:
-a forward leaves it pending (SequenceCache.leave_pending) and the engine's truncate after a verify
-keeps the accepted prefix; forwards of more rows than any verify (prefill chunks) are committed
+a forward only reads it and returns what it advanced in `out.pending`; the target's commit after it
+(PooledTarget.commit, the Target protocol's) keeps each sequence's accepted prefix; forwards of more rows than any verify (prefill chunks) are committed
 whole, so they keep only the final state, the rest keep what a replay of a kept prefix needs.
 
 Forwards run B sequences at once with fixed shapes per (B, T, table width) and no host reads
@@ -25,14 +25,13 @@ Forwards run B sequences at once with fixed shapes per (B, T, table width) and n
         slots {"kda", "conv"}: CachedSlots(pool.data, index [B] long on the device), the SlotPool
             slot of each batch row's sequence (cache.slots[name].slot; a padding row names a scratch
             slot taken from the pool). KDA state is only read inside the forward.
-    cache.prepare(t)                                        # host, before each run: commits a
-                                                            # pending prefill state whole
+    cache.prepare(t)                                        # host, before each run: room for t rows
     out = target.forward_batch(ids [B, T], ctx, rows)      # capture this (inside sync_free())
-    target.leave_pending(caches, out.pending, batch_rows)   # host, after each run/replay: the commit
-                                                            # reads out.pending before the next replay
-    ... cache.length += t; the engine's cache.truncate(kept) then commits each sequence's KDA state
-        (t <= MAX_VERIFY_ROWS: a replay of the kept rows from the untouched slot, eager, outside the
-        graph; longer forwards keep the final state and commit whole).
+    ... cache.length += t
+    target.commit(out.pending, kept [B] long, device)       # before the next replay overwrites
+                                                            # out.pending; device tensors alone
+        (t <= MAX_VERIFY_ROWS: a masked replay of the kept rows from the untouched slots; longer
+        forwards keep the final state and commit whole); then the engine's cache.truncate(kept).
 The drafter: mtp.context(starts, t, rows) and mtp.forward_batch(ids, hidden, ctx, embed, head,
 rows), called by MtpHead's drafter_forward / greedy_chain; its rows roll back by length alone
 (share_topk: PooledMtp says where the step-0 selection lives).
@@ -64,7 +63,7 @@ class ForwardOut:
     hidden: torch.Tensor  # [B, R, D] post-norm (target: model.norm; MTP: shared_head.norm)
     prenorm: torch.Tensor | None = None
     hidden_all: torch.Tensor | None = None  # target: post-norm hiddens of every appended row
-    pending: KdaBatchPending | None = None  # target: KDA state to commit (leave_pending)
+    pending: KdaBatchPending | None = None  # target: KDA state to commit (commit)
 
 
 def _checkpoint_names(module, state_dict, prefix, local_metadata) -> None:
@@ -114,7 +113,7 @@ class PooledTarget(torch.nn.Module):
     @torch.no_grad()
     def forward_batch(self, input_ids: torch.Tensor, ctx: PagedContext, rows: str | torch.Tensor = "all") -> ForwardOut:
         """The forward as a function of device tensors alone (what a CUDA graph captures): input_ids
-        [B, T]; the caller keeps the caches' lengths and applies `out.pending` (leave_pending)."""
+        [B, T]; the caller keeps the caches' lengths and commits `out.pending` (commit)."""
         h_all, pending = target_forward(self.model, input_ids, ctx)
         h = _rows(h_all, rows)
         return ForwardOut(self.model.lm_head(h), h, hidden_all=h_all, pending=pending)
@@ -123,40 +122,26 @@ class PooledTarget(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all",
                 real: torch.Tensor | None = None) -> ForwardOut:
         """Append input_ids [B, T] to each sequence's cache (one batched forward); real [B] (device):
-        rows past real[b] are padding, kept out of the KDA state (the caller truncates them away)."""
+        rows past real[b] are padding, kept out of the KDA state (the caller truncates them away).
+        The KDA state is as it was until the caller commits out.pending."""
         t, dev = input_ids.shape[1], input_ids.device
         starts, paged = cached_rows(caches, t, dev)
         out = self.forward_batch(input_ids, self.context(starts, t, paged, cached_slots(caches, dev), real), rows)
-        self.leave_pending(caches, out.pending)
         for cache in caches:
             cache.length += t
         return out
 
-    def leave_pending(self, caches: list, pending: KdaBatchPending | None, batch_rows: list[int] | None = None) -> None:
-        """Host side, after a forward (eager, or a static/graph replay: outside the graph) and
-        before the caches' lengths grow: caches[i] (batch row batch_rows[i], default i) gets the
-        commit of its KDA states. The commit reads `pending`'s tensors when the engine truncates
-        (or the next forward prepares), so they must not be overwritten before: a graph's outputs
-        stay until its next replay."""
+    def commit(self, pending: KdaBatchPending | None, kept: torch.Tensor) -> None:
+        """Batch row b of the forward that left `pending` keeps its first kept[b] rows (kept [B] on
+        the device) in its KDA state and conv window, written to the slots the forward read. No
+        host value on the way, so a captured forward can run it; a padding row (the scratch slot)
+        keeps 0 rows, which rewrites the scratch slot with what it holds."""
         if pending is None:
             return
-        k = self.cfg.linear_conv_kernel_dim
-        for i, cache in enumerate(caches):
-            b = i if batch_rows is None else batch_rows[i]
-            cache.leave_pending(_kda_commit(cache, pending, b, cache.length, k))
-
-
-def _kda_commit(cache, pending: KdaBatchPending, b: int, start: int, k: int):
-    state, conv = cache.slots["kda"], cache.slots["conv"]
-    s_slot, w_slot = state.slot, conv.slot
-
-    def commit(length: int) -> None:
-        s, w = state.pool.data[:, s_slot], conv.pool.data[:, w_slot]  # every KDA layer's
-        kept = pending.commit_row(b, s, length - start, k)
-        s.copy_(kept[0])
-        w.copy_(kept[1])
-
-    return commit
+        kda, conv = pending.slots["kda"], pending.slots["conv"]
+        s, w = pending.commit(kda.data.index_select(1, kda.index), kept, self.cfg.linear_conv_kernel_dim)
+        kda.data.index_copy_(1, kda.index, s)
+        conv.data.index_copy_(1, conv.index, w.to(conv.data.dtype))
 
 
 class PooledMtp(torch.nn.Module):

@@ -1,0 +1,69 @@
+"""Drafting a batch: the engine's loop over a DraftProposer's forwards, run by the ForwardRunner.
+
+A propose first appends each sequence's pending real rows (the Feed: tokens accepted since the last
+propose, each paired with the target hidden of the position before it) in one catch-up forward;
+the last of those rows yields draft 1. Each further draft feeds the previous one with the drafter's
+carried hidden, one chained row per sequence per forward, every sequence at once, so each weight is
+read once per draft position for the whole batch. Greedy with no confidence stop, a runner with
+static forwards runs the whole chain as one forward (the fused chain). The proposer describes the
+forwards and turns their logits into draft ids (`choose`); the runner runs them; this loop knows
+neither how.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState, check_aligned
+
+
+def fusable(sampling, tau: float | None) -> bool:
+    """Whether a batch's whole draft chain can be one forward: greedy, no confidence stop."""
+    return sampling.greedy and tau is None
+
+
+def propose(head: DraftProposer, runner, feed: Feed, states: list[ProposerState], g: int,
+            tau: float | None) -> Drafts:
+    """g drafts for each of the batch's sequences (fewer where the chain's top-1 probability fell
+    below `tau`, --draft-conf-tau); feed row j is states[j]'s pending real rows."""
+    for st in states:
+        check_aligned(st.real_rows, st)
+    caches = [st.cache for st in states]
+    head.start_propose()
+    fused = runner.fused_chain(feed, caches, g) if g else None
+    drafts = Drafts(fused, [g] * len(states)) if fused is not None else _chain(head, runner, feed, caches, states, g, tau)
+    for j, st in enumerate(states):
+        st.add_real(feed.tokens, j, feed.counts[j])
+        st.last_drafts, st.row = drafts, j
+    return drafts
+
+
+def _chain(head: DraftProposer, runner, feed: Feed, caches: list, states: list[ProposerState], g: int,
+           tau: float | None) -> Drafts:
+    """The catch-up forward, then one chained forward per further draft."""
+    logits, carried = runner.catchup(head, feed, caches)
+    b = len(states)
+    drafts, probs, confs = [], [], []
+    active = [True] * b
+    counts = [0] * b
+    for i_step in range(g):
+        d, q = head.choose(logits, states)
+        drafts.append(d)
+        probs.append(q)
+        if tau is not None:
+            top1 = (q if q is not None else logits.float().softmax(-1)).max(-1).values
+            confs.append(top1)
+            low = (top1 < tau).tolist()  # host sync: only with --draft-conf-tau
+            for i in range(b):
+                if active[i] and i_step > 0 and low[i]:
+                    active[i] = False
+        for i in range(b):
+            counts[i] += active[i]
+        if i_step == g - 1 or not any(active):
+            break
+        with head.chained():
+            logits, carried = runner.chain_step(head, d, carried, caches)
+    tokens = torch.stack(drafts, 1) if drafts else torch.empty(b, 0, dtype=torch.long, device=logits.device)
+    probs = torch.stack(probs, 1) if drafts and probs[0] is not None else None
+    confs = [float(min(c[i] for c in confs[: max(counts[i], 1)])) for i in range(b)] if confs else None
+    return Drafts(tokens, counts, probs, confs)
