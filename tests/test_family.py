@@ -128,7 +128,7 @@ class SpoilingProposer:
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         pass
 
-    def propose_batch(self, tokens, hiddens, positions, num_drafts, states, runner) -> Drafts:
+    def propose_batch(self, tokens, hiddens, positions, num_drafts, states, runner, grammar=None) -> Drafts:
         out = []
         for tok, hid, st in zip(tokens, hiddens, states):
             st.real_rows += tok.shape[0]

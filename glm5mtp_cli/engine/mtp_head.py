@@ -160,18 +160,21 @@ class MtpHead:
 
     # ---- drafting ---------------------------------------------------------------------------
     def propose_batch(self, tokens, hiddens, positions: list[int], num_drafts: int, states: list[ProposerState],
-                      runner: ForwardRunner) -> Drafts:
+                      runner: ForwardRunner, grammar=None) -> Drafts:
         """Drafts for many sequences. tokens[b]/hiddens[b] (lists, or graphs.BatchRows): the pending
         real rows of sequence b (at least one: the newest accepted token and the target hidden
         before it), starting at drafter row positions[b]. Chain steps run batched, so each weight is
         read once per draft position for the whole batch; `runner` runs the forwards (eager, static
-        or captured), a greedy batch's whole chain in one forward where the runner has it."""
+        or captured), a greedy batch's whole chain in one forward where the runner has it. grammar
+        (engine/grammar.StepMasks, the seed's grammar_bitmask): each position's logits masked by the
+        state after the drafts before it, so the chain runs step by step (the next mask needs the
+        last draft on the host)."""
         for pos, st in zip(positions, states):
             self._check_aligned(pos, st)
         caches = [st.cache for st in states]
         if hasattr(self.layer, "start_propose"):  # a layer that keeps step 0's selections for the chain
             self.layer.start_propose()
-        fused = runner.fused_chain(tokens, hiddens, caches, num_drafts) if num_drafts else None
+        fused = runner.fused_chain(tokens, hiddens, caches, num_drafts) if num_drafts and grammar is None else None
         if fused is not None:
             self._mark_fed(states, tokens)
             return self._record(states, Drafts(fused, [num_drafts] * len(states)))
@@ -183,6 +186,8 @@ class MtpHead:
         active = [True] * b
         counts = [0] * b
         for i_step in range(num_drafts):
+            if grammar is not None:
+                logits = grammar.draft(i_step, logits, drafts[-1] if i_step else None, self.draft_head)
             d, q = choose(logits, self.sampling, gens)
             if self.draft_head is not None:
                 d = self.draft_head.to_full(d)
