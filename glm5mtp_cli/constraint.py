@@ -54,7 +54,8 @@ class Constraint:
         """One line naming `where` when llguidance refuses the grammar (no tokenizer needed)."""
         error = llguidance().LLMatcher.validate_grammar(self.grammar())
         if error:
-            raise UserError(f"{where}: invalid {self.kind.replace('_', ' ')}: {error.strip().splitlines()[0]}")
+            detail = " ".join(error.split()).split(" 1 | ")[0]  # llguidance's message, without its source excerpt
+            raise UserError(f"{where}: invalid {self.kind.replace('_', ' ')}: {detail}")
         return self
 
 
