@@ -17,6 +17,9 @@ from glm5mtp_cli.errors import UserError
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 INSTALL = "constraints need llguidance: pip install 'glm5mtp[structured]'"
+# JSON laid out as json.dumps does (", " and ": ", nothing else between tokens): a small model given
+# free whitespace fills a reply with newlines; a schema's own "x-guidance" options override this
+JSON_LAYOUT = {"whitespace_flexible": False}
 
 
 def llguidance():
@@ -38,10 +41,8 @@ class Constraint:
     def grammar(self) -> str:
         """llguidance's grammar for this constraint (LLMatcher takes it with a tokenizer)."""
         m = llguidance().LLMatcher
-        if self.kind == "json_schema":
-            return m.grammar_from_json_schema(self.text)
-        if self.kind == "json_object":
-            return m.grammar_from_json_schema("{}")  # any JSON value
+        if self.kind in ("json_schema", "json_object"):  # json_object: any JSON value
+            return m.grammar_from_json_schema(self.text or "{}", defaults=JSON_LAYOUT)
         if self.kind == "regex":
             return m.grammar_from_regex(self.text)
         return m.grammar_from_lark(self.text)

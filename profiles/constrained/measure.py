@@ -1,0 +1,96 @@
+"""Constrained against unconstrained speculation on one loaded model, in turns within one process:
+mean acceptance length and decode step time per (batch size, mode), mode one of unconstrained,
+masked (the drafter masked too) and unmasked (--no-draft-mask: only the verify masked), every
+complete output checked. Prints one JSON document (profiles/constrained/RESULTS.md reads it).
+
+    python3 profiles/constrained/measure.py --model glm5-nano --device cpu --threads 1 > out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from glm5mtp_cli.engine.config import EngineConfig, ModelSpec  # noqa: E402
+from glm5mtp_cli.engine.run import run_generate  # noqa: E402
+from glm5mtp_cli.engine.runtime import load_runtime, set_threads  # noqa: E402
+from glm5mtp_cli.prompts import encode_prompts, read_file  # noqa: E402
+
+MODES = ("unconstrained", "masked", "unmasked")
+
+
+def one(rt, ids, rules, mode: str, batch: int, gamma: int, max_new: int) -> dict:
+    config = EngineConfig(gamma=gamma, batch_size=batch, max_new_tokens=max_new, draft_mask=mode != "unmasked")
+    t0 = time.perf_counter()
+    results, acc, lat, _, _ = run_generate(rt, ids, config, constraints=None if mode == "unconstrained" else rules)
+    steps = sum(lat["gamma_steps"].values())
+    mine = [r for r in results if r.constraint is not None]
+    return {"mode": mode, "batch": batch, "gamma": gamma, "steps": steps, "wall_s": time.perf_counter() - t0,
+            "decode_s": lat["wall_decode_s"], "step_ms": 1e3 * lat["wall_decode_s"] / steps,
+            "tokens": sum(len(r.tokens) for r in results), "decode_tokens_per_s": lat["decode_tokens_per_s"],
+            "mean_acceptance_length": acc.to_json()["mean_acceptance_length"],
+            "complete": sum(bool(r.complete) for r in mine), "valid": sum(bool(r.valid) for r in mine),
+            "constrained": len(mine), "tokens_per_request": [r.tokens for r in results],
+            "finish": [r.finish_reason for r in results]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="glm5-nano")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompts", default=str(HERE / "prompts.jsonl"))
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args()
+    set_threads(a.threads if a.device == "cpu" else None)
+    rt = load_runtime(ModelSpec(a.model, a.device), progress=False)
+    items = read_file(Path(a.prompts))
+    ids = encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder)
+    rules = [p.constraint for p in items]
+    runs = []
+    with torch.no_grad():
+        for batch in map(int, a.batch_sizes.split(",")):
+            for mode in MODES:  # a warm-up of each, then the timed repeats in turns
+                one(rt, ids, rules, mode, batch, a.gamma, a.max_new_tokens)
+            for _ in range(a.repeats):
+                runs += [one(rt, ids, rules, mode, batch, a.gamma, a.max_new_tokens) for mode in MODES]
+            g0 = one(rt, ids, rules, "masked", batch, 0, a.max_new_tokens)  # constrained target alone
+            for r in runs:
+                if r["batch"] == batch and r["mode"] != "unconstrained":
+                    r["same_tokens_as_constrained_gamma0"] = r["tokens_per_request"] == g0["tokens_per_request"]
+    summary = []
+    for batch in map(int, a.batch_sizes.split(",")):
+        base = None
+        for mode in MODES:
+            mine = [r for r in runs if r["batch"] == batch and r["mode"] == mode]
+            row = {"batch": batch, "mode": mode, "step_ms_median": statistics.median(r["step_ms"] for r in mine),
+                   "decode_tokens_per_s_median": statistics.median(r["decode_tokens_per_s"] for r in mine),
+                   "mean_acceptance_length": mine[0]["mean_acceptance_length"],
+                   "complete": mine[0]["complete"], "valid": mine[0]["valid"], "constrained": mine[0]["constrained"],
+                   "same_tokens_as_constrained_gamma0": mine[0].get("same_tokens_as_constrained_gamma0")}
+            base = base or row
+            row["step_vs_unconstrained"] = row["step_ms_median"] / base["step_ms_median"]
+            summary.append(row)
+    for r in runs:
+        del r["tokens_per_request"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    print(json.dumps({"command": " ".join(["python3", "profiles/constrained/measure.py"] + sys.argv[1:]),
+                      "commit": commit, "model": a.model, "device": str(rt.device), "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, "summary": summary, "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
