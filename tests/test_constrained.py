@@ -205,3 +205,109 @@ def test_matchers_are_freed_with_their_sequences(nano, prompt_set):
     results = engine.generate([Request(p, 16, i, constraint=c) for i, (p, c) in enumerate(zip(ids, rules))])
     assert {r.finish_reason for r in results} <= {"cancelled", "grammar", "eos"} and engine.grammars.live == 0
     engine.close()
+
+
+# ---- the commands ----------------------------------------------------------------------------------------
+
+def _one_line(r, needle: str) -> None:
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.fixture
+def bad_inputs(tmp_path):
+    (tmp_path / "bad.json").write_text('{"type": ')
+    (tmp_path / "list.json").write_text('[1]')
+    (tmp_path / "unknown.json").write_text('{"type": "frobnicate"}')
+    (tmp_path / "g.lark").write_text("start: undefined_rule\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n{"prompt": "y", "response_format": {"type": "regex", "pattern": "[a-"}}\n')
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "y", "response_format": {"type": "json_object"}}\n')
+    (tmp_path / "c.jsonl").write_text('{"turns": ["hi"]}\n')
+    return tmp_path
+
+
+@pytest.mark.parametrize("cmd", ["generate", "bench", "acceptance"])
+@pytest.mark.parametrize("args, needle", [
+    (["--json-schema", "{d}/bad.json"], "--json-schema {d}/bad.json: not JSON"),
+    (["--json-schema", "{d}/missing.json"], "no such file"),
+    (["--json-schema", "{d}/list.json"], "a JSON schema must be a JSON object"),
+    (["--json-schema", "{d}/unknown.json"], "invalid json schema"),
+    (["--regex", "[a-"], "--regex: invalid regex"),
+    (["--grammar", "{d}/g.lark"], "invalid grammar"),
+    (["--regex", "a", "--json-object"], "give at most one constraint"),
+    (["--prompts", "{d}/p.jsonl"], "p.jsonl: line 2: invalid regex"),
+    (["--regex", "a", "--constrain-after", "<|no-such-token|>"], "is not one token of the vocabulary"),
+    (["--regex", "a", "--constrain-after", "id:99999"], "outside the vocabulary"),
+    (["--constrain-after", "<|assistant|>"], "--constrain-after needs a constraint"),
+    (["--regex", "a", "--synthetic-acceptance", "0.5"], "cannot honour a constraint"),
+])
+def test_bad_constraints_are_one_line_before_any_weights_load(cmd, args, needle, bad_inputs, monkeypatch):
+    from typer.testing import CliRunner
+
+    import glm5mtp_cli.engine.runtime as runtime
+    from glm5mtp_cli.cli import app
+
+    if cmd == "acceptance" and "--synthetic-acceptance" in args:
+        pytest.skip("acceptance has no --synthetic-acceptance")
+    monkeypatch.setattr(runtime, "load_runtime", lambda *a, **k: pytest.fail("weights loaded"))
+    d = str(bad_inputs)
+    args = [a.format(d=d) for a in args]
+    if cmd == "generate" and "--prompts" not in args:
+        args = ["--prompt", "x", *args]
+    _one_line(CliRunner().invoke(app, [cmd, "--device", "cpu", *args]), needle.format(d=d))
+
+
+def test_conversation_and_tp_refuse_constraints(bad_inputs, monkeypatch):
+    from typer.testing import CliRunner
+
+    import glm5mtp_cli.engine.runtime as runtime
+    from glm5mtp_cli.cli import app
+
+    monkeypatch.setattr(runtime, "load_runtime", lambda *a, **k: pytest.fail("weights loaded"))
+    run = CliRunner().invoke
+    _one_line(run(app, ["generate", "--conversation", f"{bad_inputs}/c.jsonl", "--json-object"]), "--conversation")
+    _one_line(run(app, ["generate", "--prompts", f"{bad_inputs}/ok.jsonl", "--tp", "2"]), "constraints run on one rank")
+
+
+def test_generate_json_carries_the_verdicts_and_constrain_after_takes_a_special_token(tmp_path):
+    from typer.testing import CliRunner
+
+    from glm5mtp_cli.cli import app
+
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
+    r = CliRunner().invoke(app, ["generate", "--device", "cpu", "--prompt", "# a person\nperson = ", "--json",
+                                 "--json-schema", str(tmp_path / "s.json"), "--compare", "--max-new-tokens", "40",
+                                 "--trace", str(tmp_path / "t.jsonl")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    req = doc["requests"][0]
+    assert req["constraint"] == "json_schema" and req["complete"] and req["valid"]
+    assert req["finish_reason"] == "grammar" and set(json.loads(req["text"])) == {"name", "age"}
+    assert doc["compare"]["same_tokens"] is True
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert all(0 <= row["grammar_rejected"] <= row["drafts"] for row in rows)
+    assert doc["config"]["engine"]["constraint"]["kind"] == "json_schema"
+    r = CliRunner().invoke(app, ["generate", "--device", "cpu", "--prompt", "x = ", "--json", "--regex", "[a-z]{1,4}",
+                                 "--constrain-after", "<|assistant|>", "--max-new-tokens", "3"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["config"]["engine"]["constrain_after"] == 2  # <|assistant|>'s id in glm5-nano's tokenizer
+    assert doc["requests"][0]["complete"] is False  # the trigger never came: nothing was constrained
+
+
+def test_leak_check_frees_matchers_and_catches_one_kept(monkeypatch):
+    from typer.testing import CliRunner
+
+    from glm5mtp_cli.cli import app
+    from glm5mtp_cli.engine.grammar import SeqGrammar
+
+    args = ["leak-check", "--device", "cpu", "--sequences", "5", "--max-new-tokens", "6", "--json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert "grammar" in doc["lifecycles_seen"] and doc["matchers_live_after"] == 0 and doc["verdict"] == "clean"
+    monkeypatch.setattr(SeqGrammar, "free", lambda self: None)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 1 and "grammar_matchers" in json.loads(r.stdout)["leaked_bytes_per_sequence"]
