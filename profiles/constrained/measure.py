@@ -39,6 +39,7 @@ def one(rt, ids, rules, mode: str, batch: int, gamma: int, max_new: int) -> dict
             "decode_s": lat["wall_decode_s"], "step_ms": 1e3 * lat["wall_decode_s"] / steps,
             "tokens": sum(len(r.tokens) for r in results), "decode_tokens_per_s": lat["decode_tokens_per_s"],
             "mean_acceptance_length": acc.to_json()["mean_acceptance_length"],
+            "requests": len(results),
             "complete": sum(bool(r.complete) for r in mine), "valid": sum(bool(r.valid) for r in mine),
             "constrained": len(mine), "tokens_per_request": [r.tokens for r in results],
             "finish": [r.finish_reason for r in results]}
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--per-slot", type=int, default=5,
+                    help="requests per slot at least (the prompts repeated): a batch's steps run mostly full")
     a = ap.parse_args()
     set_threads(a.threads if a.device == "cpu" else None)
     rt = load_runtime(ModelSpec(a.model, a.device), progress=False)
@@ -63,11 +66,13 @@ def main() -> None:
     runs = []
     with torch.no_grad():
         for batch in map(int, a.batch_sizes.split(",")):
+            copies = -(-a.per_slot * batch // len(ids))
+            work, work_rules = ids * copies, rules * copies
             for mode in MODES:  # a warm-up of each, then the timed repeats in turns
-                one(rt, ids, rules, mode, batch, a.gamma, a.max_new_tokens)
+                one(rt, work, work_rules, mode, batch, a.gamma, a.max_new_tokens)
             for _ in range(a.repeats):
-                runs += [one(rt, ids, rules, mode, batch, a.gamma, a.max_new_tokens) for mode in MODES]
-            g0 = one(rt, ids, rules, "masked", batch, 0, a.max_new_tokens)  # constrained target alone
+                runs += [one(rt, work, work_rules, mode, batch, a.gamma, a.max_new_tokens) for mode in MODES]
+            g0 = one(rt, work, work_rules, "masked", batch, 0, a.max_new_tokens)  # constrained target alone
             for r in runs:
                 if r["batch"] == batch and r["mode"] != "unconstrained":
                     r["same_tokens_as_constrained_gamma0"] = r["tokens_per_request"] == g0["tokens_per_request"]
