@@ -50,9 +50,9 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     v, w = logits.shape[-1], bitmask.shape[-1]
     assert logits.shape[:-1] == bitmask.shape[:-1], f"logits {tuple(logits.shape)} vs mask {tuple(bitmask.shape)}"
     assert bitmask.dtype == torch.int32, "the bitmask is int32 words"
-    rows_l, rows_m = logits.reshape(-1, v), bitmask.reshape(-1, w)
-    assert rows_l.data_ptr() == logits.data_ptr() and rows_l.stride(-1) == 1, "logits must flatten to rows in place"
-    assert rows_m.stride(-1) == 1, "the bitmask needs a unit last stride"
+    rows_l = logits if logits.dim() == 2 else logits.view(-1, v)  # in place: rows of the caller's tensor
+    rows_m = bitmask.reshape(-1, w)  # a copy where strided (the engine's [g + 1, A, W] transposed): small
+    assert rows_l.stride(-1) == 1 and rows_m.stride(-1) == 1, "logits and bitmask need a unit last stride"
     block = 1024
     if rows_l.shape[0]:
         _bitmask_kernel[(rows_l.shape[0], (v + block - 1) // block)](rows_l, rows_m, v, w, rows_l.stride(0),
@@ -63,6 +63,7 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
     """Mask logits [..., V] in place by the packed bitmask [..., W]: the Triton kernel on CUDA,
     the reference elsewhere (force_triton: the kernel in the interpreter, tests only)."""
-    if use_triton(logits, bitmask, force=force_triton):
+    flat = logits.dim() == 2 or logits.is_contiguous()  # rows the kernel can write in place
+    if use_triton(logits, bitmask, force=force_triton) and flat and logits.stride(-1) == 1:
         return apply_bitmask_triton(logits, bitmask)
     return apply_bitmask_ref(logits, bitmask)

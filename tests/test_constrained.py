@@ -311,3 +311,23 @@ def test_leak_check_frees_matchers_and_catches_one_kept(monkeypatch):
     monkeypatch.setattr(SeqGrammar, "free", lambda self: None)
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 1 and "grammar_matchers" in json.loads(r.stdout)["leaked_bytes_per_sequence"]
+
+
+def test_bench_and_acceptance_run_prompt_lines_constrained(tmp_path):
+    from typer.testing import CliRunner
+
+    from glm5mtp_cli.cli import app
+
+    lines = [json.loads(line) for line in PROMPTS.read_text().splitlines()[:4]]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = CliRunner().invoke(app, ["bench", "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl"), "--no-transformers",
+                                 "--batch-sizes", "2", "--gammas", "0,3", "--repeats", "1", "--max-new-tokens", "8",
+                                 "--target-layers", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["acceptance", "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl"), "--gammas", "3",
+                                 "--temperatures", "0", "--max-new-tokens", "32", "--no-draft-mask", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["lossless"] is True and "--no-draft-mask" in doc["command"]
+    c = next(run for run in doc["runs"] if run["gamma"] == 3)["constrained"]
+    assert c["requests"] == 4 and c["valid"] == c["complete"]

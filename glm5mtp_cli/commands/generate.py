@@ -77,7 +77,7 @@ def generate_cmd(
     prompt_ids: PromptIdsOpt = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts",
         metavar="FILE", help='JSONL, one per line: {"prompt": "text"}, {"prompt": \\[token ids]} or '
-                             '{"messages": [...]}.')] = None,
+                             '{"messages": [...]}, any with a "response_format" (constraints).')] = None,
     chat: Annotated[bool, typer.Option("--chat", metavar="", help="Wrap text prompts in the checkpoint's chat template.")] = False,
     gamma: Annotated[int, typer.Option("--gamma", metavar="N", rich_help_panel=SPECULATION,
                                        help="Drafts per verify step (0: no speculation; the most with "

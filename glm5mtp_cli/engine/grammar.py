@@ -3,8 +3,8 @@ drafts and rolled back to what the verify accepted (vLLM's structured-output man
 LLMatcher).
 
 Per step (speculate.SpecEngine._step), for the constrained sequences of the batch, `StepMasks`
-holds the host bitmask [A, g + 1, W] (kernels/bitmask.py's packing): row i is the matcher's state
-after drafts d1..di, so verify position i is masked by the state after the prefix before it. With
+holds the host bitmask [g + 1, A, W] (kernels/bitmask.py's packing; one position's rows contiguous,
+so a draft position's mask is one copy): row i is the matcher's state after drafts d1..di, so verify position i is masked by the state after the prefix before it. With
 masked drafting (the default) row i is filled before draft i+1 is chosen, so the drafter's logits
 are masked too: one host read of the previous draft per position. With --no-draft-mask the drafts
 are read once after drafting, while the verify forward runs, and only the verify is masked. A draft
@@ -75,11 +75,12 @@ class Grammars:
         m = self._matcher(c)
         return m.consume_tokens(tokens) and m.is_accepting()
 
-    def host_buffer(self, rows: int, positions: int, device: torch.device) -> torch.Tensor:
-        """A [rows, positions, W] int32 host mask, all allowed; pinned for CUDA, reused per shape."""
-        key = (rows, positions)
+    def host_buffer(self, positions: int, rows: int, device: torch.device) -> torch.Tensor:
+        """A [positions, rows, W] int32 host mask, all allowed; pinned for CUDA, reused per shape
+        (a step's copies are done by its one host read, before the next step refills it)."""
+        key = (positions, rows)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty((rows, positions, self.words), dtype=torch.int32,
+            self._buffers[key] = torch.empty((positions, rows, self.words), dtype=torch.int32,
                                              pin_memory=device.type == "cuda")
         return self._buffers[key].fill_(-1)
 
@@ -168,7 +169,7 @@ class StepMasks:
     def __init__(self, grammars: Grammars, seqs: list[SeqGrammar | None], gamma: int, device: torch.device):
         self.seqs = seqs
         self.device = device
-        self.host = grammars.host_buffer(len(seqs), gamma + 1, device)
+        self.host = grammars.host_buffer(gamma + 1, len(seqs), device)
         self.vocab_size = grammars.vocab_size
         self.ok = [g is not None for g in seqs]  # still walking: every draft so far allowed
         self.valid = [0 if g is not None else None for g in seqs]  # drafts the grammar allowed
@@ -184,7 +185,7 @@ class StepMasks:
                     self.ok[b] = False
                     continue
                 self.valid[b] += 1
-            g.fill(self.host[b, i])
+            g.fill(self.host[i, b])
         self.filled = i + 1
 
     def draft(self, i: int, logits: torch.Tensor, prev: torch.Tensor | None, subset=None) -> torch.Tensor:
@@ -192,7 +193,7 @@ class StepMasks:
         [A] on the device, read here: the one host read per draft position). subset: the proposer's
         --draft-vocab head, whose logit j is token subset.ids[j]."""
         self._fill_row(i, prev.tolist() if prev is not None else None)
-        mask = self.host[:, i].to(self.device, non_blocking=True)
+        mask = self.host[i].to(self.device, non_blocking=True)
         if subset is None:
             return apply_bitmask(logits, mask)
         allowed = unpack(mask, self.vocab_size).index_select(-1, subset.ids)
@@ -211,4 +212,4 @@ class StepMasks:
         for b, n in enumerate(self.valid):  # drafting may have walked past a confidence stop
             if n is not None and drafts is not None:
                 self.valid[b] = min(n, drafts.counts[b])
-        return self.host[:, : k + 1].to(self.device, non_blocking=True)
+        return self.host[: k + 1].to(self.device, non_blocking=True).transpose(0, 1)

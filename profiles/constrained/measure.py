@@ -3,6 +3,11 @@ mean acceptance length and decode step time per (batch size, mode), mode one of 
 masked (the drafter masked too) and unmasked (--no-draft-mask: only the verify masked), every
 complete output checked. Prints one JSON document (profiles/constrained/RESULTS.md reads it).
 
+Step time: each engine step's wall time (SpecEngine._step, which ends in the step's host read, so
+the device has finished it), the median over the steps that ran with every slot full. Constrained
+replies are shorter than free ones, so a run's mean step (decode time / steps) mixes in more
+half-empty steps of admission and tails; full steps compare like with like.
+
     python3 profiles/constrained/measure.py --model glm5-nano --device cpu --threads 1 > out.json
 """
 
@@ -24,18 +29,33 @@ sys.path.insert(0, str(HERE.parents[1]))
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec  # noqa: E402
 from glm5mtp_cli.engine.run import run_generate  # noqa: E402
 from glm5mtp_cli.engine.runtime import load_runtime, set_threads  # noqa: E402
+from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
 from glm5mtp_cli.prompts import encode_prompts, read_file  # noqa: E402
 
 MODES = ("unconstrained", "masked", "unmasked")
+STEPS: list[tuple[int, float]] = []  # (active sequences, seconds) of every engine step
+
+
+def _timed_step(step):
+    def timed(self, active):
+        t0 = time.perf_counter()
+        step(self, active)
+        STEPS.append((len(active), time.perf_counter() - t0))
+    return timed
+
+
+SpecEngine._step = _timed_step(SpecEngine._step)
 
 
 def one(rt, ids, rules, mode: str, batch: int, gamma: int, max_new: int) -> dict:
     config = EngineConfig(gamma=gamma, batch_size=batch, max_new_tokens=max_new, draft_mask=mode != "unmasked")
     t0 = time.perf_counter()
+    STEPS.clear()
     results, acc, lat, _, _ = run_generate(rt, ids, config, constraints=None if mode == "unconstrained" else rules)
     steps = sum(lat["gamma_steps"].values())
     mine = [r for r in results if r.constraint is not None]
-    return {"mode": mode, "batch": batch, "gamma": gamma, "steps": steps, "wall_s": time.perf_counter() - t0,
+    full = [s for n, s in STEPS if n == batch]
+    return {"full_steps": len(full), "full_step_ms": 1e3 * statistics.median(full) if full else None,"mode": mode, "batch": batch, "gamma": gamma, "steps": steps, "wall_s": time.perf_counter() - t0,
             "decode_s": lat["wall_decode_s"], "step_ms": 1e3 * lat["wall_decode_s"] / steps,
             "tokens": sum(len(r.tokens) for r in results), "decode_tokens_per_s": lat["decode_tokens_per_s"],
             "mean_acceptance_length": acc.to_json()["mean_acceptance_length"],
@@ -58,6 +78,7 @@ def main() -> None:
     ap.add_argument("--per-slot", type=int, default=5,
                     help="requests per slot at least (the prompts repeated): a batch's steps run mostly full")
     a = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     set_threads(a.threads if a.device == "cpu" else None)
     rt = load_runtime(ModelSpec(a.model, a.device), progress=False)
     items = read_file(Path(a.prompts))
@@ -71,7 +92,10 @@ def main() -> None:
             for mode in MODES:  # a warm-up of each, then the timed repeats in turns
                 one(rt, work, work_rules, mode, batch, a.gamma, a.max_new_tokens)
             for _ in range(a.repeats):
-                runs += [one(rt, work, work_rules, mode, batch, a.gamma, a.max_new_tokens) for mode in MODES]
+                for mode in MODES:
+                    runs.append(one(rt, work, work_rules, mode, batch, a.gamma, a.max_new_tokens))
+                    row = {k: v for k, v in runs[-1].items() if k not in ("tokens_per_request", "finish")}
+                    print(json.dumps(row), file=sys.stderr, flush=True)  # what a timeout leaves behind
             g0 = one(rt, work, work_rules, "masked", batch, 0, a.max_new_tokens)  # constrained target alone
             for r in runs:
                 if r["batch"] == batch and r["mode"] != "unconstrained":
@@ -81,17 +105,19 @@ def main() -> None:
         base = None
         for mode in MODES:
             mine = [r for r in runs if r["batch"] == batch and r["mode"] == mode]
-            row = {"batch": batch, "mode": mode, "step_ms_median": statistics.median(r["step_ms"] for r in mine),
+            row = {"batch": batch, "mode": mode, "full_step_ms": statistics.median(r["full_step_ms"] for r in mine),
+                   "full_steps": sum(r["full_steps"] for r in mine),
+                   "step_ms_median": statistics.median(r["step_ms"] for r in mine),
                    "decode_tokens_per_s_median": statistics.median(r["decode_tokens_per_s"] for r in mine),
                    "mean_acceptance_length": mine[0]["mean_acceptance_length"],
                    "complete": mine[0]["complete"], "valid": mine[0]["valid"], "constrained": mine[0]["constrained"],
                    "same_tokens_as_constrained_gamma0": mine[0].get("same_tokens_as_constrained_gamma0")}
             base = base or row
-            row["step_vs_unconstrained"] = row["step_ms_median"] / base["step_ms_median"]
+            row["full_step_vs_unconstrained"] = row["full_step_ms"] / base["full_step_ms"]
+            row["tokens_per_s_vs_unconstrained"] = row["decode_tokens_per_s_median"] / base["decode_tokens_per_s_median"]
             summary.append(row)
     for r in runs:
         del r["tokens_per_request"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     print(json.dumps({"command": " ".join(["python3", "profiles/constrained/measure.py"] + sys.argv[1:]),
                       "commit": commit, "model": a.model, "device": str(rt.device), "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "summary": summary, "runs": runs}))
