@@ -6,7 +6,10 @@ complete output checked. Prints one JSON document (profiles/constrained/RESULTS.
 Step time: each engine step's wall time (SpecEngine._step, which ends in the step's host read, so
 the device has finished it), the median over the steps that ran with every slot full. Constrained
 replies are shorter than free ones, so a run's mean step (decode time / steps) mixes in more
-half-empty steps of admission and tails; full steps compare like with like.
+half-empty steps of admission and tails; full steps compare like with like. Grammar host time:
+the wall time of the step's grammar work (masks filled, copied and applied, matchers walked and
+committed) per step; on the CPU the masks' application is host work too, on CUDA the drafts'
+host read inside it also waits for the device.
 
     python3 profiles/constrained/measure.py --model glm5-nano --device cpu --threads 1 > out.json
 """
@@ -29,6 +32,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec  # noqa: E402
 from glm5mtp_cli.engine.run import run_generate  # noqa: E402
 from glm5mtp_cli.engine.runtime import load_runtime, set_threads  # noqa: E402
+import glm5mtp_cli.engine.speculate as speculate  # noqa: E402
+from glm5mtp_cli.engine.grammar import SeqGrammar, StepMasks  # noqa: E402
 from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
 from glm5mtp_cli.prompts import encode_prompts, read_file  # noqa: E402
 
@@ -45,17 +50,35 @@ def _timed_step(step):
 
 
 SpecEngine._step = _timed_step(SpecEngine._step)
+HOST = [0.0]  # seconds of grammar work in the current run
+
+
+def _host(fn):
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            HOST[0] += time.perf_counter() - t0
+    return timed
+
+
+SpecEngine._masks = _host(SpecEngine._masks)
+StepMasks.draft, StepMasks.verify = _host(StepMasks.draft), _host(StepMasks.verify)
+SeqGrammar.commit = _host(SeqGrammar.commit)
+speculate.apply_bitmask = _host(speculate.apply_bitmask)
 
 
 def one(rt, ids, rules, mode: str, batch: int, gamma: int, max_new: int) -> dict:
     config = EngineConfig(gamma=gamma, batch_size=batch, max_new_tokens=max_new, draft_mask=mode != "unmasked")
     t0 = time.perf_counter()
     STEPS.clear()
+    HOST[0] = 0.0
     results, acc, lat, _, _ = run_generate(rt, ids, config, constraints=None if mode == "unconstrained" else rules)
     steps = sum(lat["gamma_steps"].values())
     mine = [r for r in results if r.constraint is not None]
     full = [s for n, s in STEPS if n == batch]
-    return {"full_steps": len(full), "full_step_ms": 1e3 * statistics.median(full) if full else None,"mode": mode, "batch": batch, "gamma": gamma, "steps": steps, "wall_s": time.perf_counter() - t0,
+    return {"grammar_host_ms_per_step": 1e3 * HOST[0] / len(STEPS), "full_steps": len(full), "full_step_ms": 1e3 * statistics.median(full) if full else None,"mode": mode, "batch": batch, "gamma": gamma, "steps": steps, "wall_s": time.perf_counter() - t0,
             "decode_s": lat["wall_decode_s"], "step_ms": 1e3 * lat["wall_decode_s"] / steps,
             "tokens": sum(len(r.tokens) for r in results), "decode_tokens_per_s": lat["decode_tokens_per_s"],
             "mean_acceptance_length": acc.to_json()["mean_acceptance_length"],
@@ -107,6 +130,7 @@ def main() -> None:
             mine = [r for r in runs if r["batch"] == batch and r["mode"] == mode]
             row = {"batch": batch, "mode": mode, "full_step_ms": statistics.median(r["full_step_ms"] for r in mine),
                    "full_steps": sum(r["full_steps"] for r in mine),
+                   "grammar_host_ms_per_step": statistics.median(r["grammar_host_ms_per_step"] for r in mine),
                    "step_ms_median": statistics.median(r["step_ms"] for r in mine),
                    "decode_tokens_per_s_median": statistics.median(r["decode_tokens_per_s"] for r in mine),
                    "mean_acceptance_length": mine[0]["mean_acceptance_length"],
