@@ -87,6 +87,16 @@ def test_greedy_constrained_equals_constrained_gamma0_for_every_gamma(nano, prom
         assert [r.finish_reason for r in got] == [r.finish_reason for r in base]
 
 
+@pytest.mark.parametrize("draft_mask", [True, False])
+def test_static_forwards_mask_their_outputs_alike(nano, prompt_set, draft_mask):
+    """The runner's static forwards (what CUDA graphs replay; unmasked drafting there is the fused
+    chain): masks applied in place to their output buffers give eager's constrained tokens."""
+    ids, rules = prompt_set
+    base = _run(nano, ids, rules, gamma=0, batch_size=2)
+    got = _run(nano, ids, rules, gamma=3, batch_size=2, draft_mask=draft_mask, graphs="static")
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+
+
 def test_constrained_and_free_requests_share_a_batch(nano, prompt_set):
     ids, rules = prompt_set
     mixed = [c if i % 2 else None for i, c in enumerate(rules)]

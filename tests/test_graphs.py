@@ -237,8 +237,8 @@ def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
 
     seen, real = [], MtpHead.propose_batch
 
-    def spy(self, tokens, hiddens, positions, g, states, runner):
-        out = real(self, tokens, hiddens, positions, g, states, runner)
+    def spy(self, tokens, hiddens, positions, g, states, runner, grammar=None):
+        out = real(self, tokens, hiddens, positions, g, states, runner, grammar)
         seen.append(out)
         if isinstance(out, Drafts):
             assert all(st.last_drafts is out for st in states) and len(out) == len(states)

@@ -104,6 +104,7 @@ class SpecEngine:
         self.results: list[SeqResult | None] = []  # the last generate call's (see there)
         self.head = proposer if config.gamma > 0 else None
         self.grammars = grammars
+        self._stepwise = False  # this generate call masks drafts (_open_graphs builds the forwards it needs)
 
     # ---- sizing -----------------------------------------------------------------------------
     def budget_tokens(self, req: Request) -> int:
@@ -142,8 +143,11 @@ class SpecEngine:
             self.check_request(r)  # refuse before anything is allocated
         built = self.runner.graphs  # a rebuild for more slots keeps the width (it never narrows)
         width = max(self._table_blocks(requests), built.max_blocks if built is not None else 0)
-        if built is not None and (built.slots < batch_size or built.max_blocks < width):
-            self.runner.close()  # built for fewer slots or shorter sequences: built again below
+        # masked drafting runs the chain position by position: a greedy engine's graphs need those forwards too
+        self._stepwise = self.config.draft_mask and any(self._constraint(r) is not None for r in requests)
+        if built is not None and (built.slots < batch_size or built.max_blocks < width
+                                  or (self._stepwise and not built.stepwise)):
+            self.runner.close()  # built for fewer slots, shorter sequences or no masked drafting: built again below
         if self.config.prefill_graphs:
             self.runner.open_prefill(self.target, self.head, self.pools, width, graph_rows(self.cfg.hidden_size))
         waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
@@ -242,7 +246,7 @@ class SpecEngine:
         h = active[0].pend()[1]  # the hiddens the drafter takes (None: no drafter)
         hidden = (h.shape[-1], h.dtype) if h is not None else None
         self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
-                         hidden, greedy=self.head is not None and self.head.greedy_fusable())
+                         hidden, greedy=self.head is not None and self.head.greedy_fusable(), stepwise=self._stepwise)
         for s in active:
             self.runner.occupy(s.slot, self._slot_caches(s))
 
