@@ -7,6 +7,9 @@ one of:
     {"prompt": [1, 2, 3]}               token ids: works for checkpoints without a tokenizer
     {"messages": [{"role": ..., "content": ...}, ...]}   rendered with the chat template
 
+Any line may add "response_format" (OpenAI's form, plus regex and grammar: constraint.py), the
+grammar its output must match.
+
 Reading is split in two so that bad input is refused before any weights load: `read_prompts`
 parses and checks the flags and the file (no tokenizer needed), `encode_prompts` turns what was read
 into token ids once the tokenizer is known. Nothing here imports torch.
@@ -18,6 +21,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from glm5mtp_cli.constraint import Constraint, from_response_format
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_jsonl
 
@@ -33,6 +37,7 @@ class Prompt:
     ids: list[int] | None = None
     messages: list[dict] | None = None
     where: str = ""  # "FILE: line N" for error messages
+    constraint: Constraint | None = None  # its response_format
 
 
 def parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
@@ -50,7 +55,14 @@ def _is_ids(v) -> bool:
 
 
 def from_item(obj: dict, name: str, where: str) -> Prompt:
-    """One JSONL object as a Prompt (the three forms of the module docstring)."""
+    """One JSONL object as a Prompt (the three forms of the module docstring, any with a response_format)."""
+    p = _prompt_of(obj, name, where)
+    if "response_format" in obj:
+        p.constraint = from_response_format(obj["response_format"], where)
+    return p
+
+
+def _prompt_of(obj: dict, name: str, where: str) -> Prompt:
     if "messages" in obj:
         msgs = obj["messages"]
         if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "content" in m for m in msgs)):

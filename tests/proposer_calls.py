@@ -29,8 +29,8 @@ def spy_proposes(monkeypatch, seen: list) -> None:
     """Every propose the engine makes appends (its feed, its states, the Drafts it returned) to `seen`."""
     real = drafting.propose
 
-    def spy(head, runner, feed, states, g, tau):
-        drafts = real(head, runner, feed, states, g, tau)
+    def spy(head, runner, feed, states, g, tau, masks=None):
+        drafts = real(head, runner, feed, states, g, tau, masks)
         seen.append((feed, states, drafts))
         return drafts
 

@@ -208,9 +208,9 @@ def test_bench_runs_both_policies_in_turns(spec_ckpt, monkeypatch):
     order = []
     real = bench.run_generate
 
-    def spy(rt, work, config):
+    def spy(rt, work, config, **kw):
         order.append((config.gamma, config.gamma_policy))
-        return real(rt, work, config)
+        return real(rt, work, config, **kw)
 
     monkeypatch.setattr(bench, "run_generate", spy)
     folder, _ = spec_ckpt

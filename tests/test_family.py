@@ -120,6 +120,8 @@ class SpoilingProposer:
     run by the engine's runner like any family's) needs no cache rows: its drafter cache has no
     components and holds only its row count."""
 
+    draft_head = None  # no --draft-vocab subset
+
     def __init__(self, target: FakeTarget):
         self.target = target
 

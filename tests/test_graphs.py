@@ -247,8 +247,8 @@ def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
 
     seen, real = [], drafting.propose
 
-    def spy(head, runner, feed, states, g, tau):
-        out = real(head, runner, feed, states, g, tau)
+    def spy(head, runner, feed, states, g, tau, masks=None):
+        out = real(head, runner, feed, states, g, tau, masks)
         seen.append(out)
         if isinstance(out, Drafts):
             assert all(st.last_drafts is out for st in states) and len(out) == len(states)

@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kernels import _triton  # noqa: E402
+from kernels.bitmask import apply_bitmask, apply_bitmask_ref  # noqa: E402
 from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_block_matmul,  # noqa: E402
                                fp8_block_matmul_ref, fp8_block_matmul_triton, fp8_heads_matmul, fp8_heads_matmul_ref)
 from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
@@ -470,6 +471,29 @@ def case_kda_rows_lengths(device, big):
     args, t, n = _kda_rows_inputs(device, big)
     lengths = torch.arange(n, device=device) % (t + 1)
     return kda_rows(*args, lengths, force_triton=True), kda_rows_ref(*args, lengths)
+
+
+def _bitmask(rows, vocab, device):
+    """Random int32 words for [*rows, vocab] logits, one row all banned and one all allowed."""
+    from kernels.bitmask import words
+
+    mask = torch.randint(-(2 ** 31), 2 ** 31 - 1, (*rows, words(vocab)), dtype=torch.int32, device=device)
+    mask.view(-1, mask.shape[-1])[0] = 0
+    mask.view(-1, mask.shape[-1])[-1] = -1
+    return mask
+
+
+def case_bitmask_verify_rows_fp32(device, big):
+    # [A, g + 1, V] verify logits, V not a multiple of 32 (the last word half used)
+    a, g, v = (8, 4, 154880 + 7) if big else (3, 4, 1000)
+    logits, mask = _rand(a, g, v, device=device), _bitmask((a, g), v, device)
+    return apply_bitmask(logits.clone(), mask, force_triton=True), apply_bitmask_ref(logits.clone(), mask)
+
+
+def case_bitmask_draft_rows_bf16(device, big):
+    a, v = (64, 154880) if big else (5, 2048)
+    logits, mask = _rand(a, v, device=device, dtype=BF16), _bitmask((a,), v, device)
+    return apply_bitmask(logits.clone(), mask, force_triton=True), apply_bitmask_ref(logits.clone(), mask)
 
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -82,6 +82,43 @@ def test_the_bound_rejects_broken_samplers():
     assert _tv(_emitted(resample_from_p, 4000), want) > BOUND
 
 
+# A grammar's mask (engine/grammar.py) bans tokens per position: here tokens 0 and 3 at position 0,
+# 1, 4 and 5 at position 1, each row masked in place before temperature (kernels/bitmask.py).
+BANNED = [[0, 3], [1, 4, 5], [2]]
+
+
+def _masked(logits: torch.Tensor) -> torch.Tensor:
+    from kernels.bitmask import apply_bitmask_ref
+
+    bits = torch.full((logits.shape[0], 1), (1 << V) - 1, dtype=torch.int32)
+    for row, banned in enumerate(BANNED[: logits.shape[0]]):
+        for t in banned:
+            bits[row] &= ~(1 << t)
+    return apply_bitmask_ref(logits.clone(), bits)
+
+
+def _under_mask(mask_drafts: bool):
+    """Rejection sampling between the masked target and the draft distribution, masked and
+    renormalised (masked drafting) or left whole (--no-draft-mask: drafts the grammar bans occur)."""
+    def sampler(drafts, q, target_logits, params, gen):
+        if mask_drafts:
+            q = probs_from_logits(_masked(q.log()), params)
+            drafts = draw(q, gen)
+        return _exact(drafts, q, _masked(target_logits), params, gen)
+    return sampler
+
+
+def test_under_a_grammar_the_emitted_tokens_follow_the_masked_target():
+    _, _, params, _ = _setup()
+    target_logits = _setup()[0]
+    p = probs_from_logits(_masked(target_logits), params)  # the constrained target: renormalised over what is allowed
+    want = p[0][:, None] * p[1][None, :]
+    for mask_drafts in (True, False):
+        got = _emitted(_under_mask(mask_drafts))
+        assert _tv(got, want) < BOUND, mask_drafts
+        assert got[BANNED[0]].sum() == 0 and got[:, BANNED[1]].sum() == 0  # a banned token is never emitted
+
+
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.7))

@@ -13,8 +13,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt,
-                                          MtpIndexShareOpt, ThreadsOpt)
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, CompileModeOpt, CompileOpt, ConstrainAfterOpt, CudaGraphsOpt,
+                                          DeviceOpt, DraftMaskOpt, DtypeOpt, GrammarOpt, JsonObjectOpt, JsonOpt,
+                                          JsonSchemaOpt, ModelOpt, MtpIndexShareOpt, RegexOpt, ThreadsOpt,
+                                          constraint_flags)
 from glm5mtp_cli.engine.config import MAX_GAMMA, EngineConfig, ModelSpec, SamplingParams
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.prompts import encode_prompts, read_file
@@ -47,6 +49,12 @@ def acceptance_cmd(
     cuda_graphs: CudaGraphsOpt = True,
     compile: CompileOpt = None,
     compile_mode: CompileModeOpt = "default",
+    json_schema: JsonSchemaOpt = None,
+    json_object: JsonObjectOpt = False,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
+    constrain_after: ConstrainAfterOpt = None,
+    draft_mask: DraftMaskOpt = True,
 ) -> None:
     """Mean acceptance length, draft acceptance rate and per-position acceptance (vLLM definitions) at every
     gamma and temperature over one prompt set; greedy speculation is checked against gamma 0.
@@ -84,6 +92,10 @@ def acceptance_cmd(
         source = str(prompts)
     if items is not None:
         items = items[:limit]  # no --limit: all
+    from glm5mtp_cli.checkpoint.resolve import local_folder, resolve_config
+
+    config = config.replace(**constraint_flags(json_schema, json_object, regex, grammar, constrain_after, draft_mask,
+                                               items, local_folder(model), resolve_config(model)[0].vocab_size, False))
 
     import torch
 
@@ -99,7 +111,8 @@ def acceptance_cmd(
     if items is None:
         pset = default_prompt_set(rt, limit or DEFAULT_PROMPTS)
     else:
-        pset = PromptSet(source, [p.name for p in items], encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder))
+        pset = PromptSet(source, [p.name for p in items], encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder),
+                         [p.constraint for p in items])
     check_fits(pset.token_lists, config.replace(gamma=max(gamma_list)), config.max_seq_len,
                "the model's limit (max_position_embeddings)")
 
@@ -138,6 +151,7 @@ def acceptance_cmd(
         argv.append("--no-cuda-graphs")
     if compile is not None:
         argv += ["--compile", compile, "--compile-mode", compile_mode]
+    argv += _constraint_argv(json_schema, json_object, regex, grammar, constrain_after, draft_mask)
     doc = {
         "command": shlex.join(argv),
         "model": model,
@@ -160,6 +174,15 @@ def acceptance_cmd(
         sys.stdout.write(json.dumps(doc) + "\n")
         return
     print_report(out, doc)
+
+
+def _constraint_argv(json_schema, json_object, regex, grammar, constrain_after, draft_mask) -> list[str]:
+    argv = []
+    for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar),
+                        ("--constrain-after", constrain_after)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--json-object"] if json_object else []) + ([] if draft_mask else ["--no-draft-mask"])
 
 
 def _f(x, spec=".3f"):

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.commands.options import (DEFAULT_MODEL, MODEL, CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt,
-                                          DtypeOpt, Fp8Opt, JsonOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
-                                          PrefillTokensOpt, ScheduleOpt, SyntheticOpt, synthetic_rates, ThreadsOpt, TpOpt)
+from glm5mtp_cli.commands.options import (DEFAULT_MODEL, MODEL, CompileModeOpt, CompileOpt, ConstrainAfterOpt,
+                                          CudaGraphsOpt, DeviceOpt, DraftMaskOpt, DtypeOpt, Fp8Opt, GrammarOpt,
+                                          JsonObjectOpt, JsonOpt, JsonSchemaOpt, LayersOpt, ModelOpt, PrefillGraphsOpt,
+                                          PrefillTokensOpt, RegexOpt, ScheduleOpt, SyntheticOpt, synthetic_rates,
+                                          ThreadsOpt, TpOpt, constraint_flags)
 from glm5mtp_cli.engine.config import MAX_GAMMA, EngineConfig, ModelSpec
 from glm5mtp_cli.errors import UserError
 
@@ -42,17 +44,20 @@ def _ints(text: str, flag: str, low: int, high: int | None = None) -> list[int]:
     return vals
 
 
-def _prompts(rt, items, need: int) -> list[list[int]]:
-    """--prompts (any form of prompts.py), else the default set (acceptance's too), repeated to `need`."""
+def _prompts(rt, items, need: int) -> tuple[list[list[int]], list]:
+    """--prompts (any form of prompts.py), else the default set (acceptance's too), repeated to `need`;
+    beside them each one's constraint (its line's response_format, or None)."""
     from glm5mtp_cli.diagnostics.acceptance import default_prompt_set
 
     if items is not None:
         ids = encode_prompts(items, rt.tokenizer, folder=rt.resolved.folder)
+        rules = [p.constraint for p in items]
     else:
         ids = default_prompt_set(rt, need).token_lists
+        rules = [None] * len(ids)
     while len(ids) < need:
-        ids = ids + ids
-    return ids[:need]
+        ids, rules = ids + ids, rules + rules
+    return ids[:need], rules[:need]
 
 
 def _fmt(v, spec):
@@ -216,6 +221,12 @@ def bench_cmd(
     tp: TpOpt = 1,
     threads: ThreadsOpt = None,
     synthetic_acceptance: SyntheticOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    json_object: JsonObjectOpt = False,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
+    constrain_after: ConstrainAfterOpt = None,
+    draft_mask: DraftMaskOpt = True,
 ) -> None:
     """Tokens/s, TPOT and speedups of speculation against gamma 0 and transformers; draft step vs its floor.
 
@@ -256,6 +267,11 @@ def bench_cmd(
     if draft_vocab_file is not None and not draft_vocab_file.is_file():
         raise UserError(f"--draft-vocab-file {draft_vocab_file}: no such file")
     items = read_file(prompts) if prompts is not None else None
+    from glm5mtp_cli.checkpoint.resolve import local_folder, resolve_config
+
+    c = dataclasses.replace(c, engine=engine.replace(**constraint_flags(
+        json_schema, json_object, regex, grammar, constrain_after, draft_mask, items, local_folder(model),
+        resolve_config(model)[0].vocab_size, synthetic_acceptance is not None, tp)))
     run = BenchRun(spec, c, items, draft_context, tuple(sizes), draft_vocab_file, target_layers, kernels, json_out)
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import set_threads
@@ -327,7 +343,7 @@ def run_bench_command(run: BenchRun) -> None:
         c = dataclasses.replace(c, engine=resolve(rt, c.engine))
         cfg, dev, dt, folder = rt.cfg, rt.device, rt.dtype, rt.resolved.folder
         mtp, embed, head = rt.mtp, rt.target.embed_tokens, rt.target.lm_head
-        ids = _prompts(rt, run.items, max(list(c.batch_sizes) + [c.num_prompts or 0]))
+        ids, rules = _prompts(rt, run.items, max(list(c.batch_sizes) + [c.num_prompts or 0]))
     for batch in ([] if spec.random_weights else c.batch_sizes):
         if c.with_transformers:
             out.print(f"[dim]transformers generate, batch {batch}[/dim]")
@@ -335,7 +351,7 @@ def run_bench_command(run: BenchRun) -> None:
         systems = systems_of(c)
         names = ", ".join(f"gamma {g}" + (f" {p}" if g else "") for g, p in systems)
         out.print(f"[dim]glm5mtp, batch {batch}: {names}" + (", in turns" if len(systems) > 1 else "") + "[/dim]")
-        rows += run_glm5mtp(rt, ids, systems, batch, c)
+        rows += run_glm5mtp(rt, ids, systems, batch, c, rules)
     add_ratios(rows)
     recs = recommend(rows)
     bw = copy_bandwidth(dev)

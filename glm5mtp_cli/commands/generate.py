@@ -20,10 +20,11 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.commands.options import (BATCHING, CONVERSATION, DEFAULT_MODEL, MODEL, OUTPUT, SAMPLING, SPECULATION,
-                                          CompileModeOpt, CompileOpt, CudaGraphsOpt, DeviceOpt, DtypeOpt, Fp8Opt,
-                                          GammaPolicyOpt, JsonOpt, LayersOpt, ModelOpt, MtpIndexShareOpt,
+                                          CompileModeOpt, CompileOpt, ConstrainAfterOpt, CudaGraphsOpt, DeviceOpt,
+                                          DraftMaskOpt, DtypeOpt, Fp8Opt, GammaPolicyOpt, GrammarOpt, JsonObjectOpt,
+                                          JsonOpt, JsonSchemaOpt, LayersOpt, ModelOpt, MtpIndexShareOpt,
                                           PrefillGraphsOpt, PrefillTokensOpt, PromptIdsOpt, PromptOpt, RandomWeightsOpt,
-                                          ScheduleOpt, SyntheticOpt, ThreadsOpt, TpOpt,
+                                          RegexOpt, ScheduleOpt, SyntheticOpt, ThreadsOpt, TpOpt, constraint_flags,
                                           synthetic_rates)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
 from glm5mtp_cli.errors import Interrupted, UserError
@@ -41,6 +42,8 @@ Examples:
   glm5mtp generate --prompt-ids 3,17,99 --gamma 4 --compare --trace steps.jsonl
 
   glm5mtp generate --conversation chats.jsonl --carry all
+
+  glm5mtp generate --prompt 'point = ' --json-schema point.schema.json --compare
 """
 
 # What --conversation does with each generate flag (also in the README): honoured, or refused.
@@ -49,6 +52,8 @@ CONVERSATION_REFUSES = {
     "compare": "--compare: --conversation compares against running without carried caches instead "
                "(same_tokens_as_no_carry); run the turns with --gamma 0 for the baseline",
     "prefill_graphs": "--prefill-graphs: --conversation prefills one turn at a time; the graphs are for prompt sets",
+    "constraint": "constraints: --conversation does not constrain replies; constrain single prompts (--prompts "
+                  "lines may carry their own response_format)",
 }
 
 
@@ -72,7 +77,7 @@ def generate_cmd(
     prompt_ids: PromptIdsOpt = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts",
         metavar="FILE", help='JSONL, one per line: {"prompt": "text"}, {"prompt": \\[token ids]} or '
-                             '{"messages": [...]}.')] = None,
+                             '{"messages": [...]}, any with a "response_format" (constraints).')] = None,
     chat: Annotated[bool, typer.Option("--chat", metavar="", help="Wrap text prompts in the checkpoint's chat template.")] = False,
     gamma: Annotated[int, typer.Option("--gamma", metavar="N", rich_help_panel=SPECULATION,
                                        help="Drafts per verify step (0: no speculation; the most with "
@@ -135,6 +140,12 @@ def generate_cmd(
     threads: ThreadsOpt = None,
     mtp_index_share: MtpIndexShareOpt = None,
     synthetic_acceptance: SyntheticOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    json_object: JsonObjectOpt = False,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
+    constrain_after: ConstrainAfterOpt = None,
+    draft_mask: DraftMaskOpt = True,
 ) -> None:
     """Speculative generation: the MTP head drafts, the target verifies; output equals the target's."""
     check_output(trace, "--trace")
@@ -152,7 +163,9 @@ def generate_cmd(
     if conversation is not None:
         if any(x is not None for x in (prompt, prompt_ids, prompts)):
             raise UserError("--conversation replaces --prompt, --prompt-ids and --prompts: give one of them")
-        for flag, given in (("batch_size", batch_size != 1), ("compare", compare), ("prefill_graphs", prefill_graphs)):
+        constrained = any(x is not None for x in (json_schema, regex, grammar, constrain_after)) or json_object
+        for flag, given in (("batch_size", batch_size != 1), ("compare", compare), ("prefill_graphs", prefill_graphs),
+                            ("constraint", constrained)):
             if given:
                 raise UserError(f"{CONVERSATION_REFUSES[flag]}")
         from glm5mtp_cli.engine.conversation import check_carry_flags, read_conversations
@@ -172,7 +185,9 @@ def generate_cmd(
     from glm5mtp_cli.engine.runtime import set_threads
 
     set_threads(threads)
-    _refuse_before_loading(spec, engine, items)
+    cfg, folder = _refuse_before_loading(spec, engine, items)
+    engine = engine.replace(**constraint_flags(json_schema, json_object, regex, grammar, constrain_after, draft_mask,
+                                               items, folder, cfg.vocab_size, synthetic_acceptance is not None, tp))
     run = GenerateRun(spec, engine, items, convs, chat, compare, json_out, trace, carry, carry_budget)
     launch.run(spec, run_generate_command, run)
 
@@ -209,9 +224,10 @@ def run_generate_command(run: GenerateRun) -> None:
 generate_cmd.__doc__ += EXAMPLES
 
 
-def _refuse_before_loading(spec: ModelSpec, engine: EngineConfig, items: list | None) -> None:
+def _refuse_before_loading(spec: ModelSpec, engine: EngineConfig, items: list | None):
     """What the model's config alone refutes, checked before any weights load: --max-seq-len over
-    the model's limit, prompt ids outside its vocabulary, --draft-vocab without counts to read."""
+    the model's limit, prompt ids outside its vocabulary, --draft-vocab without counts to read.
+    Returns (the model's config, its local folder or None)."""
     from glm5mtp_cli.checkpoint.resolve import local_folder, resolve_config
 
     cfg = resolve_config(spec.name, spec.revision)[0]
@@ -227,6 +243,7 @@ def _refuse_before_loading(spec: ModelSpec, engine: EngineConfig, items: list | 
         from glm5mtp_cli.engine.draft_vocab import find_counts
 
         find_counts(folder, engine.draft_vocab, cfg.vocab_size, engine.draft_vocab_file)
+    return cfg, folder
 
 
 def _single(rt, out: Console, run: GenerateRun) -> None:
@@ -237,6 +254,7 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
 
     config = resolve(rt, run.engine)
     token_lists = encode_prompts(run.items, rt.tokenizer, run.chat, rt.resolved.folder)
+    constraints = [p.constraint for p in run.items]
     check_fits(token_lists, config, config.max_seq_len, run.engine.limit_name())
     stream = None
     if rt.tokenizer is not None and not run.json_out and len(token_lists) == 1:
@@ -248,7 +266,8 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
                                    "step (once per engine)[/dim]")
     try:
         with _progress(len(token_lists) * config.max_new_tokens, enabled=stream is None) as count:
-            results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, config, on_tokens=stream or count)
+            results, acc, lat, per_seq, pool_bytes = run_generate(rt, token_lists, config, on_tokens=stream or count,
+                                                                  constraints=constraints)
     except Stopped as stop:
         if stream is not None:
             stream.cut()
@@ -274,7 +293,7 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
         if not run.json_out:
             Console(stderr=True).print("[dim]running gamma 0 for --compare[/dim]")
         try:
-            base, _, base_lat, _, _ = run_generate(rt, token_lists, config.replace(gamma=0))
+            base, _, base_lat, _, _ = run_generate(rt, token_lists, config.replace(gamma=0), constraints=constraints)
         except Stopped:
             raise Interrupted(_save_finished(rt, run, results, len(token_lists), "the --compare run")) from None
         _drop_unused(base_lat, config)
@@ -312,8 +331,11 @@ def _progress(most_tokens: int, enabled: bool):
 
 
 def _request_json(rt, r) -> dict:
-    return {"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
-            "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None, "finish_reason": r.finish_reason}
+    doc = {"id": r.request_id, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
+           "text": rt.tokenizer.decode(r.tokens) if rt.tokenizer else None, "finish_reason": r.finish_reason}
+    if r.constraint is not None:
+        doc.update(constraint=r.constraint, complete=r.complete, valid=r.valid)
+    return doc
 
 
 def _save_finished(rt, run: GenerateRun, finished: list, total: int, during: str = "") -> str:
@@ -340,7 +362,8 @@ def _drop_unused(lat: dict, config) -> None:
 
 
 def _finish(reason: str) -> str:
-    return {"length": "length (--max-new-tokens reached)", "eos": "eos (the model ended it)"}.get(reason, reason)
+    return {"length": "length (--max-new-tokens reached)", "eos": "eos (the model ended it)",
+            "grammar": "grammar (the constraint admits nothing more)"}.get(reason, reason)
 
 
 def _cut_mark(r: dict) -> str:

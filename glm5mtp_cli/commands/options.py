@@ -12,12 +12,14 @@ words, the values they take listed in the help text.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 import profiles
 from glm5mtp_cli.engine.config import DEFAULT_MODEL  # noqa: F401  (torch-free: the commands' defaults)
+from glm5mtp_cli.errors import UserError
 
 # Help panels, in the order commands mostly meet them; a command's main inputs stay in Typer's
 # default "Options" panel, beside --help.
@@ -29,6 +31,7 @@ GRAPHS = "CUDA graphs"
 COMPILE = "Compile"
 GLM5NEXT = "GLM-5-Next"
 CONVERSATION = "Conversation"
+CONSTRAINT = "Constraint"
 OUTPUT = "Output"
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", metavar="NAME", rich_help_panel=MODEL,
@@ -115,3 +118,40 @@ def synthetic_rates(text: str | None) -> tuple[float, ...] | None:
 
     return parse_rates(text)
 
+
+
+JsonSchemaOpt = Annotated[Optional[Path], typer.Option("--json-schema", metavar="FILE", rich_help_panel=CONSTRAINT,
+                                                       help="Every reply matches this JSON schema (a prompt line's "
+                                                            "own response_format replaces it).")]
+JsonObjectOpt = Annotated[bool, typer.Option("--json-object", metavar="", rich_help_panel=CONSTRAINT,
+                                             help="Every reply is one JSON value.")]
+RegexOpt = Annotated[Optional[str], typer.Option("--regex", metavar="PATTERN", rich_help_panel=CONSTRAINT,
+                                                 help="Every reply matches this regex (whole).")]
+GrammarOpt = Annotated[Optional[Path], typer.Option("--grammar", metavar="FILE", rich_help_panel=CONSTRAINT,
+                                                    help="Every reply matches this Lark grammar (llguidance's "
+                                                         "syntax).")]
+ConstrainAfterOpt = Annotated[Optional[str], typer.Option(
+    "--constrain-after", metavar="TOKEN", rich_help_panel=CONSTRAINT,
+    help="Unconstrained until this token (one token of the vocabulary, e.g. </think>, or id:N) is emitted; "
+         "constrained from the next position.")]
+DraftMaskOpt = Annotated[bool, typer.Option(
+    "--draft-mask/--no-draft-mask", metavar="", rich_help_panel=CONSTRAINT,
+    help="Mask the drafter's logits by the grammar too (one host read per draft position); off: drafts "
+         "unconstrained, only the verify is masked.")]
+
+
+def constraint_flags(json_schema, json_object: bool, regex, grammar, constrain_after, draft_mask: bool,
+                     items, folder, vocab_size: int, synthetic: bool, tp: int = 1) -> dict:
+    """The EngineConfig fields of the constraint flags, every constraint (the flags' and the prompt
+    lines') checked before any weights load. folder: the checkpoint's, if local (its tokenizer)."""
+    from glm5mtp_cli.constraint import check_run, from_flags, trigger_id
+
+    c = from_flags(json_schema, json_object, regex, grammar)
+    constrained = c is not None or any(p.constraint is not None for p in items or [])
+    tokenizer = folder / "tokenizer.json" if folder is not None else None
+    check_run(constrained, synthetic, tp, tokenizer is None or tokenizer.is_file())
+    if constrain_after is not None and not constrained:
+        raise UserError("--constrain-after needs a constraint (--json-schema, --json-object, --regex, --grammar "
+                        "or a prompt line's response_format)")
+    after = trigger_id(constrain_after, tokenizer, vocab_size) if constrain_after is not None else None
+    return {"constraint": c, "constrain_after": after, "draft_mask": draft_mask}

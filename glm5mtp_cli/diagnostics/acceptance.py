@@ -28,6 +28,7 @@ class PromptSet:
     source: str
     ids: list[str]
     token_lists: list[list[int]]
+    constraints: list | None = None  # each prompt's response_format (constraint.Constraint or None)
 
 
 def default_prompt_set(rt: Runtime, count: int) -> PromptSet:
@@ -126,6 +127,14 @@ def repetition(results) -> dict:
             "mean_acceptance_length_more_repetitive_half": mal(shares[half:])}
 
 
+def constrained(results) -> dict:
+    """A constrained run's verdicts: how many requests completed their grammar, how many of those
+    validate (all must), and how many were cut by --max-new-tokens."""
+    mine = [r for r in results if r.constraint is not None]
+    return {"requests": len(mine), "complete": sum(bool(r.complete) for r in mine),
+            "valid": sum(bool(r.valid) for r in mine), "incomplete": sum(not r.complete for r in mine)}
+
+
 def sweep(rt: Runtime, prompts: PromptSet, config: EngineConfig, gammas: list[int], temperatures: list[float],
           log=None) -> dict:
     """Run every (temperature, gamma) of `config` (its seed, batch size, tokens and forward mode);
@@ -142,7 +151,8 @@ def sweep(rt: Runtime, prompts: PromptSet, config: EngineConfig, gammas: list[in
         for g in wanted:
             t0 = time.perf_counter()
             results, acc, lat, _, _ = run_generate(
-                rt, prompts.token_lists, config.replace(gamma=g, sampling=SamplingParams(temp, 1.0, seed)))
+                rt, prompts.token_lists, config.replace(gamma=g, sampling=SamplingParams(temp, 1.0, seed)),
+                constraints=prompts.constraints)
             wall = time.perf_counter() - t0
             tokens = [r.tokens for r in results]
             # an engine that emits past --max-new-tokens is a bug of its own; count it, and compare only the
@@ -155,6 +165,8 @@ def sweep(rt: Runtime, prompts: PromptSet, config: EngineConfig, gammas: list[in
                    "decode_tokens_per_s": lat["decode_tokens_per_s"], "e2e_tokens_per_s": lat["e2e_tokens_per_s"],
                    "tpot_ms_p50": lat["tpot_ms_p50"], "wall_s": round(wall, 2),
                    "repetition": repetition(results) if g > 0 else None}
+            if any(r.constraint is not None for r in results):
+                row["constrained"] = constrained(results)
             if temp == 0:
                 if g == 0:
                     reference = tokens

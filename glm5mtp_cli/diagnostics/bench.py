@@ -58,7 +58,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _workload(prompts: list[list[int]], batch: int, c: BenchConfig) -> list[list[int]]:
+def _workload(prompts: list, batch: int, c: BenchConfig) -> list:
     """The prompts one configuration runs: --num-prompts of them through `batch` slots, else one per slot."""
     return prompts[: c.num_prompts] if c.num_prompts else prompts[:batch]
 
@@ -69,17 +69,19 @@ def systems_of(c: BenchConfig) -> list[tuple[int, str]]:
 
 
 def run_glm5mtp(rt: Runtime, prompts: list[list[int]], systems: list[tuple[int, str]], batch: int,
-                c: BenchConfig) -> list[dict]:
+                c: BenchConfig, constraints: list | None = None) -> list[dict]:
     """End to end over the workload (continuous batching through `batch` slots) for each (gamma,
     policy), in turns (module docstring); per configuration the medians of its timed runs, TTFT
-    (queue + prefill) and TPOT percentiles over the requests of its median run."""
+    (queue + prefill) and TPOT percentiles over the requests of its median run. constraints: each
+    prompt's own (a prompt line's response_format), beside `prompts`."""
     work = _workload(prompts, batch, c)
+    rules = _workload(constraints, batch, c) if constraints is not None else None
     runs: dict[tuple[int, str], list] = {s: [] for s in systems}
     compile_s = {}
     for i in range(c.repeats + 1):
         for gamma, policy in systems:
             config = c.engine.replace(gamma=gamma, gamma_policy=policy, batch_size=batch)
-            _, acc, lat, _, _ = run_generate(rt, work, config)
+            _, acc, lat, _, _ = run_generate(rt, work, config, constraints=rules)
             if i:
                 runs[(gamma, policy)].append((acc, lat))
             else:

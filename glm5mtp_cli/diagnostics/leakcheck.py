@@ -1,6 +1,8 @@
 """leak-check: run many sequences through one engine and one pool, each through a whole life
-(normal end, early EOS, cancellation, an error inside a verify step), and check that every cache
-pool component goes back to its baseline (ARCHITECTURE invariant 2, REFERENCE section 8).
+(normal end, early EOS, cancellation, an error inside a verify step, and, where the checkpoint has
+a tokenizer and llguidance is installed, a constrained request that its grammar ends), and check
+that every cache pool component, and every grammar matcher, goes back to its baseline
+(ARCHITECTURE invariant 2, REFERENCE section 8).
 
 With --batch-size B > 1 the lives run in rounds of 2B requests through one continuously batched
 generate call of B slots, so slots are re-occupied within a round; an injected failure then aborts
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5mtp_cli.constraint import Constraint
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.units import parse_size
@@ -43,6 +46,7 @@ from glm5mtp_cli.engine.runtime import Runtime, make_engine, resolve
 from glm5mtp_cli.engine.sequence import Request, budget_tokens, reserve_tokens
 
 LIFECYCLES = ("length", "eos", "cancelled", "failed")
+GRAMMAR_LIFE = ("grammar", Constraint("regex", "[a-z]{1,4}"))  # ends within 4 tokens, by the grammar
 ALLOCATION_UNIT = 512  # bytes: the CUDA caching allocator's rounding (the module doc says why the CPU's too)
 
 
@@ -144,9 +148,10 @@ def live_tensor_bytes(device: torch.device) -> int:
     return total
 
 
-def _snapshot(pools, device: torch.device) -> dict:
+def _snapshot(pools, device: torch.device, grammars) -> dict:
     gc.collect()
-    snap = {"blocks_held": pools.blocks_held(), "bytes_held": pools.bytes_held()}
+    snap = {"blocks_held": pools.blocks_held(), "bytes_held": pools.bytes_held(),
+            "matchers": grammars.live if grammars is not None else 0}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         snap["cuda_allocated"] = torch.cuda.memory_allocated(device)
@@ -154,6 +159,15 @@ def _snapshot(pools, device: torch.device) -> dict:
         snap["live_tensors"] = live_tensor_bytes(device)
     snap["rss"] = rss_bytes()
     return snap
+
+
+def _constrainable(rt: Runtime, e: EngineConfig) -> bool:
+    """Whether the constrained lifecycle runs: a tokenizer to match over, llguidance, no synthetic draws."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return rt.tokenizer is not None and rt.tp == 1 and e.synthetic_acceptance is None
 
 
 def slope(points: list[tuple[int, int]]) -> float:
@@ -214,12 +228,13 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     rng = random.Random(c.seed)
     vocab = rt.cfg.vocab_size
     max_prompt = max(2, min(48, e.max_seq_len - e.max_new_tokens - e.gamma))
-    warm_lives = len(LIFECYCLES)
+    lifecycles = LIFECYCLES + ((GRAMMAR_LIFE[0],) if _constrainable(rt, e) else ())
+    warm_lives = len(lifecycles)
 
     # The pool holds every sequence of the run at once, so an injected (or real) leak shows in the
     # ledger instead of ending the run with an exhausted pool.
     per_seq = reserve_tokens(max_prompt, e.max_new_tokens, e.gamma, e.alloc, e.max_seq_len)
-    lives_held = c.sequences + warm_lives + (c.sequences + warm_lives) // len(LIFECYCLES) + 4  # + EOS probes, fill, settle
+    lives_held = c.sequences + warm_lives + (c.sequences + warm_lives) // len(lifecycles) + 4  # + EOS probes, fill, settle
     pools = rt.make_pools(per_seq, lives_held)
     engine = make_engine(rt, pools, e)
     plant = planted_bytes(c.inject_leak)
@@ -236,7 +251,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
                     for q, r in zip(reqs, engine.results)]
 
     def life(i: int, request_id: int) -> tuple[str, Request, set[int]]:
-        kind = LIFECYCLES[i % len(LIFECYCLES)]
+        kind = lifecycles[i % len(lifecycles)]
         p = [rng.randrange(vocab) for _ in range(rng.randint(2, max_prompt))]
         eos: set[int] = set()
         if kind == "eos":
@@ -248,10 +263,11 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
             k = next((j for j in range(1, len(probe)) if probe[j] not in probe[:j]), 0)
             eos = {probe[k]}
         elif kind == "cancelled":
-            faults.cancel_after[request_id] = 1 + (i // len(LIFECYCLES)) % 2
+            faults.cancel_after[request_id] = 1 + (i // len(lifecycles)) % 2
         elif kind == "failed":
-            faults.fail_at[request_id] = 1 + (i // len(LIFECYCLES)) % 2
-        return kind, Request(p, e.max_new_tokens, request_id=request_id), eos
+            faults.fail_at[request_id] = 1 + (i // len(lifecycles)) % 2
+        rule = GRAMMAR_LIFE[1] if kind == GRAMMAR_LIFE[0] else None
+        return kind, Request(p, e.max_new_tokens, request_id=request_id, constraint=rule), eos
 
     size = 1 if e.batch_size == 1 else 2 * e.batch_size
 
@@ -271,23 +287,25 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
                    for j in range(e.batch_size)], set())
         for _ in rounds([life(i, -1_000 - i) for i in range(warm_lives)]):
             pass
-        base = _snapshot(pools, rt.device)
+        base = _snapshot(pools, rt.device, engine.grammars)
         rows, snaps = [], []
         for group, outcomes in rounds([life(i, i) for i in range(c.sequences)]):
             if plant is not None:
                 faults.planted += [torch.empty(plant, dtype=torch.uint8, device=rt.device) for _ in group]
-            snap = _snapshot(pools, rt.device)
+            snap = _snapshot(pools, rt.device, engine.grammars)
             snaps.append((len(rows) + len(group), snap))
             for (kind, req, _), (finish, ntok) in zip(group, outcomes):
                 rows.append(_row(req, kind, finish, ntok, snap, base))
                 if on_sequence is not None:
                     on_sequence(rows[-1])
         run_round([Request([rng.randrange(vocab) for _ in range(2)], e.max_new_tokens, request_id=-20_000)], set())
-        settled = _snapshot(pools, rt.device)
+        settled = _snapshot(pools, rt.device, engine.grammars)
     engine.close()
 
     last = rows[-1]
     leaked = {k: v / c.sequences for k, v in last["growth_bytes"].items() if v > 0}
+    if settled["matchers"] > base["matchers"]:  # counted exactly, like the ledger: any left is a leak
+        leaked["grammar_matchers"] = (settled["matchers"] - base["matchers"]) / c.sequences
     memory = device_verdict(snaps, settled, base, rt.device)
     if memory["leak"]:
         leaked["cuda_allocator" if rt.device.type == "cuda" else "live_tensors"] = memory["bytes_per_sequence"]
@@ -303,6 +321,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
         "judged_on": f"ledger+{memory['measure']} slope",
         "baseline": baseline,
         "lifecycles_seen": sorted({r["finish_reason"] for r in rows}),
+        "matchers_live_after": settled["matchers"],
         "sequences": rows,
         "memory_slope": memory,
         "verdict": "leak" if leaked else "clean",

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from glm5mtp_cli.constraint import Constraint
 from glm5mtp_cli.errors import UserError
 
 DEFAULT_MODEL = "glm5-nano"
@@ -113,6 +114,9 @@ class EngineConfig:
     eos_ids: tuple[int, ...] | None = None  # None: the model's; (): never stop early (--ignore-eos)
     check_invariants: bool = False  # assert drafter rows == accepted rows every step (tests, leak-check)
     synthetic_acceptance: tuple[float, ...] | None = None  # conditional rates per draft (engine/synthetic.py)
+    constraint: Constraint | None = None  # every request's (a prompt line's own replaces it): engine/grammar.py
+    constrain_after: int | None = None  # token id after which constraints start (--constrain-after)
+    draft_mask: bool = True  # mask the drafter's logits too (--no-draft-mask: only the verify's)
 
     def __post_init__(self):
         if not 0 <= self.gamma <= MAX_GAMMA:

@@ -5,7 +5,9 @@ propose, each paired with the target hidden of the position before it) in one ca
 the last of those rows yields draft 1. Each further draft feeds the previous one with the drafter's
 carried hidden, one chained row per sequence per forward, every sequence at once, so each weight is
 read once per draft position for the whole batch. Greedy with no confidence stop, a runner with
-static forwards runs the whole chain as one forward (the fused chain). The proposer describes the
+static forwards runs the whole chain as one forward (the fused chain), unless a grammar masks the
+drafts: each position's logits are then masked by the state after the drafts before it
+(engine/grammar.StepMasks), so the chain runs position by position. The proposer describes the
 forwards and turns their logits into draft ids (`choose`); the runner runs them; this loop knows
 neither how.
 """
@@ -23,15 +25,17 @@ def fusable(sampling, tau: float | None) -> bool:
 
 
 def propose(head: DraftProposer, runner, feed: Feed, states: list[ProposerState], g: int,
-            tau: float | None) -> Drafts:
+            tau: float | None, masks=None) -> Drafts:
     """g drafts for each of the batch's sequences (fewer where the chain's top-1 probability fell
-    below `tau`, --draft-conf-tau); feed row j is states[j]'s pending real rows."""
+    below `tau`, --draft-conf-tau); feed row j is states[j]'s pending real rows; masks: the step's
+    grammar masks (masked drafting) or None."""
     for st in states:
         check_aligned(st.real_rows, st)
     caches = [st.cache for st in states]
     head.start_propose()
-    fused = runner.fused_chain(feed, caches, g) if g else None
-    drafts = Drafts(fused, [g] * len(states)) if fused is not None else _chain(head, runner, feed, caches, states, g, tau)
+    fused = runner.fused_chain(feed, caches, g) if g and masks is None else None
+    drafts = (Drafts(fused, [g] * len(states)) if fused is not None
+              else _chain(head, runner, feed, caches, states, g, tau, masks))
     for j, st in enumerate(states):
         st.add_real(feed.tokens, j, feed.counts[j])
         st.last_drafts, st.row = drafts, j
@@ -39,7 +43,7 @@ def propose(head: DraftProposer, runner, feed: Feed, states: list[ProposerState]
 
 
 def _chain(head: DraftProposer, runner, feed: Feed, caches: list, states: list[ProposerState], g: int,
-           tau: float | None) -> Drafts:
+           tau: float | None, masks) -> Drafts:
     """The catch-up forward, then one chained forward per further draft."""
     logits, carried = runner.catchup(head, feed, caches)
     b = len(states)
@@ -47,6 +51,8 @@ def _chain(head: DraftProposer, runner, feed: Feed, caches: list, states: list[P
     active = [True] * b
     counts = [0] * b
     for i_step in range(g):
+        if masks is not None:
+            logits = masks.draft(i_step, logits, drafts[-1] if i_step else None, head.draft_head)
         d, q = head.choose(logits, states)
         drafts.append(d)
         probs.append(q)

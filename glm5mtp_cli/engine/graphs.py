@@ -98,9 +98,13 @@ class EngineGraphs:
     """An engine's static forwards for every bucket and gamma, over its block tables."""
 
     def __init__(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
-                 hidden: tuple[int, torch.dtype] | None, device: torch.device, mempool, greedy: bool):
-        """mempool: the runner's graph pool (None: static forwards run eagerly, nothing captured)."""
+                 hidden: tuple[int, torch.dtype] | None, device: torch.device, mempool, greedy: bool,
+                 stepwise: bool = False):
+        """mempool: the runner's graph pool (None: static forwards run eagerly, nothing captured).
+        greedy: the fused chain; stepwise: the catch-up and chain step too (a greedy engine's
+        drafts under a grammar mask, engine/grammar.py, run position by position)."""
         self.slots = slots
+        self.stepwise = stepwise or not greedy  # whether the buckets hold catch-up and chain forwards
         self.max_blocks = max_blocks  # the tables' width: the longest sequence they can name
         self.device = device
         self.mempool = mempool
@@ -115,7 +119,7 @@ class EngineGraphs:
             if proposer is not None:
                 self._tables("drafter", False, max_blocks)  # no proposer's forwards read slot state
             for b in buckets_for(slots):
-                self.buckets[b] = self._bucket(b, target, proposer, gammas, hidden, greedy)
+                self.buckets[b] = self._bucket(b, target, proposer, gammas, hidden, greedy, self.stepwise)
         except BaseException:
             self.close()
             raise
@@ -140,7 +144,7 @@ class EngineGraphs:
             table = torch.full((self.slots + 1, max_blocks), scratch, dtype=torch.long, device=self.device)
             self.tables[owner][short] = Table(pool, table, scratch)
 
-    def _bucket(self, b: int, target, proposer, gammas, hidden, greedy) -> _Bucket:
+    def _bucket(self, b: int, target, proposer, gammas, hidden, greedy, stepwise) -> _Bucket:
         dev = self.device
         idx = torch.full((b,), self.slots, dtype=torch.long, device=dev)  # every row on the scratch row
         tt, ts = self.tables["target"], self.slot_index["target"]
@@ -164,7 +168,7 @@ class EngineGraphs:
             # step after a smaller one may bring that many rows), then g - 1 chained steps, argmax inside
             bucket.draft = {g: StaticForward(proposer.context, chain_of(g), b, top + 1, td, dev, hidden,
                                              pick_row=True, idx=idx, slots=ds) for g in gammas if g}
-        else:
+        if stepwise:
             bucket.catchup = StaticForward(proposer.context, drafter, b, top + 1, td, dev, hidden, pick_row=True,
                                            idx=idx, slots=ds)
             if top > 1:
@@ -249,12 +253,13 @@ class ForwardRunner:
 
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
-             hidden: tuple[int, torch.dtype] | None, greedy: bool) -> None:
-        """Build (compile, and on CUDA capture) the engine's static forwards; a no-op when eager."""
+             hidden: tuple[int, torch.dtype] | None, greedy: bool, stepwise: bool = False) -> None:
+        """Build (compile, and on CUDA capture) the engine's static forwards; a no-op when eager
+        (greedy and stepwise: EngineGraphs')."""
         if self.mode == "eager" or self.graphs is not None:
             return
         self.graphs = EngineGraphs(target, proposer, pools, slots, max_blocks, gammas, hidden, self.device,
-                                   self.mempool, greedy=greedy)
+                                   self.mempool, greedy=greedy, stepwise=stepwise)
         try:
             if self.compile != "off":
                 self.compile_s += self.graphs.compile_all(self.compile, self.compile_mode)

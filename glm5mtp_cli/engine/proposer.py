@@ -130,6 +130,10 @@ class DraftProposer(Protocol):
     forwards as functions of device tensors (drafter_forward, greedy_chain) that the runner calls
     eagerly, over static buffers, or inside a captured CUDA graph; it never calls the runner."""
 
+    # --draft-vocab's head (its `ids`: the full-vocabulary id of each drafter logit) or None; a
+    # grammar mask over the full vocabulary reaches the drafter's logits through it
+    draft_head: object | None
+
     # per-sequence state
     def alloc_state_for(self, budget_tokens: int) -> ProposerState: ...
     def free_state(self, state: ProposerState) -> None: ...  # safe twice

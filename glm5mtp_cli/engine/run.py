@@ -70,11 +70,13 @@ class Stopped(KeyboardInterrupt):
         self.finished = finished
 
 
-def run_generate(rt: Runtime, prompts: list[list[int]], config: EngineConfig, on_tokens=None):
-    """One engine over all prompts, as `config` says. Returns (results, acceptance, latency json,
+def run_generate(rt: Runtime, prompts: list[list[int]], config: EngineConfig, on_tokens=None, constraints=None):
+    """One engine over all prompts, as `config` says; constraints: each prompt's own (a list beside
+    prompts, None entries for the config's, if any). Returns (results, acceptance, latency json,
     per-sequence bytes, pool bytes); raises Stopped on Ctrl-C, every cache given back."""
     config = resolve(rt, config)
-    requests = [Request(p, config.max_new_tokens, i) for i, p in enumerate(prompts)]
+    constraints = constraints or [None] * len(prompts)
+    requests = [Request(p, config.max_new_tokens, i, constraint=c) for i, (p, c) in enumerate(zip(prompts, constraints))]
     per_seq = max(reserve_tokens(len(r.prompt), r.max_new_tokens, config.gamma, config.alloc, config.max_seq_len)
                   for r in requests)
     pools = rt.make_pools(per_seq, min(config.batch_size, len(requests)), prefill_graphs=config.prefill_graphs)

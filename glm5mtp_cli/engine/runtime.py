@@ -23,6 +23,7 @@ from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.compiled import default_compile
 from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec  # noqa: F401  (DEFAULT_MODEL: the runtime's default)
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
+from glm5mtp_cli.engine.grammar import Grammars
 from glm5mtp_cli.engine.memory_check import check_memory
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import ResolvedModel, resolve_model
@@ -212,7 +213,10 @@ def make_engine(rt: "Runtime", pools: CachePools, config: EngineConfig) -> SpecE
             path = Path(config.draft_vocab_file) if config.draft_vocab_file is not None else None
             draft_ids = load_draft_ids(rt.resolved.folder, config.draft_vocab, rt.cfg.vocab_size, rt.device, path=path)
         proposer = family_of(rt.cfg).make_proposer(rt.target, rt.mtp, pools, config, draft_ids)
-    return SpecEngine(rt.cfg, rt.target, proposer, pools, config, rt.device, rt.comm)
+    tokenizer = rt.resolved.folder / "tokenizer.json" if rt.resolved.folder is not None else None
+    grammars = (Grammars(tokenizer, rt.cfg.vocab_size, rt.cfg.eos_token_id, config.constrain_after)
+                if tokenizer is not None and tokenizer.is_file() else None)  # its tokenizer built at first use
+    return SpecEngine(rt.cfg, rt.target, proposer, pools, config, rt.device, rt.comm, grammars)
 
 
 def resolve(rt: "Runtime", config: EngineConfig) -> EngineConfig:

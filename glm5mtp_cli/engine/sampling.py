@@ -67,7 +67,8 @@ def accept_rejection(drafts: torch.Tensor, draft_probs: torch.Tensor, target_log
         p_d = p[idx, d]
         q_d = draft_probs[idx, d]
         u = torch.rand(num_drafts, generator=gen, device=p.device)
-        ok = (u * q_d <= p_d).int()  # u < p/q without dividing by a zero q
+        # u < p/q without dividing by a zero q; a draft of zero target probability (masked by a grammar) never passes
+        ok = ((u * q_d <= p_d) & (p_d > 0)).int()
         accepted = int(ok.cumprod(0).sum().item())
     else:
         accepted = 0

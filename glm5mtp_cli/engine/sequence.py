@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glm5mtp_cli.constraint import Constraint
 from glm5mtp_cli.engine.cache import SequenceCache
 from glm5mtp_cli.engine.carry import Carry
 from glm5mtp_cli.engine.metrics import Acceptance
@@ -19,6 +20,7 @@ class Request:
     request_id: int = 0
     carry: Carry | None = None  # the previous turn's caches of this conversation (consumed)
     carry_mode: str = "none"  # what to hand back for the next turn: none | drafter | all
+    constraint: Constraint | None = None  # its output's grammar (None: the config's, if any)
 
 
 @dataclass
@@ -41,17 +43,22 @@ class SeqResult:
     carried_target_rows: int = 0
     carried_drafter_rows: int = 0
     carry_out: Carry | None = None
+    constraint: str | None = None  # Constraint.describe() of a constrained request
+    complete: bool | None = None  # constrained: the grammar was completed (finish grammar or eos)
+    valid: bool | None = None  # constrained and complete: the output matches, by a fresh matcher
 
 
 class StepRecord:
     """One verify step of one sequence, as the trace and the latency figures read it at its end."""
 
-    __slots__ = ("times", "drafts", "accepted", "position", "emitted", "draft_ids")
+    __slots__ = ("times", "drafts", "accepted", "position", "emitted", "draft_ids", "grammar_valid")
 
-    def __init__(self, times, drafts: int, accepted: int, position: int, emitted: list[int], draft_ids: list[int]):
+    def __init__(self, times, drafts: int, accepted: int, position: int, emitted: list[int], draft_ids: list[int],
+                 grammar_valid: int | None = None):
         self.times = times  # clock.StepTimes, shared by the step's sequences
         self.drafts, self.accepted, self.position = drafts, accepted, position
         self.emitted, self.draft_ids = emitted, draft_ids
+        self.grammar_valid = grammar_valid  # constrained: drafts the grammar allowed (the rest it rejected)
 
 
 @dataclass
@@ -85,6 +92,8 @@ class LiveSequence:
     slot: int | None = None  # the engine slot it holds (its rows of the graphs' block tables)
     gen: torch.Generator | None = None  # its own random stream (sampling)
     arrive: object = None  # clock mark of the generate call that brought it
+    grammar: object = None  # engine/grammar.SeqGrammar of a constrained request
+    grammar_stop: int | None = None  # index in `out` after which its grammar admits nothing more
 
     @property
     def last_dev(self) -> torch.Tensor:

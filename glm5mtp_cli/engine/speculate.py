@@ -40,6 +40,7 @@ from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine import drafting
+from glm5mtp_cli.engine.grammar import Grammars, StepMasks
 from glm5mtp_cli.engine.graphs import ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_drafters, prefill_targets
@@ -49,6 +50,7 @@ from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
 from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, StepRecord, budget_tokens, reserve_tokens
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
 from glm5mtp_cli.errors import UserError
+from kernels.bitmask import apply_bitmask
 
 @dataclass
 class Run:
@@ -86,10 +88,11 @@ class SpecEngine:
     decides how the decode forwards run (eager, static buffers, CUDA graphs)."""
 
     def __init__(self, model_cfg, target, proposer: DraftProposer | None, pools: CachePools, config: EngineConfig,
-                 device: torch.device | str = "cpu", comm=None):
+                 device: torch.device | str = "cpu", comm=None, grammars: Grammars | None = None):
         """model_cfg: the family's config (vocab, EOS); config: resolved (runtime.resolve: max_seq_len,
         compile and the forward mode concrete); comm: parallel.Comm under --tp (the adaptive gamma and
-        the admission decision are rank 0's)."""
+        the admission decision are rank 0's); grammars: the matchers of constrained requests
+        (engine/grammar.py; None: the checkpoint has no tokenizer to match over)."""
         if config.gamma > 0 and proposer is None:
             raise UserError(f"gamma {config.gamma} needs a draft proposer (the checkpoint's MTP layer)")
         self.cfg = model_cfg
@@ -117,6 +120,8 @@ class SpecEngine:
         self.on_tokens = None  # callback(request_id, new token ids) for streaming
         self.results: list[SeqResult | None] = []  # the last generate call's (Run.results)
         self.head = proposer if config.gamma > 0 else None
+        self.grammars = grammars
+        self._stepwise = False  # this generate call masks drafts (_open_graphs builds the forwards it needs)
 
     # ---- sizing -----------------------------------------------------------------------------
     def budget_tokens(self, req: Request) -> int:
@@ -138,6 +143,12 @@ class SpecEngine:
             raise UserError(
                 f"request {req.request_id}: prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new + "
                 f"gamma {self.gamma} needs {need} rows, over --max-seq-len {self.max_seq_len}")
+        if self._constraint(req) is not None and (self.grammars is None or self.synthetic is not None):
+            raise UserError(f"request {req.request_id}: a constraint needs the checkpoint's tokenizer.json and no "
+                            "--synthetic-acceptance")
+
+    def _constraint(self, req: Request):
+        return req.constraint if req.constraint is not None else self.config.constraint
 
     # ---- the loop ---------------------------------------------------------------------------
     def generate(self, requests: list[Request], batch_size: int | None = None) -> list[SeqResult]:
@@ -166,7 +177,10 @@ class SpecEngine:
         (built again at the first step), the prefill's opened."""
         built = self.runner.graphs  # a rebuild for more slots keeps the width (it never narrows)
         width = max(self._table_blocks(requests), built.max_blocks if built is not None else 0)
-        if built is not None and (built.slots < batch_size or built.max_blocks < width):
+        # masked drafting runs the chain position by position: a greedy engine's graphs need those forwards too
+        self._stepwise = self.config.draft_mask and any(self._constraint(r) is not None for r in requests)
+        if built is not None and (built.slots < batch_size or built.max_blocks < width
+                                  or (self._stepwise and not built.stepwise)):
             self.runner.close()
         if self.config.prefill_graphs:
             self.runner.open_prefill(self.target, self.head, self.pools, width, graph_rows(self.cfg.hidden_size))
@@ -186,16 +200,19 @@ class SpecEngine:
             self._catch_up_backlog(active)
         h0, p0 = time.perf_counter(), self.clock.now()  # h0: the step's cost for the gamma policy
         self.runner.step([s.slot for s in active])
-        drafts = self.draft(active, g) if g > 0 else None
+        masks = self._masks(active, g)
+        drafts = self.draft(active, g, masks if self.config.draft_mask else None) if g > 0 else None
         v0 = self.clock.now()
         if self.hooks is not None:
             self.hooks.before_verify(active)
         starts = [s.cache.length for s in active]
         out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
+        if masks is not None:  # the walk's host work overlaps the verify forward already launched
+            apply_bitmask(out.logits, masks.verify(drafts))
         verdict = self._accept(drafts, out.logits, active)
         times = StepTimes(p0, v0, self.clock.now())
         self._commit(active, verdict, drafts, out.hidden_all, starts)
-        self._finish(active, verdict, times, starts, run.slots)
+        self._finish(active, verdict, times, starts, run.slots, masks)
         # a step ends in a host read of its tokens, so its host wall time is its device time plus the
         # per-sequence bookkeeping, which at batch 64 outweighs the graph replay (and drafting
         # amortizes it over more tokens): the device time alone undervalued drafting there
@@ -282,7 +299,8 @@ class SpecEngine:
         h = active[0].pend()[1]  # the hiddens the drafter takes (None: no drafter)
         hidden = (h.shape[-1], h.dtype) if h is not None else None
         self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
-                         hidden, greedy=drafting.fusable(self.sampling, self.config.draft_conf_tau))
+                         hidden, greedy=drafting.fusable(self.sampling, self.config.draft_conf_tau),
+                         stepwise=self._stepwise)
         for s in active:
             self.runner.occupy(s.slot, self._slot_caches(s))
 
@@ -323,6 +341,8 @@ class SpecEngine:
                 seq.cache.reserve(self.reserve_tokens(req))
                 if self.head is not None and seq.state is None:
                     seq.state = self._alloc_state(req)
+                if self._constraint(req) is not None:
+                    seq.grammar = self.grammars.open(self._constraint(req), self.eos)
                 if seq.state is not None:
                     seq.state.gen = seq.gen
             self._fill(seqs, plans)
@@ -337,6 +357,9 @@ class SpecEngine:
         logits, hiddens = prefill_targets(self.target, [s.cache for s in seqs],
                                           [s.req.prompt[pl.target_start:] for s, pl in zip(seqs, plans)],
                                           self.config.prefill_chunk, self.config.prefill_tokens, self.device, self.runner.prefill)
+        masks = self._masks(seqs, 0)
+        if masks is not None:
+            apply_bitmask(logits[:, None], masks.verify(None))
         if self.sampling.greedy:
             first = logits.argmax(-1)
         else:
@@ -362,6 +385,8 @@ class SpecEngine:
             if seq.state is not None:
                 seq.set_pend(seq.last_dev, hiddens[i][-1:])
             seq.out.append(seq.last)
+            if seq.grammar is not None:
+                seq.grammar_stop = seq.grammar.commit([seq.last])
             seq.all_tokens = list(req.prompt) + [seq.last]
             seq.res = SeqResult(req.request_id, p, seq.out, "", seq.acc, 0.0, 0.0, 0.0,
                                 state_bytes=state_bytes[i], prefilled_target_rows=p - pl.target_start,
@@ -416,16 +441,17 @@ class SpecEngine:
         tokens = s.all_tokens[: target.length] if target is not None else list(s.all_tokens)
         s.res.carry_out = Carry(target, tokens, drafter)
 
-    def draft(self, active: list[LiveSequence], g: int) -> Drafts:
-        """The proposer's drafts for the active sequences' next verify (g of them each). An unchanged
-        batch passes the last step's feed as it is (proposer.Feed): no per-sequence views."""
+    def draft(self, active: list[LiveSequence], g: int, masks: StepMasks | None = None) -> Drafts:
+        """The proposer's drafts for the active sequences' next verify (g of them each), under the
+        grammar masks when given. An unchanged batch passes the last step's feed as it is (one Feed
+        over its rows): no per-sequence views."""
         src = active[0].pend_src
         if src is not None and all(s.pend_src is src and s.pend_i == i for i, s in enumerate(active)):
             feed = Feed(src[0][: len(active)], src[1][: len(active)], [s.pend_n for s in active])
         else:
             feed = Feed.of([s.pend() for s in active])
         drafts = drafting.propose(self.head, self.runner, feed, [s.state for s in active], g,
-                                  self.config.draft_conf_tau)
+                                  self.config.draft_conf_tau, masks)
         if self.config.check_invariants:
             for s in active:
                 assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
@@ -463,6 +489,12 @@ class SpecEngine:
                        torch.cat([hiddens, *(h for _, h in s.backlog)]))
             s.backlog = []
 
+    def _masks(self, seqs: list[LiveSequence], g: int) -> StepMasks | None:
+        """This step's grammar masks, or None when no sequence in it is constrained."""
+        if all(s.grammar is None for s in seqs):
+            return None
+        return StepMasks(self.grammars, [s.grammar for s in seqs], g, self.device)
+
     def _verify_ids(self, active: list[LiveSequence], drafts: Drafts | None) -> torch.Tensor:
         """[A, g + 1]: each sequence's newest token, then its drafts."""
         last = self._last_tokens(active)
@@ -490,25 +522,29 @@ class SpecEngine:
                 s.backlog.append((s.last_dev, hidden_all[i, :1]))
 
     def _finish(self, active: list[LiveSequence], v: "Verdict", times: StepTimes, starts: list[int],
-                slots: list) -> None:
-        """Each sequence's tokens of this step; one that finished (EOS, length, cancel: released)
-        leaves its slot to the next admission."""
+                slots: list, masks: StepMasks | None) -> None:
+        """Each sequence's tokens of this step; one that finished (EOS, length, grammar, cancel:
+        released) leaves its slot to the next admission."""
         for i, s in enumerate(active):
-            self._emit(s, v, i, times, starts[i])
+            self._emit(s, v, i, times, starts[i], masks.valid[i] if masks is not None else None)
             if s.done is not None:
                 slots[s.slot] = None
 
-    def _emit(self, s: LiveSequence, v: "Verdict", i: int, times: StepTimes, start: int) -> None:
+    def _emit(self, s: LiveSequence, v: "Verdict", i: int, times: StepTimes, start: int,
+              grammar_valid: int | None = None) -> None:
         """Sequence i's tokens of this step (a accepted drafts and the target's own), its record of
         the step, then whether it finished."""
         a, drafted = v.accepted[i], v.draft_ids[i] if v.draft_ids is not None else []
         new = drafted[:a] + [v.next[i]]
         s.acc.record(v.proposed[i], a)
-        s.records.append(StepRecord(times, v.proposed[i], a, start, new, drafted[: v.proposed[i]]))
+        s.records.append(StepRecord(times, v.proposed[i], a, start, new, drafted[: v.proposed[i]], grammar_valid))
         s.steps += 1
         s.last = new[-1]
         s.all_tokens.extend(new)
         before = len(s.out)
+        if s.grammar is not None:
+            stop = s.grammar.commit(new)
+            s.grammar_stop = before + stop if stop is not None else None
         s.out.extend(new)
         self._maybe_finish(s, before)
         if self.on_tokens is not None and len(s.out) > before:
@@ -576,7 +612,10 @@ class SpecEngine:
         """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""
         req = s.req
         del s.out[req.max_new_tokens:]  # a verify step may accept past the budget
-        for j in range(fresh_from, len(s.out)):
+        if s.grammar_stop is not None and s.grammar_stop < len(s.out):
+            del s.out[s.grammar_stop + 1:]  # past it the mask admitted only EOS
+            s.done = "grammar"
+        for j in range(fresh_from, len(s.out) if s.done is None else 0):
             if s.out[j] in self.eos:
                 del s.out[j + 1:]
                 s.done = "eos"
@@ -610,6 +649,20 @@ class SpecEngine:
                               "draft_ids": r.draft_ids, "emitted_ids": r.emitted,
                               "propose_ms": prop * 1e3, "verify_ms": ver * 1e3})
         res.decode_s = decode
+        if s.grammar is not None:
+            self._judge(s)
+
+    def _judge(self, s: LiveSequence) -> None:
+        """A constrained result's verdict: complete where the grammar ended it (or an EOS it accepted),
+        valid where a fresh matcher accepts the constrained part whole."""
+        res, g = s.res, s.grammar
+        res.constraint = g.constraint.describe()
+        part = g.constrained_part(s.out)
+        res.complete = s.done in ("grammar", "eos") and part is not None
+        res.valid = self.grammars.validates(g.constraint, part) if res.complete else None
+        for row, r in zip(res.trace, s.records):
+            if r.grammar_valid is not None:
+                row["grammar_rejected"] = r.drafts - r.grammar_valid
 
     def _state_bytes(self, s: LiveSequence) -> dict[str, int]:
         out = {f"target_{k}": v for k, v in s.cache.bytes_held().items()}
@@ -620,6 +673,8 @@ class SpecEngine:
     def release(self, s: LiveSequence) -> None:
         """Give back every per-sequence allocation; safe to call twice (finish, then finally)."""
         self.runner.retire(s.slot)  # before the blocks its tables name go back
+        if s.grammar is not None:
+            s.grammar.free()
         self._release_cache(s.cache, "target")
         if s.state is not None and self.head is not None:
             if s.state.cache is not None:
