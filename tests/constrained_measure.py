@@ -3,7 +3,7 @@ mean acceptance length and decode step time per (batch size, mode), mode one of 
 masked (the drafter masked too) and unmasked (--no-draft-mask: only the verify masked), every
 complete output checked. Prints one JSON document (profiles/constrained/RESULTS.md reads it).
 
-Step time: each engine step's wall time (SpecEngine._step, which ends in the step's host read, so
+Step time: each engine step's wall time (SpecEngine.step, which ends in the step's host read, so
 the device has finished it), the median over the steps that ran with every slot full. Constrained
 replies are shorter than free ones, so a run's mean step (decode time / steps) mixes in more
 half-empty steps of admission and tails; full steps compare like with like. Grammar host time:
@@ -11,7 +11,7 @@ the wall time of the step's grammar work (masks filled, copied and applied, matc
 committed) per step; on the CPU the masks' application is host work too, on CUDA the drafts'
 host read inside it also waits for the device.
 
-    python3 profiles/constrained/measure.py --model glm5-nano --device cpu --threads 1 > out.json
+    python3 tests/constrained_measure.py --model glm5-nano --device cpu --threads 1 > out.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "profiles" / "constrained"  # the prompts and the results
+sys.path.insert(0, str(ROOT))
 
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec  # noqa: E402
 from glm5mtp_cli.engine.run import run_generate  # noqa: E402
@@ -41,15 +42,29 @@ MODES = ("unconstrained", "masked", "unmasked")
 STEPS: list[tuple[int, float]] = []  # (active sequences, seconds) of every engine step
 
 
+ACTIVE = [0]  # the sequences the current step runs (its schedule's)
+
+
 def _timed_step(step):
-    def timed(self, active):
+    def timed(self, run):
+        ACTIVE[0] = 0
         t0 = time.perf_counter()
-        step(self, active)
-        STEPS.append((len(active), time.perf_counter() - t0))
+        step(self, run)
+        if ACTIVE[0]:
+            STEPS.append((ACTIVE[0], time.perf_counter() - t0))
     return timed
 
 
-SpecEngine._step = _timed_step(SpecEngine._step)
+def _counted_schedule(schedule):
+    def counted(self, run):
+        active = schedule(self, run)
+        ACTIVE[0] = len(active)
+        return active
+    return counted
+
+
+SpecEngine.step = _timed_step(SpecEngine.step)
+SpecEngine._schedule = _counted_schedule(SpecEngine._schedule)
 HOST = [0.0]  # seconds of grammar work in the current run
 
 
@@ -142,7 +157,7 @@ def main() -> None:
             summary.append(row)
     for r in runs:
         del r["tokens_per_request"]
-    print(json.dumps({"command": " ".join(["python3", "profiles/constrained/measure.py"] + sys.argv[1:]),
+    print(json.dumps({"command": " ".join(["python3", "tests/constrained_measure.py"] + sys.argv[1:]),
                       "commit": commit, "model": a.model, "device": str(rt.device), "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "summary": summary, "runs": runs}))
 
