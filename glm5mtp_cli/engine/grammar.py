@@ -48,7 +48,7 @@ class Grammars:
         self.live = 0
         self._tok = None
         self._grammars: dict[Constraint, str] = {}
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
 
     def tokenizer(self):
         if self._tok is None:
@@ -76,13 +76,16 @@ class Grammars:
         return m.consume_tokens(tokens) and m.is_accepting()
 
     def host_buffer(self, positions: int, rows: int, device: torch.device) -> torch.Tensor:
-        """A [positions, rows, W] int32 host mask, all allowed; pinned for CUDA, reused per shape
-        (a step's copies are done by its one host read, before the next step refills it)."""
-        key = (positions, rows)
-        if key not in self._buffers:
-            self._buffers[key] = torch.empty((positions, rows, self.words), dtype=torch.int32,
-                                             pin_memory=device.type == "cuda")
-        return self._buffers[key].fill_(-1)
+        """A [positions, rows, W] int32 host mask, all allowed; pinned for CUDA, reused (a step's
+        copies are done by its one host read, before the next step refills it). One buffer per
+        positions count, as wide as the most rows it met, and narrower batches take a view of it:
+        a batch that shrinks as its sequences finish allocates nothing (leak-check's census would
+        count a buffer per (positions, rows) met after its warm-up as growth)."""
+        buf = self._buffers.get(positions)
+        if buf is None or buf.shape[1] < rows:
+            buf = self._buffers[positions] = torch.empty((positions, rows, self.words), dtype=torch.int32,
+                                                         pin_memory=device.type == "cuda")
+        return buf[:, :rows].fill_(-1)
 
 
 class SeqGrammar:
