@@ -207,9 +207,10 @@ class KdaBatchPending:
     def commit(self, state: torch.Tensor, keep: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked: every sequence's (S [Lk, B, H, d, d], conv windows [Lk, B, K-1, 3C]) after keeping
         its first keep[b] rows (keep [B] on the device: no host value, so a captured forward can
-        commit), from the committed S `state` [Lk, B, H, d, d]; k = conv kernel width. Replay: the
-        rows past keep[b] get g = 0 and beta = 0, no decay and no write, so the recurrence over all
-        T rows leaves exactly the kept rows' state. 'final' keeps its state where keep > 0 (the
+        commit), from the committed S `state` [Lk, B, H, d, d]; k = conv kernel width. Replay: one
+        recurrence over every layer's and sequence's heads that stops each head after its
+        sequence's keep[b] rows (kernels/kda.py's lengths; the reference gives the rows past it
+        g = 0 and beta = 0, no decay and no write), so it leaves exactly the kept rows' state. 'final' keeps its state where keep > 0 (the
         caller keeps exactly the real rows of such a forward) and S where nothing is kept."""
         ext = self.extended
         at = keep[:, None] + torch.arange(k - 1, device=keep.device)  # [B, K-1]
@@ -217,11 +218,11 @@ class KdaBatchPending:
         if self.inputs is None:
             return torch.where(keep.view(1, -1, 1, 1, 1) > 0, self.final, state), window
         x = self.inputs
-        live = (torch.arange(x.q.shape[2], device=keep.device)[None, :] < keep[:, None])[None]  # [1, B, T]
-        x = KdaInputs(x.q, x.k, x.v, x.g * live[..., None, None], x.beta * live[..., None])
-        lk, b = state.shape[:2]
+        lk, b, h = state.shape[:3]
         folded = KdaInputs(*(t.flatten(0, 1) for t in (x.q, x.k, x.v, x.g, x.beta))).folded()  # [T, Lk*B*H, ...]
-        _, s, _ = kda_recurrent(folded, state.reshape(-1, *state.shape[3:]))
+        lengths = keep.view(1, b, 1).expand(lk, b, h).reshape(-1)  # each folded head's sequence's keep
+        _, s = kda_rows(folded.q, folded.k, folded.v, folded.g, folded.beta, state.reshape(-1, *state.shape[3:]),
+                        lengths)
         return s.view(state.shape), window
 
 
