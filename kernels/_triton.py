@@ -99,6 +99,12 @@ def use_triton(*tensors: torch.Tensor, force: bool = False) -> bool:
     return False
 
 
+def tracks_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd tracks any of these (training): kernels without a backward leave such
+    calls to their references, which have one."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _no_jit(fn):
     return fn
 

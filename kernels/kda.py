@@ -17,7 +17,7 @@ It has no backward: where autograd tracks an input (training), the reference run
 
 import torch
 
-from ._triton import alloc, as_op, jit, tl, use_triton
+from ._triton import alloc, as_op, jit, tracks_grad, tl, use_triton
 
 
 def kda_rows_ref(q, k, v, g, beta, state, lengths=None):
@@ -82,7 +82,7 @@ def kda_rows_triton(q, k, v, g, beta, state, lengths=None):
 def kda_rows(q, k, v, g, beta, state, lengths=None, force_triton: bool = False):
     """kda_rows_ref's results; the Triton kernel for CUDA tensors with a power-of-two head size of
     at least 16 (or `force_triton` in the interpreter)."""
-    if as_op() and not _grad(q, k, v, g, beta, state):
+    if as_op() and not tracks_grad(q, k, v, g, beta, state):
         return kda_rows_op(q, k, v, g, beta, state, lengths)
     if _kernel_fits(q, k, v, g, beta, state, force=force_triton):
         return kda_rows_triton(q, k, v, g, beta, state, lengths)
@@ -92,11 +92,7 @@ def kda_rows(q, k, v, g, beta, state, lengths=None, force_triton: bool = False):
 def _kernel_fits(q, *tensors, force: bool = False) -> bool:
     d = q.shape[-1]
     return (use_triton(q, *tensors, force=force) and d >= 16 and d & (d - 1) == 0
-            and not _grad(q, *tensors))
-
-
-def _grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and not tracks_grad(q, *tensors))
 
 
 # As a custom op for compiled forwards (_triton's docstring).

@@ -16,7 +16,7 @@ The kernels have no backward: where autograd tracks an input (training), the ref
 
 import torch
 
-from ._triton import alloc, as_op, jit, next_pow2, tl, use_triton
+from ._triton import alloc, as_op, jit, next_pow2, tl, tracks_grad, use_triton
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -168,39 +168,34 @@ def hc_expand_triton(streams, y, post, comb):
 
 def hc_mix(m, base, scale, hc_eps: float, sinkhorn_iters: int, force_triton: bool = False):
     """hc_mix_ref's results; the Triton kernel for CUDA tensors (or `force_triton` in the interpreter)."""
-    if as_op() and not _grad(m, base, scale):
+    if as_op() and not tracks_grad(m, base, scale):
         return hc_mix_op(m, base, scale, hc_eps, sinkhorn_iters)
-    if use_triton(m, force=force_triton) and _pow2(_streams(m.shape[-1])) and not _grad(m, base, scale):
+    if use_triton(m, force=force_triton) and _pow2(_streams(m.shape[-1])) and not tracks_grad(m, base, scale):
         return hc_mix_triton(m, base, scale, hc_eps, sinkhorn_iters)
     return hc_mix_ref(m, base, scale, hc_eps, sinkhorn_iters)
 
 
 def hc_collapse(streams, pre, force_triton: bool = False):
     """hc_collapse_ref's result; the Triton kernel for CUDA tensors (n a power of two)."""
-    if as_op() and not _grad(streams, pre):
+    if as_op() and not tracks_grad(streams, pre):
         return hc_collapse_op(streams, pre)
-    if use_triton(streams, pre, force=force_triton) and _pow2(streams.shape[-2]) and not _grad(streams, pre):
+    if use_triton(streams, pre, force=force_triton) and _pow2(streams.shape[-2]) and not tracks_grad(streams, pre):
         return hc_collapse_triton(streams, pre)
     return hc_collapse_ref(streams, pre)
 
 
 def hc_expand(streams, y, post, comb, force_triton: bool = False):
     """hc_expand_ref's result; the Triton kernel for CUDA tensors (n a power of two)."""
-    if as_op() and not _grad(streams, y, post, comb):
+    if as_op() and not tracks_grad(streams, y, post, comb):
         return hc_expand_op(streams, y, post, comb)
     if (use_triton(streams, y, post, comb, force=force_triton) and _pow2(streams.shape[-2])
-            and not _grad(streams, y, post, comb)):
+            and not tracks_grad(streams, y, post, comb)):
         return hc_expand_triton(streams, y, post, comb)
     return hc_expand_ref(streams, y, post, comb)
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-def _grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd tracks these (training): the kernels have no backward, the references do."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 # The three as custom ops for compiled forwards (_triton's docstring).
