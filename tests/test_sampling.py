@@ -32,7 +32,7 @@ def _emitted(sampler, n=N):
     gen = torch.Generator().manual_seed(1)
     counts = torch.zeros(V, V)
     for _ in range(n):
-        drafts = draw(q, gen)  # d1 ~ q[0], d2 ~ q[1]
+        drafts = draw(q, [gen, gen])  # d1 ~ q[0], d2 ~ q[1]
         first, second = sampler(drafts, q, target_logits, params, gen)
         counts[first, second] += 1
     return counts / n
@@ -42,7 +42,7 @@ def _exact(drafts, q, target_logits, params, gen):
     accepted, token = accept_rejection(drafts, q, target_logits, 2, params, gen)
     out = drafts[:accepted].tolist() + [token]
     if len(out) < 2:  # rejected at the first draft: the next token is a fresh draw from the target
-        out.append(int(draw(probs_from_logits(target_logits[1:2], params), gen)[0]))
+        out.append(int(draw(probs_from_logits(target_logits[1:2], params), [gen])[0]))
     return out[0], out[1]
 
 
@@ -72,10 +72,10 @@ def test_the_bound_rejects_broken_samplers():
             if torch.rand((), generator=gen) * q[i, d] <= pp[i, d]:
                 out.append(d)
             else:
-                out.append(int(draw(pp[i:i + 1], gen)[0]))
+                out.append(int(draw(pp[i:i + 1], [gen])[0]))
                 break
         if len(out) < 2:
-            out.append(int(draw(pp[1:2], gen)[0]))
+            out.append(int(draw(pp[1:2], [gen])[0]))
         return out[0], out[1]
 
     assert _tv(_emitted(always_accept, 4000), want) > BOUND
@@ -103,7 +103,7 @@ def _under_mask(mask_drafts: bool):
     def sampler(drafts, q, target_logits, params, gen):
         if mask_drafts:
             q = probs_from_logits(_masked(q.log()), params)
-            drafts = draw(q, gen)
+            drafts = draw(q, [gen, gen])
         return _exact(drafts, q, _masked(target_logits), params, gen)
     return sampler
 

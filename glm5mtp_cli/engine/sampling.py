@@ -35,22 +35,19 @@ def request_stream(seed: int, request_id: int, device: torch.device | str) -> to
     return torch.Generator(device=torch.device(device)).manual_seed(int.from_bytes(mixed, "little"))
 
 
-def draw(probs: torch.Tensor, gen) -> torch.Tensor:
-    """One token per row of probs, without a host sync. gen: one generator for all rows, or a list
-    with one per row (row b's noise comes from gen[b] alone)."""
-    if isinstance(gen, (list, tuple)):
-        noise = torch.stack([torch.empty_like(probs[b]).exponential_(1.0, generator=g) for b, g in enumerate(gen)])
-    else:
-        noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
+def draw(probs: torch.Tensor, gens) -> torch.Tensor:
+    """One token per row of probs [B, V], without a host sync; gens: one generator per row (row b's
+    noise comes from gens[b] alone, so a request's draws do not depend on its batch)."""
+    noise = torch.stack([torch.empty_like(probs[b]).exponential_(1.0, generator=g) for b, g in enumerate(gens)])
     return (probs / noise).argmax(-1)
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, gen):
-    """(tokens, probs or None): argmax when greedy, else a draw from probs_from_logits (gen as draw's)."""
+def choose(logits: torch.Tensor, params: SamplingParams, gens):
+    """(tokens, probs or None): argmax when greedy, else a draw from probs_from_logits (gens as draw's)."""
     if params.greedy:
         return logits.argmax(-1), None
     probs = probs_from_logits(logits, params)
-    return draw(probs, gen), probs
+    return draw(probs, gens), probs
 
 
 def accept_rejection(drafts: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
@@ -77,7 +74,7 @@ def accept_rejection(drafts: torch.Tensor, draft_probs: torch.Tensor, target_log
         total = residual.sum()
         # p == q exactly leaves no residual mass; p itself is then the right distribution.
         residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[accepted])
-        token = draw(residual[None], gen)[0]
+        token = draw(residual[None], [gen])[0]
     else:
-        token = draw(p[accepted][None], gen)[0]
+        token = draw(p[accepted][None], [gen])[0]
     return accepted, int(token.item())

@@ -61,6 +61,34 @@ class StepRecord:
         self.grammar_valid = grammar_valid  # constrained: drafts the grammar allowed (the rest it rejected)
 
 
+@dataclass(frozen=True)
+class BatchRow:
+    """Row i of one step's batch tensors `src` (each [A, >=n, ...]), its first n entries: how a
+    sequence holds the device values a step left it, so that a batch seated as that step's was
+    passes the step's tensors on whole (`whole_batch`), with no view or copy per sequence."""
+
+    src: tuple
+    i: int
+    n: int
+
+    @classmethod
+    def own(cls, *tensors: torch.Tensor) -> "BatchRow":
+        """Tensors of its own ([n, ...] each), as the only row of a batch."""
+        return cls(tuple(t[None] for t in tensors), 0, tensors[0].shape[0])
+
+    def tensors(self) -> tuple:
+        return tuple(t[self.i, : self.n] for t in self.src)
+
+
+def whole_batch(rows: list[BatchRow]) -> tuple | None:
+    """The source tensors, cut to len(rows) rows, when `rows` are rows 0, 1, ... of one step's
+    tensors in order (the batch did not change); else None."""
+    src = rows[0].src
+    if all(r.src is src and r.i == i for i, r in enumerate(rows)):
+        return tuple(t[: len(rows)] for t in src)
+    return None
+
+
 @dataclass
 class LiveSequence:
     req: Request
@@ -71,18 +99,8 @@ class LiveSequence:
     t0: object
     all_tokens: list[int] = field(default_factory=list)  # prompt + every accepted token (untruncated)
     last: int = 0  # t[n]: newest accepted token, not yet in the target cache
-    # the same token on the device (next verify input): row last_i of last_src, the whole batch's
-    # [A] tokens of the step that made it, so an unchanged batch feeds its next verify with no copy
-    last_src: torch.Tensor | None = None
-    last_i: int = 0
-    # the drafter's pending rows (tokens [n], hiddens [n, H]), read through `pend`; after a drafting
-    # step, row pend_i of that step's batched feed (pend_src: tokens [A, g + 1], hiddens [A, g + 1,
-    # H]) instead, first pend_n entries, until something needs them as tensors of their own
-    _pend_tokens: torch.Tensor | None = None
-    _pend_hidden: torch.Tensor | None = None
-    pend_src: tuple | None = None
-    pend_i: int = 0
-    pend_n: int = 0
+    last_row: BatchRow | None = None  # the same token on the device (next verify input): [1]
+    pend: BatchRow | None = None  # the drafter's pending rows: (tokens [n], hiddens [n, H])
     backlog: list = field(default_factory=list)  # (token [1], hidden [1, H]) per step without drafts since the last drafting one
     done: str | None = None
     steps: int = 0
@@ -97,22 +115,7 @@ class LiveSequence:
 
     @property
     def last_dev(self) -> torch.Tensor:
-        return self.last_src[self.last_i:self.last_i + 1]
-
-    def pend(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The pending rows as tensors of their own (views of the step's feed)."""
-        if self.pend_src is not None:
-            tokens, hiddens = self.pend_src
-            self._pend_tokens, self._pend_hidden = tokens[self.pend_i, : self.pend_n], hiddens[self.pend_i, : self.pend_n]
-            self.pend_src = None
-        return self._pend_tokens, self._pend_hidden
-
-    def set_pend(self, tokens: torch.Tensor, hiddens: torch.Tensor) -> None:
-        self._pend_tokens, self._pend_hidden, self.pend_src = tokens, hiddens, None
-
-    @property
-    def pending_rows(self) -> int:
-        return self.pend_n if self.pend_src is not None else self._pend_tokens.shape[0]
+        return self.last_row.tensors()[0]
 
 
 def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:

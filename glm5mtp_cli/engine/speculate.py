@@ -47,7 +47,8 @@ from glm5mtp_cli.engine.prefill import prefill_drafters, prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import graph_rows
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState
 from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
-from glm5mtp_cli.engine.sequence import LiveSequence, Request, SeqResult, StepRecord, budget_tokens, reserve_tokens
+from glm5mtp_cli.engine.sequence import (BatchRow, LiveSequence, Request, SeqResult, StepRecord, budget_tokens,
+                                         reserve_tokens, whole_batch)
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
 from glm5mtp_cli.errors import UserError
 from kernels.bitmask import apply_bitmask
@@ -296,7 +297,7 @@ class SpecEngine:
         """Build (CUDA: capture) the static forwards once per engine, for every bucket up to
         `slots` and tables `width` blocks wide, then write the seated sequences' table rows. A later
         call with more slots or longer sequences rebuilds."""
-        h = active[0].pend()[1]  # the hiddens the drafter takes (None: no drafter)
+        h = active[0].pend.tensors()[1] if active[0].pend is not None else None  # the hiddens the drafter takes
         hidden = (h.shape[-1], h.dtype) if h is not None else None
         self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
                          hidden, greedy=drafting.fusable(self.sampling, self.config.draft_conf_tau),
@@ -364,7 +365,7 @@ class SpecEngine:
             first = logits.argmax(-1)
         else:
             first = torch.cat([choose(logits[i:i + 1], self.sampling, [s.gen])[0] for i, s in enumerate(seqs)])
-        firsts = first.tolist()
+        firsts, firsts_dev = first.tolist(), (first[:, None],)
         t1 = self.clock.now()
         drafted = [0] * len(seqs)
         if self.head is not None:
@@ -381,9 +382,9 @@ class SpecEngine:
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             req, p, d = seq.req, len(seq.req.prompt), drafted[i]
             seq.last = firsts[i]
-            seq.last_src, seq.last_i = first, i
+            seq.last_row = BatchRow(firsts_dev, i, 1)
             if seq.state is not None:
-                seq.set_pend(seq.last_dev, hiddens[i][-1:])
+                seq.pend = BatchRow.own(seq.last_dev, hiddens[i][-1:])
             seq.out.append(seq.last)
             if seq.grammar is not None:
                 seq.grammar_stop = seq.grammar.commit([seq.last])
@@ -432,7 +433,7 @@ class SpecEngine:
         drafter = None
         if s.state is not None and s.state.cache is not None:
             self._join_backlog(s)
-            self.head.catchup_drafter(*s.pend(), s.state.real_rows, s.state)
+            self.head.catchup_drafter(*s.pend.tensors(), s.state.real_rows, s.state)
             drafter = self.head.take_drafter_kv(s.state)
         target = None
         if mode == "all":
@@ -445,11 +446,11 @@ class SpecEngine:
         """The proposer's drafts for the active sequences' next verify (g of them each), under the
         grammar masks when given. An unchanged batch passes the last step's feed as it is (one Feed
         over its rows): no per-sequence views."""
-        src = active[0].pend_src
-        if src is not None and all(s.pend_src is src and s.pend_i == i for i, s in enumerate(active)):
-            feed = Feed(src[0][: len(active)], src[1][: len(active)], [s.pend_n for s in active])
+        whole = whole_batch([s.pend for s in active])
+        if whole is not None:
+            feed = Feed(*whole, [s.pend.n for s in active])
         else:
-            feed = Feed.of([s.pend() for s in active])
+            feed = Feed.of([s.pend.tensors() for s in active])
         drafts = drafting.propose(self.head, self.runner, feed, [s.state for s in active], g,
                                   self.config.draft_conf_tau, masks)
         if self.config.check_invariants:
@@ -471,22 +472,22 @@ class SpecEngine:
         late = []
         for s in active:
             self._join_backlog(s)
-            if s.pending_rows > self.gamma + 1:
-                late.append((s, s.pending_rows - (self.gamma + 1), *s.pend()))
+            if s.pend.n > self.gamma + 1:
+                late.append((s, s.pend.n - (self.gamma + 1), *s.pend.tensors()))
         if late:
             prefill_drafters(self.head, [t[:e] for _, e, t, _ in late], [h[:e] for _, e, _, h in late],
                              [s.state for s, *_ in late], self.config.prefill_chunk, self.config.prefill_tokens,
                              self.runner.prefill)
             for s, e, t, h in late:
-                s.set_pend(t[e:], h[e:])
+                s.pend = BatchRow.own(t[e:], h[e:])
             self._wall()
 
     @staticmethod
     def _join_backlog(s: LiveSequence) -> None:  # rows of steps without drafts: views, no copy per step
         if s.backlog:
-            tokens, hiddens = s.pend()
-            s.set_pend(torch.cat([tokens, *(t for t, _ in s.backlog)]),
-                       torch.cat([hiddens, *(h for _, h in s.backlog)]))
+            tokens, hiddens = s.pend.tensors()
+            s.pend = BatchRow.own(torch.cat([tokens, *(t for t, _ in s.backlog)]),
+                                  torch.cat([hiddens, *(h for _, h in s.backlog)]))
             s.backlog = []
 
     def _masks(self, seqs: list[LiveSequence], g: int) -> StepMasks | None:
@@ -509,15 +510,16 @@ class SpecEngine:
             self.policy.record_acceptance(v.proposed, v.accepted)
         self.runner.commit(self.target, v.accepted_dev)
         fed = (self._drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
+        next_rows = (v.next_dev[:, None],)
         for i, s in enumerate(active):
             a = v.accepted[i]
             s.cache.truncate(starts[i] + a + 1)
-            s.last_src, s.last_i = v.next_dev, i
+            s.last_row = BatchRow(next_rows, i, 1)
             if s.state is None:
                 continue
             if drafts is not None:
                 self.head.after_verify(a, s.state)
-                s.pend_src, s.pend_i, s.pend_n = fed, i, a + 1  # views of `fed` only if needed (draft)
+                s.pend = BatchRow(fed, i, a + 1)
             else:
                 s.backlog.append((s.last_dev, hidden_all[i, :1]))
 
@@ -554,10 +556,8 @@ class SpecEngine:
     def _last_tokens(active: list[LiveSequence]) -> torch.Tensor:
         """The active sequences' newest tokens [A] on the device: the previous step's tensor itself
         when the batch is unchanged (the common step), else gathered row by row."""
-        src = active[0].last_src
-        if src.shape[0] == len(active) and all(s.last_src is src and s.last_i == i for i, s in enumerate(active)):
-            return src
-        return torch.cat([s.last_dev for s in active])
+        whole = whole_batch([s.last_row for s in active])
+        return whole[0][:, 0] if whole is not None else torch.cat([s.last_dev for s in active])
 
     @staticmethod
     def _drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
