@@ -334,6 +334,14 @@ def test_bench_and_acceptance_run_prompt_lines_constrained(tmp_path):
                                  "--batch-sizes", "2", "--gammas", "0,3", "--repeats", "1", "--max-new-tokens", "8",
                                  "--target-layers", "0", "--json"])
     assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert {(row["constrained"], row["valid"] == row["complete"]) for row in doc["rows"]} == {(2, True)}
+    from rich.console import Console
+
+    from glm5mtp_cli.commands.bench import print_rows
+    out = Console(record=True, width=100)
+    print_rows(out, doc)
+    assert "constrained requests" in out.export_text()
     r = CliRunner().invoke(app, ["acceptance", "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl"), "--gammas", "3",
                                  "--temperatures", "0", "--max-new-tokens", "32", "--no-draft-mask", "--json"])
     assert r.exit_code == 0, r.output

@@ -163,6 +163,13 @@ def print_rows(out, doc: dict) -> None:
         ("batch", "system", "prefill", "run", "capture"),
         lambda r: (str(r["batch"]), r["system"], *_wall(r), _capture(r)),
         rows))
+    if any(r.get("constrained") for r in rows):
+        out.print(_table(
+            out, "constrained requests", "of the first timed run: complete (the grammar accepted the output's "
+                                         "end), valid (checked by a fresh matcher; every complete output must be)",
+            ("batch", "system", "constrained", "complete", "valid"),
+            lambda r: (str(r["batch"]), r["system"], *(str(r.get(k, "-")) for k in ("constrained", "complete", "valid"))),
+            [r for r in rows if r.get("constrained") is not None]))
     for r in rows:
         if r["gamma"] and r.get("gamma_policy") == "adaptive" and r.get("gamma_steps"):
             mix = ", ".join(f"{n} at gamma {g}" for g, n in r["gamma_steps"].items())

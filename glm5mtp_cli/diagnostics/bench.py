@@ -81,13 +81,20 @@ def run_glm5mtp(rt: Runtime, prompts: list[list[int]], systems: list[tuple[int, 
     for i in range(c.repeats + 1):
         for gamma, policy in systems:
             config = c.engine.replace(gamma=gamma, gamma_policy=policy, batch_size=batch)
-            _, acc, lat, _, _ = run_generate(rt, work, config, constraints=rules)
+            results, acc, lat, _, _ = run_generate(rt, work, config, constraints=rules)
             if i:
-                runs[(gamma, policy)].append((acc, lat))
+                runs[(gamma, policy)].append((acc, lat, _outcomes(results)))
             else:
                 compile_s[(gamma, policy)] = lat["compile_s"]  # the first engine's: inductor's caches were the coldest
     return [_row(gamma, policy, runs[(gamma, policy)], compile_s[(gamma, policy)], batch, len(work), c)
             for gamma, policy in systems]
+
+
+def _outcomes(results) -> dict:
+    """How a run's constrained requests ended: how many were constrained, complete, valid (all 0 when none)."""
+    mine = [r for r in results if r.constraint is not None]
+    return {"constrained": len(mine), "complete": sum(bool(r.complete) for r in mine),
+            "valid": sum(bool(r.valid) for r in mine)}
 
 
 def _row(gamma: int, policy: str, runs: list, compile_s: float, batch: int, prompts: int, c: BenchConfig) -> dict:
@@ -105,7 +112,7 @@ def _row(gamma: int, policy: str, runs: list, compile_s: float, batch: int, prom
             "compile": c.engine.compile, "compile_mode": c.engine.compile_mode, "compile_s": compile_s,
             "admissions": med("admissions"), "gamma_steps": runs[0][1]["gamma_steps"],
             "mean_acceptance_length": runs[0][0].mean_acceptance_length if gamma else 1.0,
-            "per_position": runs[0][0].per_position}
+            "per_position": runs[0][0].per_position, **runs[0][2]}
 
 
 def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: BenchConfig) -> dict:
