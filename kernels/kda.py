@@ -13,6 +13,11 @@ launch replays every sequence's accepted prefix at once.
 
 `kda_rows_ref` is the reference (the model's CPU path); the kernel matches it to fp32 rounding.
 It has no backward: where autograd tracks an input (training), the reference runs.
+
+`kda_slots` is the layer's whole decode-side recurrence from its raw inputs, on the engine's slot
+pool: the q/k normalisation, the forget gate and beta's sigmoid inside the kernel (a dozen PyTorch
+launches fewer per layer), each sequence's state read from its slot in place (no gathered copy),
+and, for the commit after a verify, written back to it in place: S read once, written once.
 """
 
 import torch
@@ -108,3 +113,143 @@ def kda_rows_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 @kda_rows_op.register_fake
 def _(q, k, v, g, beta, state, lengths=None):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(state.shape, dtype=torch.float32)
+
+
+# ---- from the layer's raw inputs, on the slot pool -------------------------------------------------
+
+def gated_inputs(q, k, v, f, dt_bias, a_log, b, lower: float):
+    """The layer's raw rows -> the recurrence's fp32 inputs (q normalised and scaled, k normalised,
+    v, g = lower * sigmoid(exp(a_log) (f + dt_bias)), beta = sigmoid(b)). q, k, v, f [..., H, d],
+    b [..., H]; dt_bias [..., H * d] and a_log [..., H] broadcast over the middle dims."""
+    h, d = q.shape[-2:]
+    lead = (q.dim() - 2 - (a_log.dim() - 1))  # the dims between a parameter's leading ones and H
+    alog = a_log.float().reshape(*a_log.shape[:-1], *([1] * lead), h, 1)
+    bias = dt_bias.float().reshape(*dt_bias.shape[:-1], *([1] * lead), h, d)
+    g = lower * torch.sigmoid(alog.exp() * (f.float() + bias))
+    qf, kf = q.float(), k.float()
+    qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + 1e-6) * d ** -0.5
+    kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)
+    return qf, kf, v.float(), g, torch.sigmoid(b.float())
+
+
+def kda_slots_ref(q, k, v, f, dt_bias, a_log, b, lower: float, pool, slots, lengths=None, commit: bool = False):
+    """L layers' recurrences over B sequences' T rows each, from raw rows, on states in a pool.
+
+    q, k, v, f [L, B, T, H, d] (q, k, v after the conv; f the forget gate's projection before
+    dt_bias), b [L, B, T, H] (beta's logit); dt_bias [L, H * d], a_log [L, H]; pool [L, S, H, d, d]
+    fp32, slots [B] (sequence b's states are pool[:, slots[b]]); lengths [B] or None, as kda_rows'
+    (rows past sequence b's lengths[b] leave its state as it is). commit False: returns o
+    [L, B, T, H, d] fp32 (zero past a length), the pool untouched; commit True: writes each
+    sequence's state after its rows into its slot and returns None."""
+    nl, nb, t, h, d = q.shape
+    x = gated_inputs(q, k, v, f, dt_bias[:, None, None], a_log[:, None, None], b, lower)
+    x = [y.permute(2, 0, 1, 3, *range(4, y.dim())).reshape(t, nl * nb * h, *y.shape[4:]) for y in x]
+    state = pool.index_select(1, slots).reshape(nl * nb * h, d, d)
+    heads_len = None if lengths is None else lengths.view(1, nb, 1).expand(nl, nb, h).reshape(-1)
+    o, final = kda_rows_ref(*x, state, heads_len)
+    if commit:
+        pool.index_copy_(1, slots, final.view(nl, nb, h, d, d))
+        return None
+    return o.view(t, nl, nb, h, d).permute(1, 2, 0, 3, 4)
+
+
+@jit
+def _kda_slots_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, dt_ptr, alog_ptr, pool_ptr, slot_ptr, len_ptr, o_ptr,
+                      sq_l, sq_b, sq_t, sf_l, sf_b, sf_t, sb_l, sb_b, sb_t, sp_l, B, T, H, lower, scale,
+                      D: tl.constexpr, BV: tl.constexpr, HAS_LEN: tl.constexpr, COMMIT: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    layer, seq, h = n // (B * H), (n // H) % B, n % H
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    rows = tl.arange(0, D)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    s_off = layer * sp_l + (slot * H + h) * D * D + rows[:, None] * D + cols[None, :]
+    s = tl.load(pool_ptr + s_off)                                        # [D, BV] fp32
+    steps = T
+    if HAS_LEN:
+        steps = tl.minimum(tl.load(len_ptr + seq), T)
+    decay = tl.exp(tl.load(alog_ptr + layer * H + h))
+    bias = tl.load(dt_ptr + (layer * H + h) * D + rows)
+    for t in range(steps):
+        at = layer * sq_l + seq * sq_b + t * sq_t + h * D
+        qq = tl.load(q_ptr + at + rows).to(tl.float32)
+        kk = tl.load(k_ptr + at + rows).to(tl.float32)
+        qq = qq / tl.sqrt(tl.sum(qq * qq, axis=0) + 1e-6) * scale
+        kk = kk / tl.sqrt(tl.sum(kk * kk, axis=0) + 1e-6)
+        ff = tl.load(f_ptr + layer * sf_l + seq * sf_b + t * sf_t + h * D + rows).to(tl.float32) + bias
+        s = s * tl.exp(lower * tl.sigmoid(decay * ff))[:, None]
+        beta = tl.sigmoid(tl.load(b_ptr + layer * sb_l + seq * sb_b + t * sb_t + h).to(tl.float32))
+        kv = tl.sum(kk[:, None] * s, axis=0)                             # S^T k   [BV]
+        vv = tl.load(v_ptr + at + cols).to(tl.float32)
+        s = s + kk[:, None] * (beta * (vv - kv))[None, :]
+        if not COMMIT:
+            tl.store(o_ptr + ((layer * B + seq) * T + t) * H * D + h * D + cols, tl.sum(qq[:, None] * s, axis=0))
+    if COMMIT:
+        tl.store(pool_ptr + s_off, s)
+
+
+def kda_slots_triton(q, k, v, f, dt_bias, a_log, b, lower, pool, slots, lengths=None, commit=False):
+    nl, nb, t, h, d = q.shape
+    if not (q.stride() == k.stride() == v.stride() and q.stride()[-2:] == (d, 1)):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    f = f if f.stride()[-2:] == (d, 1) else f.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    dt, alog = dt_bias.float().contiguous(), a_log.float().contiguous()
+    o = None if commit else (torch.zeros if lengths is not None else torch.empty)(
+        (nl, nb, t, h, d), dtype=torch.float32, device=q.device)
+    lens = lengths.to(torch.int32).contiguous() if lengths is not None else slots
+    bv = min(d, 32)
+    _kda_slots_kernel[(nl * nb * h, d // bv)](
+        q, k, v, f, b, dt, alog, pool, slots, lens, pool if o is None else o,
+        *q.stride()[:3], *f.stride()[:3], *b.stride()[:3], pool.stride(0), nb, t, h, float(lower), d ** -0.5,
+        D=d, BV=bv, HAS_LEN=lengths is not None, COMMIT=commit)
+    return o
+
+
+def kda_slots(q, k, v, f, dt_bias, a_log, b, lower: float, pool, slots, lengths=None, commit: bool = False,
+              force_triton: bool = False):
+    """kda_slots_ref's results; the Triton kernel for CUDA tensors with a power-of-two head size of at
+    least 16 and a contiguous fp32 pool (or `force_triton` in the interpreter)."""
+    args = (q, k, v, f, dt_bias, a_log, b, float(lower), pool, slots, lengths)
+    if as_op() and not tracks_grad(q, k, v, f, b):
+        return kda_slots_commit_op(*args) if commit else kda_slots_op(*args)
+    if _slots_kernel_fits(q, k, v, f, b, pool, force=force_triton):
+        return kda_slots_triton(*args, commit)
+    return kda_slots_ref(*args, commit)
+
+
+def _slots_kernel_fits(q, k, v, f, b, pool, force: bool = False) -> bool:
+    d = q.shape[-1]
+    return (use_triton(q, pool, force=force) and d >= 16 and d & (d - 1) == 0 and pool.is_contiguous()
+            and pool.dtype == torch.float32 and not tracks_grad(q, k, v, f, b))
+
+
+# As custom ops for compiled forwards: the forward's (reads the pool) and the commit's (writes it).
+@torch.library.custom_op("glm5mtp::kda_slots", mutates_args=())
+def kda_slots_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, dt_bias: torch.Tensor,
+                 a_log: torch.Tensor, b: torch.Tensor, lower: float, pool: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+    args = (q, k, v, f, dt_bias, a_log, b, lower, pool, slots, lengths)
+    if _slots_kernel_fits(q, k, v, f, b, pool):
+        return kda_slots_triton(*args)
+    return kda_slots_ref(*args).contiguous()
+
+
+@kda_slots_op.register_fake
+def _(q, k, v, f, dt_bias, a_log, b, lower, pool, slots, lengths=None):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("glm5mtp::kda_slots_commit", mutates_args=("pool",))
+def kda_slots_commit_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, dt_bias: torch.Tensor,
+                        a_log: torch.Tensor, b: torch.Tensor, lower: float, pool: torch.Tensor, slots: torch.Tensor,
+                        lengths: torch.Tensor | None = None) -> None:
+    args = (q, k, v, f, dt_bias, a_log, b, lower, pool, slots, lengths)
+    if _slots_kernel_fits(q, k, v, f, b, pool):
+        kda_slots_triton(*args, True)
+    else:
+        kda_slots_ref(*args, True)
+
+
+@kda_slots_commit_op.register_fake
+def _(q, k, v, f, dt_bias, a_log, b, lower, pool, slots, lengths=None):
+    return None

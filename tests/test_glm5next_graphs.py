@@ -135,8 +135,8 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         held += sum(s.index.nbytes for owner in g.slot_index.values() for s in owner.values())
         out = bucket.verify[gamma].run()
         held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
-        x = out.pending.inputs
-        held += out.pending.extended.nbytes + sum(t.nbytes for t in (x.q, x.k, x.v, x.g, x.beta))
+        x = out.pending.rows
+        held += out.pending.extended.nbytes + sum(t.nbytes for t in (x.q, x.k, x.v, x.f, x.b, x.dt_bias, x.a_log))
         if gamma:
             held += bucket.draft[gamma].run().nbytes
         assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma, 128)

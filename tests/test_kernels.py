@@ -29,7 +29,7 @@ from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_blo
                                fp8_block_matmul_ref, fp8_block_matmul_triton, fp8_heads_matmul, fp8_heads_matmul_ref)
 from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
                            mla_attention_paged_ref)
-from kernels.kda import kda_rows, kda_rows_ref  # noqa: E402
+from kernels.kda import kda_rows, kda_rows_ref, kda_slots, kda_slots_ref  # noqa: E402
 from kernels.mhc import hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref, hc_mix, hc_mix_ref  # noqa: E402
 from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
@@ -473,6 +473,40 @@ def case_kda_rows_lengths(device, big):
     return kda_rows(*args, lengths, force_triton=True), kda_rows_ref(*args, lengths)
 
 
+def _kda_slots_inputs(device, big, layers=1):
+    """A KDA layer's raw rows as the model passes them: q, k, v chunks of one conv output (strided
+    views), bf16 at Flash's head size on the GPU (fp32 in the interpreter), states in a slot pool
+    with more slots than sequences, in an order of their own."""
+    b, t, h, d = (8, 5, 8, 128) if big else (3, 4, 2, 16)
+    dt = BF16 if big else torch.float32
+    z = _rand(layers, b, t, 3 * h * d, device=device, dtype=dt)
+    q, k, v = (x.view(layers, b, t, h, d) for x in z.chunk(3, dim=-1))
+    f = _rand(layers, b, t, h, d, device=device, dtype=dt)
+    beta_logit = _rand(layers, b, t, h, device=device, dtype=dt)
+    dt_bias, a_log = _rand(layers, h * d, device=device), _rand(layers, h, device=device) * 0.5
+    pool = _rand(layers, b + 2, h, d, d, device=device, scale=0.1)
+    slots = torch.randperm(b + 2, device=device)[:b]
+    lengths = torch.arange(b, device=device) % (t + 1)  # the commit's replay: 0 to all rows
+    return (q, k, v, f, dt_bias, a_log, beta_logit, -5.0), pool, slots, lengths
+
+
+def case_kda_slots(device, big):
+    x, pool, slots, lengths = _kda_slots_inputs(device, big)
+    before = pool.clone()
+    got = (kda_slots(*x, pool, slots, force_triton=True), kda_slots(*x, pool, slots, lengths, force_triton=True))
+    assert torch.equal(pool, before), "the forward wrote the pool"
+    return got, (kda_slots_ref(*x, pool, slots), kda_slots_ref(*x, pool, slots, lengths))
+
+
+def case_kda_slots_commit(device, big):
+    # every KDA layer of a verify at once, written in place; untouched slots stay as they were
+    x, pool, slots, lengths = _kda_slots_inputs(device, big, layers=3)
+    want = pool.clone()
+    kda_slots_ref(*x, want, slots, lengths, commit=True)
+    assert kda_slots(*x, pool, slots, lengths, commit=True, force_triton=True) is None
+    return pool, want
+
+
 def _bitmask(rows, vocab, device):
     """Random int32 words for [*rows, vocab] logits, one row all banned and one all allowed."""
     from kernels.bitmask import words
@@ -593,7 +627,7 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     for mod, name in [(r, "rmsnorm_triton"), (p, "rope_interleaved_triton"), (f, "fp8_block_dequant_triton"),
                       (f, "fp8_block_matmul_triton"), (e, "moe_experts_triton"),
                       (pg, "indexer_scores_paged_triton"), (pg, "mla_attention_paged_triton"),
-                      (kd, "kda_rows_triton"), (hc, "hc_mix_triton"), (hc, "hc_collapse_triton"), (hc, "hc_expand_triton")]:
+                      (kd, "kda_rows_triton"), (kd, "kda_slots_triton"), (hc, "hc_mix_triton"), (hc, "hc_collapse_triton"), (hc, "hc_expand_triton")]:
         monkeypatch.setattr(mod, name, boom)
     x, w = torch.randn(3, 16), torch.randn(16)
     assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
@@ -620,6 +654,8 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     assert torch.equal(hc_expand(hx, hy, post, comb), hc_expand_ref(hx, hy, post, comb))
     kx = [torch.randn(2, 3, 16) for _ in range(4)] + [torch.rand(2, 3), torch.randn(3, 16, 16)]
     assert all(torch.equal(a, b) for a, b in zip(kda_rows(*kx), kda_rows_ref(*kx)))
+    x, pool, slots, lengths = _kda_slots_inputs("cpu", False)
+    assert torch.equal(kda_slots(*x, pool, slots, lengths), kda_slots_ref(*x, pool, slots, lengths))
 
 
 def test_mhc_kernels_leave_autograd_to_the_references(monkeypatch):

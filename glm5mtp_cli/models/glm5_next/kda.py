@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm5mtp_cli.engine.cache import CachedSlots
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from kernels._triton import use_kernels
-from kernels.kda import kda_rows
+from kernels.kda import gated_inputs, kda_rows, kda_slots
 
 CHUNK = 64  # chunk length of the prefill form (transformers' and FLA's)
 # Up to this many rows, a kernel-path forward runs the recurrence (kernels/kda.py: one launch over
@@ -71,6 +72,27 @@ class KdaInputs:
         def fold(t):
             return t.transpose(0, 1).reshape(t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
         return KdaInputs(*(fold(t) for t in (self.q, self.k, self.v, self.g, self.beta)))
+
+
+@dataclass
+class KdaRows:
+    """A KDA layer's raw rows, what kernels/kda.py's kda_slots takes: q, k, v after the conv, f the
+    forget gate's projection (before dt_bias) [..., H, d], b beta's logit [..., H]; and the layer's
+    gate parameters dt_bias [H * d], a_log [H] (stacked: a leading layer dim on everything)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    f: torch.Tensor
+    b: torch.Tensor
+    dt_bias: torch.Tensor
+    a_log: torch.Tensor
+
+    FIELDS = ("q", "k", "v", "f", "b", "dt_bias", "a_log")
+
+    def prepared(self, lower: float) -> KdaInputs:
+        return KdaInputs(*gated_inputs(self.q, self.k, self.v, self.f, self.dt_bias, self.a_log, self.b, lower))
+
 
 
 def prepare_inputs(q, k, v, g, beta) -> KdaInputs:
@@ -183,47 +205,44 @@ class KdaPending:
 
 @dataclass
 class KdaBatchPending:
-    """What a KDA forward over B sequences x T rows leaves (KdaLayer.forward_batch), for the commit
-    after it: S is untouched by the forward (the engine's slot). `stack` puts every KDA layer's
-    behind one leading layer dim, so the commit replays every layer of every sequence at once
-    (layers and sequences folded into heads: a few ops per row, not a few per row, layer and
-    sequence)."""
+    """What a KdaLayer.forward_batch over B sequences x T rows leaves for the commit after it (S is
+    untouched by the forward: the engine's slot). `stack` puts every KDA layer's behind one leading
+    layer dim, so one commit writes every layer of every sequence at once."""
 
     extended: torch.Tensor                 # [(Lk,) B, K-1+T, 3C]
+    lower: float                           # the forget gate's lower bound (the config's)
     final: torch.Tensor | None = None      # mode final: [(Lk,) B, H, d, d]
-    inputs: KdaInputs | None = None        # mode replay: [(Lk,) B, T, H, d] ([(Lk,) B, T, H] beta)
+    rows: KdaRows | None = None            # mode replay: the T raw rows [(Lk,) B, T, ...]
     padded: bool = False                   # rows past each sequence's real ones were kept out of `final`
     slots: dict | None = None              # the target's: the CachedSlots (kda, conv) it read, where it commits
 
     @classmethod
     def stack(cls, layers: list["KdaBatchPending"], slots: dict) -> "KdaBatchPending":
-        x = [p.inputs for p in layers]
-        return cls(torch.stack([p.extended for p in layers]),
+        r = [p.rows for p in layers]
+        return cls(torch.stack([p.extended for p in layers]), layers[0].lower,
                    None if layers[0].final is None else torch.stack([p.final for p in layers]),
-                   None if x[0] is None else KdaInputs(*(torch.stack([getattr(i, n) for i in x])
-                                                         for n in ("q", "k", "v", "g", "beta"))),
+                   None if r[0] is None else KdaRows(*(torch.stack([getattr(x, n) for x in r]) for n in KdaRows.FIELDS)),
                    layers[0].padded, slots)
 
-    def commit(self, state: torch.Tensor, keep: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stacked: every sequence's (S [Lk, B, H, d, d], conv windows [Lk, B, K-1, 3C]) after keeping
-        its first keep[b] rows (keep [B] on the device: no host value, so a captured forward can
-        commit), from the committed S `state` [Lk, B, H, d, d]; k = conv kernel width. Replay: one
-        recurrence over every layer's and sequence's heads that stops each head after its
-        sequence's keep[b] rows (kernels/kda.py's lengths; the reference gives the rows past it
-        g = 0 and beta = 0, no decay and no write), so it leaves exactly the kept rows' state. 'final' keeps its state where keep > 0 (the
-        caller keeps exactly the real rows of such a forward) and S where nothing is kept."""
+    def commit(self, keep: torch.Tensor, k: int) -> None:
+        """Stacked: every sequence keeps its first keep[b] rows (keep [B] on the device: no host
+        value, so a captured forward can commit) in its KDA states and conv windows, written to the
+        slots the forward read; k = conv kernel width. Replay: kernels/kda.py's kda_slots re-runs
+        each sequence's kept rows from its committed S and writes S in place (rows past keep[b]
+        neither decay nor write), so it leaves exactly the kept rows' state. 'final' keeps its
+        state where keep > 0 (the caller keeps exactly the real rows of such a forward) and S where
+        nothing is kept."""
+        kda, conv = self.slots["kda"], self.slots["conv"]
         ext = self.extended
         at = keep[:, None] + torch.arange(k - 1, device=keep.device)  # [B, K-1]
         window = ext.gather(2, at[None, :, :, None].expand(ext.shape[0], -1, -1, ext.shape[-1]))
-        if self.inputs is None:
-            return torch.where(keep.view(1, -1, 1, 1, 1) > 0, self.final, state), window
-        x = self.inputs
-        lk, b, h = state.shape[:3]
-        folded = KdaInputs(*(t.flatten(0, 1) for t in (x.q, x.k, x.v, x.g, x.beta))).folded()  # [T, Lk*B*H, ...]
-        lengths = keep.view(1, b, 1).expand(lk, b, h).reshape(-1)  # each folded head's sequence's keep
-        _, s = kda_rows(folded.q, folded.k, folded.v, folded.g, folded.beta, state.reshape(-1, *state.shape[3:]),
-                        lengths)
-        return s.view(state.shape), window
+        conv.data.index_copy_(1, conv.index, window.to(conv.data.dtype))
+        if self.rows is None:
+            s = torch.where(keep.view(1, -1, 1, 1, 1) > 0, self.final, kda.data.index_select(1, kda.index))
+            kda.data.index_copy_(1, kda.index, s)
+            return
+        r = self.rows
+        kda_slots(r.q, r.k, r.v, r.f, r.dt_bias, r.a_log, r.b, self.lower, kda.data, kda.index, keep, commit=True)
 
 
 class _Weight(nn.Module):
@@ -266,17 +285,20 @@ class KdaLayer(nn.Module):
     def conv_weight(self) -> torch.Tensor:
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
 
-    def inputs(self, a: torch.Tensor, window: torch.Tensor) -> tuple[KdaInputs, torch.Tensor]:
-        """Kernel inputs of rows a [T, D] after the window [K-1, 3C]; also the extended window."""
-        lead = a.shape[:-1]  # [T] or [B, T]
+    def rows(self, a: torch.Tensor, window: torch.Tensor) -> tuple[KdaRows, torch.Tensor]:
+        """The raw rows of a [T, D] or [B, T, D] after the window [(B,) K-1, 3C]; also the extended window."""
+        lead = a.shape[:-1]
         z = torch.cat([self.q_proj(a), self.k_proj(a), self.v_proj(a)], dim=-1)
         zc, extended = conv_apply(z, window, self.conv_weight())
-        q, k, v = (t.reshape(*lead, self.heads, self.head_dim) for t in zc.chunk(3, dim=-1))
-        # forget gate (reads the pre-conv input a): lb * sigmoid(exp(A_log) (f_b f_a a + dt_bias))
-        f = (self.f_b_proj(self.f_a_proj(a)).float() + self.dt_bias.float()).view(*lead, self.heads, self.head_dim)
-        g = self.lower_bound * torch.sigmoid(self.A_log.float().exp().view(1, -1, 1) * f)
-        beta = torch.sigmoid(self.b_proj(a))
-        return prepare_inputs(q, k, v, g, beta), extended
+        q, k, v = (t.view(*lead, self.heads, self.head_dim) for t in zc.chunk(3, dim=-1))
+        # the forget gate reads the pre-conv input a: lb * sigmoid(exp(A_log) (f_b f_a a + dt_bias))
+        f = self.f_b_proj(self.f_a_proj(a)).view(*lead, self.heads, self.head_dim)
+        return KdaRows(q, k, v, f, self.b_proj(a), self.dt_bias, self.A_log), extended
+
+    def inputs(self, a: torch.Tensor, window: torch.Tensor) -> tuple[KdaInputs, torch.Tensor]:
+        """Kernel inputs of rows a [T, D] after the window [K-1, 3C]; also the extended window."""
+        rows, extended = self.rows(a, window)
+        return rows.prepared(self.lower_bound), extended
 
     def output(self, a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Gated per-head RMSNorm (fp32, weight included) then o_proj."""
@@ -306,11 +328,12 @@ class KdaLayer(nn.Module):
             raise ValueError(f"unknown KDA mode {mode!r}")
         return self.output(a, o.to(a.dtype)), pending
 
-    def forward_batch(self, a: torch.Tensor, state: torch.Tensor, window: torch.Tensor, mode: str = "replay",
+    def forward_batch(self, a: torch.Tensor, kda: CachedSlots, layer: int, window: torch.Tensor, mode: str = "replay",
                       chunk: int = CHUNK, real: torch.Tensor | None = None) -> tuple[torch.Tensor, KdaBatchPending]:
-        """B sequences at once, T rows each: a [B, T, D]; state [B, H, d, d] fp32 and window
-        [B, K-1, 3C] are read, not written. mode "replay" (a verify's rows: keep the kernel inputs)
-        or "final" (prefill: keep the state after all rows). Fixed shapes for a given (B, T).
+        """B sequences at once, T rows each: a [B, T, D]; the sequences' states are kda's pool slots
+        of KDA layer `layer`, window [B, K-1, 3C]; both are read, not written. mode "replay" (a
+        verify's rows: keep the raw rows) or "final" (prefill: keep the state after all rows).
+        Fixed shapes for a given (B, T).
 
         real [B] (device; None: all T): sequence b's rows from real[b] on are padding (a shared
         prefill forward). They get g = 0 and beta = 0, no decay and no write, so `final` is the
@@ -319,15 +342,21 @@ class KdaLayer(nn.Module):
         if mode not in ("replay", "final"):
             raise ValueError(f"batched KDA forwards keep 'replay' or 'final', got {mode!r}")
         b, t = a.shape[:2]
-        x, extended = self.inputs(a, window)
+        rows, extended = self.rows(a, window)
+        pending = KdaBatchPending(extended, self.lower_bound, rows=rows if mode == "replay" else None,
+                                  padded=real is not None)
+        if t <= KERNEL_ROWS and use_kernels(a) and mode == "replay":  # one kernel from the raw rows, S in place
+            pool = kda.data[layer:layer + 1]
+            o = kda_slots(*(x[None] for x in (rows.q, rows.k, rows.v, rows.f)), rows.dt_bias[None],
+                          rows.a_log[None], rows.b[None], self.lower_bound, pool, kda.index, real)[0]
+            return self.output(a, o.to(a.dtype)), pending
+        x = rows.prepared(self.lower_bound)
         if real is not None:
             live = torch.arange(t, device=a.device)[None, :] < real[:, None]          # [B, T]
             x = KdaInputs(x.q, x.k, x.v, x.g * live[..., None, None], x.beta * live[..., None])
-        flat = state.reshape(b * self.heads, *state.shape[2:])
-        run = kda_rows_form(x.folded(), flat, chunk)
+        state = kda.read(layer)
+        run = kda_rows_form(x.folded(), state.reshape(b * self.heads, *state.shape[2:]), chunk)
         o = run[0].view(t, b, self.heads, self.head_dim).transpose(0, 1)
-        if mode == "replay":
-            pending = KdaBatchPending(extended, inputs=x)
-        else:
-            pending = KdaBatchPending(extended, final=run[1].view(state.shape), padded=real is not None)
+        if mode == "final":
+            pending.final = run[1].view(state.shape)
         return self.output(a, o.to(a.dtype)), pending

@@ -11,9 +11,10 @@ Per indexed layer (NoPE MLA + pooled indexer, REFERENCE-glm5next section 6):
   clamp to 0, so duplicate slots receive equal values and the write is order-free);
 - scores over all L // P pools, -inf past each query's complete ones, top-min(k, L // P) of them;
 - attention over the L latent rows masked to the selected pools and the query's own tail pool.
-Per KDA layer: each sequence's S and conv window are read through its slot index (CachedSlots),
-the recurrence runs for all B sequences at once (heads folded), and a KdaBatchPending is left for
-the commit after the forward: nothing writes S inside a forward.
+Per KDA layer: each sequence's S and conv window are read through its slot index (CachedSlots;
+a decode or verify on the kernel path reads S in place, kernels/kda.py's kda_slots), the
+recurrence runs for all B sequences at once (heads folded), and a KdaBatchPending is left for the
+commit after the forward: nothing writes S inside a forward.
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ def target_forward(model, ids: torch.Tensor, ctx: PagedContext) -> tuple[torch.T
     for i, block in enumerate(model.layers):
         if block.kda:
             j = kda_at[i]
-            state, window = ctx.slots["kda"].read(j), ctx.slots["conv"].read(j)
+            window = ctx.slots["conv"].read(j)
             streams, pending[j] = block.run(
-                streams, lambda a: block.self_attn.forward_batch(a, state, window, ctx.kda_mode, real=ctx.real))
+                streams, lambda a: block.self_attn.forward_batch(a, ctx.slots["kda"], j, window, ctx.kda_mode,
+                                                                 real=ctx.real))
         else:
             streams, _ = block.run(streams, lambda a: mla_paged(block.self_attn, a, ctx, idx_at[i])[:2])
     return model.norm(contract_streams(streams)), KdaBatchPending.stack(list(pending.values()), ctx.slots) if pending else None

@@ -136,12 +136,8 @@ class PooledTarget(torch.nn.Module):
         the device) in its KDA state and conv window, written to the slots the forward read. No
         host value on the way, so a captured forward can run it; a padding row (the scratch slot)
         keeps 0 rows, which rewrites the scratch slot with what it holds."""
-        if pending is None:
-            return
-        kda, conv = pending.slots["kda"], pending.slots["conv"]
-        s, w = pending.commit(kda.data.index_select(1, kda.index), kept, self.cfg.linear_conv_kernel_dim)
-        kda.data.index_copy_(1, kda.index, s)
-        conv.data.index_copy_(1, conv.index, w.to(conv.data.dtype))
+        if pending is not None:
+            pending.commit(kept, self.cfg.linear_conv_kernel_dim)
 
 
 class PooledMtp(torch.nn.Module):

@@ -85,10 +85,11 @@ def scratch_bytes(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
 
 def verify_record_bytes(cfg, dtype: torch.dtype, rows: int) -> int:
     """What a verify graph of `rows` rows keeps for the KDA commit after it, per KDA layer: the
-    extended conv window (model dtype) and the fp32 kernel inputs q, k, v, g, beta."""
-    d, h = dtype_bytes(dtype), cfg.linear_num_heads
+    extended conv window and the raw rows q, k, v, f, b (model dtype; kda.KdaRows), and the gate's
+    fp32 dt_bias and A_log stacked beside them."""
+    d, h, k = dtype_bytes(dtype), cfg.linear_num_heads, cfg.linear_head_dim
     return len(cfg.kda_layers) * ((cfg.linear_conv_kernel_dim - 1 + rows) * 3 * cfg.linear_dim * d
-                                  + rows * h * (4 * cfg.linear_head_dim + 1) * 4)
+                                  + rows * h * (4 * k + 1) * d + h * (k + 1) * 4)
 
 
 TP_NOTES = [
