@@ -147,44 +147,6 @@ class StaticForward:
 
 
 
-class StaticCommit:
-    """The target's commit after one static verify forward (Target.commit), as a function of a
-    buffer of the kept counts [B]: captured right after that verify on CUDA, reading the verify's
-    commit records where its graph leaves them, so a step's commit is one replay, not its dozens of
-    launches; run eagerly otherwise."""
-
-    def __init__(self, target, verify: StaticForward):
-        self.target, self.verify = target, verify
-        self.kept = torch.zeros(verify.b, dtype=torch.long, device=verify.device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def capture(self, mempool) -> None:
-        """After verify.capture: the warm-up and the capture commit the capture's records, whose
-        rows all name the scratch slot, keeping no rows (the buffer is zeros): no state moves."""
-        pending = self.verify.out.pending
-        side = warmup_stream(self.verify.device)
-        side.wait_stream(torch.cuda.current_stream(self.verify.device))
-        with torch.cuda.stream(side), sync_free():
-            self.target.commit(pending, self.kept)
-        torch.cuda.current_stream(self.verify.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool), sync_free():
-            self.target.commit(pending, self.kept)
-
-    def run(self, pending, kept: torch.Tensor) -> None:
-        """Commit `pending` (the verify's last outputs) keeping kept[b] rows of row b; rows past
-        kept's length keep none (padding)."""
-        self.kept[kept.shape[0]:].zero_()
-        self.kept[: kept.shape[0]].copy_(kept)
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.target.commit(pending, self.kept)
-
-    def close(self) -> None:
-        self.graph = None
-
-
 def sequence_forward(context_fn, fn, cache, t: int, device: torch.device,
                      hidden: tuple[int, torch.dtype] | None = None) -> StaticForward:
     """A static forward over ONE sequence's cache (benchmarks): its own tables and state slots
