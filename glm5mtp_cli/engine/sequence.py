@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -48,24 +49,24 @@ class SeqResult:
     valid: bool | None = None  # constrained and complete: the output matches, by a fresh matcher
 
 
-class StepRecord:
-    """One verify step of one sequence, as the trace and the latency figures read it at its end."""
+class StepRecord(NamedTuple):
+    """One verify step of one sequence, as the trace and the latency figures read it at its end (a
+    tuple: one is made per sequence and step, on the step's host path)."""
 
-    __slots__ = ("times", "drafts", "accepted", "position", "emitted", "draft_ids", "grammar_valid")
+    times: object  # clock.StepTimes, shared by the step's sequences
+    drafts: int
+    accepted: int
+    position: int
+    emitted: list[int]
+    draft_ids: list[int]
+    grammar_valid: int | None = None  # constrained: drafts the grammar allowed (the rest it rejected)
 
-    def __init__(self, times, drafts: int, accepted: int, position: int, emitted: list[int], draft_ids: list[int],
-                 grammar_valid: int | None = None):
-        self.times = times  # clock.StepTimes, shared by the step's sequences
-        self.drafts, self.accepted, self.position = drafts, accepted, position
-        self.emitted, self.draft_ids = emitted, draft_ids
-        self.grammar_valid = grammar_valid  # constrained: drafts the grammar allowed (the rest it rejected)
 
-
-@dataclass(frozen=True)
-class BatchRow:
+class BatchRow(NamedTuple):
     """Row i of one step's batch tensors `src` (each [A, >=n, ...]), its first n entries: how a
     sequence holds the device values a step left it, so that a batch seated as that step's was
-    passes the step's tensors on whole (`whole_batch`), with no view or copy per sequence."""
+    passes the step's tensors on whole (`whole_batch`), with no view or copy per sequence. A tuple:
+    one is made per sequence and step."""
 
     src: tuple
     i: int
