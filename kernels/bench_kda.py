@@ -1,0 +1,152 @@
+"""KDA's recurrence at GLM-5.3-Flash's sizes (64 heads of 128): kernels/kda.py against flash-linear-
+attention's fused recurrent KDA (`fla-core`, where it is installed), in CUDA graphs.
+
+    python -m kernels.bench_kda --out kda.json
+
+For a decode (1 row) and a verify (4 rows) at batch 1, 8 and 64 it times, from the layer's raw
+inputs (q, k, v after the conv, the forget gate's pre-activation, beta's logit) and the slot pool:
+
+- ``gathered``: the forward before ``kda_slots``: the slots' states gathered, the gate, sigmoid and
+  q/k normalisation in PyTorch, then ``kda_rows`` (no state written: the commit replays);
+- ``kda_slots``: what the forward runs now: one kernel from the raw rows, states read in place;
+  ``kda_slots_commit``: the commit's replay of every row, writing the states in place;
+- ``kda_rows``: the kernel alone on prepared fp32 inputs;
+- ``fla``: ``fused_recurrent_kda_fwd`` with the normalisation, gate and sigmoid inside its kernel,
+  from the same gathered states, no state written (its read-only form);
+- ``fla_slots``: fla reading and writing the states in place through ``ssm_state_indices`` (its
+  continuous-batching form: it writes the state after every row, so a verify needs a slot per row).
+
+Each output is compared with ``kda_rows_ref`` in fp32 (max error over max magnitude). Medians of 200
+graph replays. The last line of stdout is one JSON object, also written to ``--out``.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from .kda import kda_rows, kda_rows_ref, kda_slots
+
+H, D, LOWER = 64, 128, -5.0
+
+
+def _model_inputs(q, k, v, f, b, a_log):
+    """The model's prologue (models/glm5_next/kda.py: KdaLayer.inputs and prepare_inputs), folded."""
+    g = LOWER * torch.sigmoid(a_log.exp().view(1, 1, -1, 1) * f)
+    beta = torch.sigmoid(b.float())
+    qf, kf = q.float(), k.float()
+    qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + 1e-6) * D ** -0.5
+    kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+    def fold(t):
+        return t.transpose(0, 1).reshape(t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
+    return [fold(t) for t in (qf, kf, v.float(), g, beta)]
+
+
+def _graph_us(fn, replays: int = 200) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(a.elapsed_time(e) * 1e3)
+    return statistics.median(times)
+
+
+def _err(o, ref) -> float:
+    return ((o.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def case(batch: int, rows: int, fla) -> dict:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(batch * 10 + rows)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=g).to(dtype)
+    q, k, v = rnd(batch, rows, H, D), rnd(batch, rows, H, D), rnd(batch, rows, H, D)
+    f = rnd(batch, rows, H, D, dtype=torch.float32)
+    b = rnd(batch, rows, H)
+    a_log = torch.rand(H, device=dev, generator=g) * 2 - 1
+    pool = torch.randn(batch + 3, H, D, D, device=dev, generator=g) * 0.05   # a few more slots than sequences
+    slots = torch.randperm(batch + 3, device=dev, generator=g)[:batch]
+
+    prepared = _model_inputs(q, k, v, f, b, a_log)
+    state = pool.index_select(0, slots).reshape(batch * H, D, D)
+    ref, _ = kda_rows_ref(*prepared, state)
+    ref_btd = ref.view(rows, batch, H, D).transpose(0, 1)
+    out = {"batch": batch, "rows": rows}
+
+    def model():
+        x = _model_inputs(q, k, v, f, b, a_log)
+        s = pool.index_select(0, slots).reshape(batch * H, D, D)
+        return kda_rows(*x, s)[0]
+    out["gathered_us"] = _graph_us(model)
+    out["gathered_err"] = _err(model(), ref)
+    raw = (q[None], k[None], v[None], f[None], torch.zeros(1, H * D, device=dev), a_log[None], b[None], LOWER)
+    out["kda_slots_us"] = _graph_us(lambda: kda_slots(*raw, pool[None], slots))
+    out["kda_slots_err"] = _err(kda_slots(*raw, pool[None], slots)[0], ref_btd)
+    scratch = pool[None].clone()
+    out["kda_slots_commit_us"] = _graph_us(lambda: kda_slots(*raw, scratch, slots, commit=True))
+    out["kda_rows_us"] = _graph_us(lambda: kda_rows(*prepared, state))
+    # the state floor: every sequence's state read once (and written once by a commit)
+    out["state_read_floor_us"] = batch * H * D * D * 4 / 4.2e12 * 1e6
+    if fla is None:
+        return out
+    gathered = pool.index_select(0, slots)
+
+    def fla_ro():
+        return fla(q, k, v, f, b, A_log=a_log, initial_state=gathered, inplace_final_state=False,
+                   output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                   use_beta_sigmoid_in_kernel=True, lower_bound=LOWER)[0]
+    out["fla_us"] = _graph_us(lambda: (pool.index_select(0, slots), fla_ro()))
+    out["fla_err"] = _err(fla_ro(), ref_btd)
+    if rows == 1:
+        work = pool.clone()
+
+        def fla_slots():
+            return fla(q, k, v, f, b, A_log=a_log, initial_state=work, inplace_final_state=True,
+                       ssm_state_indices=slots.to(torch.int32), use_qk_l2norm_in_kernel=True,
+                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER)[0]
+        out["fla_slots_us"] = _graph_us(fla_slots)
+        work.copy_(pool)
+        out["fla_slots_err"] = _err(fla_slots(), ref_btd)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("kernels.bench_kda needs CUDA; nothing timed")
+        return
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla
+    except ImportError:
+        print("fla-core is not installed (pip install fla-core): timing kernels/kda.py alone", file=sys.stderr)
+        fla = None
+    rows = [case(bs, t, fla) for bs in (1, 8, 64) for t in (1, 4)]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "fla": fla is not None, "cases": rows}
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()
