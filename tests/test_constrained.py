@@ -64,11 +64,14 @@ def test_bitmask_reference_bans_exactly_the_cleared_bits():
 
 
 def test_llguidance_fills_the_same_packing(nano):
-    """A regex's first mask, unpacked, allows exactly the tokens llguidance says start a match."""
-    g = _grammars(nano).open(Constraint("regex", r"[0-9]{3}"), set())
-    row = torch.full((words(nano.cfg.vocab_size),), -1, dtype=torch.int32)
-    g.fill(row)
-    allowed = unpack(row, nano.cfg.vocab_size).nonzero().flatten().tolist()
+    """A regex's first mask, unpacked, allows exactly the tokens llguidance says start a match; the
+    parallel fill writes the row it names and no other."""
+    grammars = _grammars(nano)
+    g = grammars.open(Constraint("regex", r"[0-9]{3}"), set())
+    rows = torch.full((2, words(nano.cfg.vocab_size)), -1, dtype=torch.int32)
+    grammars.fill_rows(rows, [(g.matcher, 1)])
+    assert (rows[0] == -1).all()
+    allowed = unpack(rows[1], nano.cfg.vocab_size).nonzero().flatten().tolist()
     texts = [nano.tokenizer.decode([t]) for t in allowed]
     assert allowed and all(t and t.isdigit() and len(t) <= 3 for t in texts), texts
 

@@ -49,6 +49,7 @@ class Grammars:
         self._tok = None
         self._grammars: dict[Constraint, str] = {}
         self._buffers: dict[int, torch.Tensor] = {}
+        self._executor = None
 
     def tokenizer(self):
         if self._tok is None:
@@ -69,6 +70,17 @@ class Grammars:
         g = SeqGrammar(self, c, self._matcher(c), self.trigger, ends)
         self.live += 1
         return g
+
+    def fill_rows(self, rows: torch.Tensor, members: list[tuple[object, int]]) -> None:
+        """rows [R, W] int32 (host, contiguous): row b gets the mask of matcher m, for each (m, b) of
+        members, computed on llguidance's thread pool (the matchers release the GIL): a batch's masks
+        cost about one mask's time, not one per sequence (vLLM fills its bitmask the same way)."""
+        if not members:
+            return
+        if self._executor is None:
+            self._executor = llguidance().LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(members, rows.data_ptr(), rows.shape[-1] * rows.element_size(),
+                                               rows.shape[0])
 
     def validates(self, c: Constraint, tokens: list[int]) -> bool:
         """Whether `tokens` are a complete match, by a fresh matcher (not the one that produced them)."""
@@ -101,10 +113,10 @@ class SeqGrammar:
         self.emitted = 0  # tokens committed
         self.start = 0 if self.armed else None  # output index where the constrained part starts
 
-    def fill(self, row: torch.Tensor) -> None:
-        """row [W] int32 (host): the tokens allowed next (all, before the trigger or after an end)."""
-        if self.armed and not self.ended:
-            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    @property
+    def masking(self) -> bool:
+        """Whether its next token is masked (else all are allowed: before the trigger, after an end)."""
+        return self.armed and not self.ended
 
     def advance(self, tok: int) -> bool:
         """Walk one token; False (nothing changed) where the grammar rejects it."""
@@ -171,6 +183,7 @@ class StepMasks:
 
     def __init__(self, grammars: Grammars, seqs: list[SeqGrammar | None], gamma: int, device: torch.device):
         self.seqs = seqs
+        self.grammars = grammars
         self.device = device
         self.host = grammars.host_buffer(gamma + 1, len(seqs), device)
         self.vocab_size = grammars.vocab_size
@@ -179,7 +192,9 @@ class StepMasks:
         self.filled = 0  # positions whose rows are filled
 
     def _fill_row(self, i: int, col: list[int] | None, counts: list[int] | None = None) -> None:
-        """Row i: each walking sequence advanced by its draft i (col, host ids; None for row 0)."""
+        """Row i: each walking sequence advanced by its draft i (col, host ids; None for row 0), then
+        the masks of those still walking, in parallel."""
+        members = []
         for b, g in enumerate(self.seqs):
             if not self.ok[b]:
                 continue
@@ -188,7 +203,9 @@ class StepMasks:
                     self.ok[b] = False
                     continue
                 self.valid[b] += 1
-            g.fill(self.host[i, b])
+            if g.masking:
+                members.append((g.matcher, b))
+        self.grammars.fill_rows(self.host[i], members)
         self.filled = i + 1
 
     def draft(self, i: int, logits: torch.Tensor, prev: torch.Tensor | None, subset=None) -> torch.Tensor:
