@@ -194,8 +194,9 @@ def kda_slots_triton(q, k, v, f, dt_bias, a_log, b, lower, pool, slots, lengths=
     f = f if f.stride()[-2:] == (d, 1) else f.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()
     dt, alog = dt_bias.float().contiguous(), a_log.float().contiguous()
-    o = None if commit else (torch.zeros if lengths is not None else torch.empty)(
-        (nl, nb, t, h, d), dtype=torch.float32, device=q.device)
+    # rows past a sequence's length are zeros, as the reference's (an unwritten element stays so)
+    o = None if commit else torch.zeros((nl, nb, t, h, d), dtype=torch.float32, device=q.device) \
+        if lengths is not None else alloc((nl, nb, t, h, d), torch.float32, q.device)
     lens = lengths.to(torch.int32).contiguous() if lengths is not None else slots
     bv = min(d, 32)
     _kda_slots_kernel[(nl * nb * h, d // bv)](

@@ -10,6 +10,10 @@ any accepted prefix afterwards (speculative verify, section 8):
 - mode "states": recurrent form, the state after EVERY position kept (rollback = pick one);
 - mode "replay": outputs from the chunked form, the per-position kernel inputs kept, committed S
   untouched (rollback = re-run a+1 recurrent steps from it, no GEMMs).
+
+The engine's batched forwards (`KdaLayer.forward_batch`) keep a verify's raw rows instead (`KdaRows`:
+q, k, v after the conv, the gate's and beta's projections), and on the kernel path run the decode or
+verify and the commit's replay as one kernels/kda.py `kda_slots` launch each, on the slot pool.
 """
 
 from __future__ import annotations
@@ -92,7 +96,6 @@ class KdaRows:
 
     def prepared(self, lower: float) -> KdaInputs:
         return KdaInputs(*gated_inputs(self.q, self.k, self.v, self.f, self.dt_bias, self.a_log, self.b, lower))
-
 
 
 def prepare_inputs(q, k, v, g, beta) -> KdaInputs:
