@@ -27,22 +27,18 @@ import sys
 
 import torch
 
-from .kda import kda_rows, kda_rows_ref, kda_slots
+from .kda import gated_inputs, kda_rows, kda_rows_ref, kda_slots
 
 H, D, LOWER = 64, 128, -5.0
 
 
 def _model_inputs(q, k, v, f, b, a_log):
-    """The model's prologue (models/glm5_next/kda.py: KdaLayer.inputs and prepare_inputs), folded."""
-    g = LOWER * torch.sigmoid(a_log.exp().view(1, 1, -1, 1) * f)
-    beta = torch.sigmoid(b.float())
-    qf, kf = q.float(), k.float()
-    qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + 1e-6) * D ** -0.5
-    kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)
+    """The prologue in PyTorch (kda.gated_inputs, f holding dt_bias already), folded to [T, B*H, ...]."""
+    x = gated_inputs(q, k, v, f, torch.zeros(H * D, device=q.device), a_log, b, LOWER)
 
     def fold(t):
         return t.transpose(0, 1).reshape(t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
-    return [fold(t) for t in (qf, kf, v.float(), g, beta)]
+    return [fold(t) for t in x]
 
 
 def _graph_us(fn, replays: int = 200) -> float:

@@ -117,6 +117,14 @@ def _(q, k, v, g, beta, state, lengths=None):
 
 # ---- from the layer's raw inputs, on the slot pool -------------------------------------------------
 
+def normalised_qk(q, k):
+    """q and k L2-normalised (eps 1e-6), q also scaled by d^-1/2; fp32."""
+    qf, kf = q.float(), k.float()
+    qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)
+    return qf, kf
+
+
 def gated_inputs(q, k, v, f, dt_bias, a_log, b, lower: float):
     """The layer's raw rows -> the recurrence's fp32 inputs (q normalised and scaled, k normalised,
     v, g = lower * sigmoid(exp(a_log) (f + dt_bias)), beta = sigmoid(b)). q, k, v, f [..., H, d],
@@ -126,10 +134,7 @@ def gated_inputs(q, k, v, f, dt_bias, a_log, b, lower: float):
     alog = a_log.float().reshape(*a_log.shape[:-1], *([1] * lead), h, 1)
     bias = dt_bias.float().reshape(*dt_bias.shape[:-1], *([1] * lead), h, d)
     g = lower * torch.sigmoid(alog.exp() * (f.float() + bias))
-    qf, kf = q.float(), k.float()
-    qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + 1e-6) * d ** -0.5
-    kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)
-    return qf, kf, v.float(), g, torch.sigmoid(b.float())
+    return *normalised_qk(q, k), v.float(), g, torch.sigmoid(b.float())
 
 
 def kda_slots_ref(q, k, v, f, dt_bias, a_log, b, lower: float, pool, slots, lengths=None, commit: bool = False):

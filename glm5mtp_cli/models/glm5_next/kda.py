@@ -27,7 +27,7 @@ from torch import nn
 from glm5mtp_cli.engine.cache import CachedSlots
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from kernels._triton import use_kernels
-from kernels.kda import gated_inputs, kda_rows, kda_slots
+from kernels.kda import gated_inputs, kda_rows, kda_slots, normalised_qk
 
 CHUNK = 64  # chunk length of the prefill form (transformers' and FLA's)
 # Up to this many rows, a kernel-path forward runs the recurrence (kernels/kda.py: one launch over
@@ -100,11 +100,7 @@ class KdaRows:
 
 def prepare_inputs(q, k, v, g, beta) -> KdaInputs:
     """L2-normalise q and k (eps 1e-6), scale q by d^-1/2; everything fp32."""
-    d = q.shape[-1]
-    q, k = q.float(), k.float()
-    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * d ** -0.5
-    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
-    return KdaInputs(q, k, v.float(), g.float(), beta.float())
+    return KdaInputs(*normalised_qk(q, k), v.float(), g.float(), beta.float())
 
 
 def kda_recurrent(x: KdaInputs, state: torch.Tensor, keep_states: bool = False,

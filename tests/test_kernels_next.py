@@ -1,0 +1,167 @@
+"""GLM-5-Next's kernels against their references: mHC's mixing, collapse and expand
+(kernels/mhc.py) and KDA's recurrence (kernels/kda.py), in Triton's interpreter in a fresh subprocess
+and compiled on CUDA, as tests/test_kernels.py runs the others (its module docstring)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from kernels import _triton  # noqa: E402
+from kernels.kda import kda_rows, kda_rows_ref, kda_slots, kda_slots_ref  # noqa: E402
+from kernels.mhc import hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref, hc_mix, hc_mix_ref  # noqa: E402
+from test_kernels import BF16, _rand, check_close, interpret, run_cases  # noqa: E402
+
+
+def _hc_weights(device, t, n=4):
+    m = _rand(t, (2 + n) * n, device=device, scale=2.0)
+    base, scale = _rand((2 + n) * n, device=device), torch.rand(3, device=device) + 0.5
+    return m, base, scale
+
+
+def case_hc_mix(device, big):
+    # GLM-5-Next's n = 4 and 20 Sinkhorn iterations; rows past a program's block are masked
+    m, base, scale = _hc_weights(device, 300 if big else 21)
+    return hc_mix(m, base, scale, 1e-6, 20, force_triton=True), hc_mix_ref(m, base, scale, 1e-6, 20)
+
+
+def _hc_streams(device, big, dtype):
+    t, d = (8, 6144) if big else (3, 40)  # d not a power of two: the last block is masked
+    pre, post, comb = hc_mix_ref(*_hc_weights(device, t), 1e-6, 20)
+    return _rand(t, 4, d, device=device, dtype=dtype), _rand(t, d, device=device, dtype=dtype), pre, post, comb
+
+
+def case_hc_collapse(device, big):
+    x, _, pre, _, _ = _hc_streams(device, big, torch.float32)
+    return hc_collapse(x, pre, force_triton=True), hc_collapse_ref(x, pre)
+
+
+def case_hc_expand(device, big):
+    x, y, _, post, comb = _hc_streams(device, big, torch.float32)
+    return hc_expand(x, y, post, comb, force_triton=True), hc_expand_ref(x, y, post, comb)
+
+
+def case_hc_collapse_expand_bf16(device, big):
+    x, y, pre, post, comb = _hc_streams(device, big, BF16)
+    return ((hc_collapse(x, pre, force_triton=True), hc_expand(x, y, post, comb, force_triton=True)),
+            (hc_collapse_ref(x, pre), hc_expand_ref(x, y, post, comb)))
+
+
+def _kda_rows_inputs(device, big):
+    from glm5mtp_cli.models.glm5_next.kda import prepare_inputs
+
+    t, n, d = (5, 64, 128) if big else (4, 6, 16)  # a gamma-4 verify; big: 8 sequences x 8 heads, Flash's head size
+    x = prepare_inputs(*(_rand(t, n, d, device=device) for _ in range(3)), -torch.rand(t, n, d, device=device) * 2,
+                       torch.rand(t, n, device=device))
+    return (x.q, x.k, x.v, x.g, x.beta, _rand(n, d, d, device=device, scale=0.1)), t, n
+
+
+def case_kda_rows(device, big):
+    args, _, _ = _kda_rows_inputs(device, big)
+    return kda_rows(*args, force_triton=True), kda_rows_ref(*args)
+
+
+def case_kda_rows_lengths(device, big):
+    # the commit's replay: each head keeps its own prefix, 0 to all rows
+    args, t, n = _kda_rows_inputs(device, big)
+    lengths = torch.arange(n, device=device) % (t + 1)
+    return kda_rows(*args, lengths, force_triton=True), kda_rows_ref(*args, lengths)
+
+
+def _kda_slots_inputs(device, big, layers=1):
+    """A KDA layer's raw rows as the model passes them: q, k, v chunks of one conv output (strided
+    views), bf16 at Flash's head size on the GPU (fp32 in the interpreter), states in a slot pool
+    with more slots than sequences, in an order of their own."""
+    b, t, h, d = (8, 5, 8, 128) if big else (3, 4, 2, 16)
+    dt = BF16 if big else torch.float32
+    z = _rand(layers, b, t, 3 * h * d, device=device, dtype=dt)
+    q, k, v = (x.view(layers, b, t, h, d) for x in z.chunk(3, dim=-1))
+    f = _rand(layers, b, t, h, d, device=device, dtype=dt)
+    beta_logit = _rand(layers, b, t, h, device=device, dtype=dt)
+    dt_bias, a_log = _rand(layers, h * d, device=device), _rand(layers, h, device=device) * 0.5
+    pool = _rand(layers, b + 2, h, d, d, device=device, scale=0.1)
+    slots = torch.randperm(b + 2, device=device)[:b]
+    lengths = torch.arange(b, device=device) % (t + 1)  # the commit's replay: 0 to all rows
+    return (q, k, v, f, dt_bias, a_log, beta_logit, -5.0), pool, slots, lengths
+
+
+def case_kda_slots(device, big):
+    x, pool, slots, lengths = _kda_slots_inputs(device, big)
+    before = pool.clone()
+    got = (kda_slots(*x, pool, slots, force_triton=True), kda_slots(*x, pool, slots, lengths, force_triton=True))
+    assert torch.equal(pool, before), "the forward wrote the pool"
+    return got, (kda_slots_ref(*x, pool, slots), kda_slots_ref(*x, pool, slots, lengths))
+
+
+def case_kda_slots_commit(device, big):
+    # every KDA layer of a verify at once, written in place; untouched slots stay as they were
+    x, pool, slots, lengths = _kda_slots_inputs(device, big, layers=3)
+    want = pool.clone()
+    kda_slots_ref(*x, want, slots, lengths, commit=True)
+    assert kda_slots(*x, pool, slots, lengths, commit=True, force_triton=True) is None
+    return pool, want
+
+
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return interpret(__file__)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreter_matches_reference(interpreter_results, name):
+    if interpreter_results[name].startswith("skip: "):
+        pytest.skip(interpreter_results[name][len("skip: "):])
+    assert interpreter_results[name] == "ok", interpreter_results[name]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and _triton.HAVE_TRITON), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cuda_matches_reference(monkeypatch, name):
+    monkeypatch.setattr(_triton, "POISON_OUTPUTS", True)
+    torch.manual_seed(0)
+    check_close(*CASES[name]("cuda", True))
+
+
+def test_dispatch_picks_reference_on_cpu(monkeypatch):
+    import kernels.kda as kd
+    import kernels.mhc as hc
+
+    def boom(*args, **kwargs):
+        raise AssertionError("Triton path taken for CPU tensors")
+
+    for mod, name in [(kd, "kda_rows_triton"), (kd, "kda_slots_triton"), (hc, "hc_mix_triton"),
+                      (hc, "hc_collapse_triton"), (hc, "hc_expand_triton")]:
+        monkeypatch.setattr(mod, name, boom)
+    m, hx, hy = torch.randn(3, 24), torch.randn(3, 4, 8), torch.randn(3, 8)
+    pre, post, comb = hc_mix(m, m[0], torch.ones(3), 1e-6, 20)
+    assert all(torch.equal(a, b) for a, b in zip((pre, post, comb), hc_mix_ref(m, m[0], torch.ones(3), 1e-6, 20)))
+    assert torch.equal(hc_collapse(hx, pre), hc_collapse_ref(hx, pre))
+    assert torch.equal(hc_expand(hx, hy, post, comb), hc_expand_ref(hx, hy, post, comb))
+    kx = [torch.randn(2, 3, 16) for _ in range(4)] + [torch.rand(2, 3), torch.randn(3, 16, 16)]
+    assert all(torch.equal(a, b) for a, b in zip(kda_rows(*kx), kda_rows_ref(*kx)))
+    x, pool, slots, lengths = _kda_slots_inputs("cpu", False)
+    assert torch.equal(kda_slots(*x, pool, slots, lengths), kda_slots_ref(*x, pool, slots, lengths))
+
+
+def test_mhc_kernels_leave_autograd_to_the_references(monkeypatch):
+    """Training runs the model's forward on CUDA with autograd: the kernels, which have no
+    backward, must not take it (a silent stop of every gradient through the streams)."""
+    import kernels.mhc as hc
+
+    monkeypatch.setattr(hc, "use_triton", lambda *a, **k: True)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    pre = torch.rand(2, 4)
+    hc_collapse(x, pre).sum().backward()
+    torch.testing.assert_close(x.grad, pre[..., None].expand(2, 4, 8))
+
+
+if __name__ == "__main__":  # the interpreter worker (test_kernels.py's module docstring)
+    print(json.dumps(run_cases("cpu", False, CASES)))
