@@ -89,6 +89,7 @@ class _Bucket:
     draft: dict
     catchup: StaticForward | None = None
     chain: StaticForward | None = None
+    idx_slots: list[int] | None = None  # the engine slots `idx` points its rows at now
 
     def forwards(self) -> list[StaticForward]:
         return [*self.verify.values(), *self.draft.values(), *(f for f in (self.catchup, self.chain) if f)]
@@ -306,9 +307,10 @@ class ForwardRunner:
             return
         size = next(b for b in sorted(self.graphs.buckets) if b >= len(slots))
         self.bucket = self.graphs.buckets[size]
-        # copied each step, like the starts: a cache of slot sets would grow with every set it meets
-        self.bucket.idx.copy_(to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device),
-                              non_blocking=True)
+        if self.bucket.idx_slots != slots:  # most steps run the batch of the step before: nothing to copy
+            self.bucket.idx.copy_(to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device),
+                                  non_blocking=True)
+            self.bucket.idx_slots = list(slots)
 
     def sequence_step(self, context_fn, fn, cache, ids: torch.Tensor, hidden: torch.Tensor | None = None) -> StaticForward:
         """bench's step timing: a one-row static forward over ONE sequence's cache at its length

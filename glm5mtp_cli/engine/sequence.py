@@ -36,7 +36,7 @@ class SeqResult:
     decode_s: float
     propose_s: list[float] = field(default_factory=list)  # per draft, per step
     verify_s: list[float] = field(default_factory=list)
-    trace: list[dict] = field(default_factory=list)
+    records: list["StepRecord"] = field(default_factory=list)  # one per verify step, its times read
     state_bytes: dict[str, int] = field(default_factory=dict)
     queue_s: float = 0.0  # from the generate call to this request's admission
     prefilled_target_rows: int = 0
@@ -47,6 +47,21 @@ class SeqResult:
     constraint: str | None = None  # Constraint.describe() of a constrained request
     complete: bool | None = None  # constrained: the grammar was completed (finish grammar or eos)
     valid: bool | None = None  # constrained and complete: the output matches, by a fresh matcher
+
+    @property
+    def trace(self) -> list[dict]:
+        """One row per verify step (generate --trace), built when read: not on the step loop's host
+        path, where a finishing sequence would build one dict per step it ran."""
+        rows = []
+        for r in self.records:
+            prop, ver = r.times.times
+            row = {"step": len(rows), "request": self.request_id, "position": r.position, "drafts": r.drafts,
+                   "accepted": r.accepted, "emitted": len(r.emitted), "draft_ids": r.draft_ids,
+                   "emitted_ids": r.emitted, "propose_ms": prop * 1e3, "verify_ms": ver * 1e3}
+            if r.grammar_valid is not None:
+                row["grammar_rejected"] = r.drafts - r.grammar_valid
+            rows.append(row)
+        return rows
 
 
 class StepRecord(NamedTuple):
@@ -102,7 +117,7 @@ class LiveSequence:
     last: int = 0  # t[n]: newest accepted token, not yet in the target cache
     last_row: BatchRow | None = None  # the same token on the device (next verify input): [1]
     pend: BatchRow | None = None  # the drafter's pending rows: (tokens [n], hiddens [n, H])
-    backlog: list = field(default_factory=list)  # (token [1], hidden [1, H]) per step without drafts since the last drafting one
+    backlog: list[BatchRow] = field(default_factory=list)  # (token, hidden) rows of each step without drafts since the last drafting one
     done: str | None = None
     steps: int = 0
     res: SeqResult | None = None
@@ -116,7 +131,8 @@ class LiveSequence:
 
     @property
     def last_dev(self) -> torch.Tensor:
-        return self.last_row.tensors()[0]
+        row = self.last_row
+        return row.src[0][row.i, : row.n]
 
 
 def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:

@@ -483,16 +483,17 @@ class SpecEngine:
             self._wall()
 
     @staticmethod
-    def _join_backlog(s: LiveSequence) -> None:  # rows of steps without drafts: views, no copy per step
+    def _join_backlog(s: LiveSequence) -> None:
+        """The rows of steps without drafts behind the pending ones. They wait as BatchRows, not
+        views: a run that never drafts (gamma 0) makes no tensor per sequence and step for them."""
         if s.backlog:
-            tokens, hiddens = s.pend.tensors()
-            s.pend = BatchRow.own(torch.cat([tokens, *(t for t, _ in s.backlog)]),
-                                  torch.cat([hiddens, *(h for _, h in s.backlog)]))
+            rows = [s.pend.tensors(), *(r.tensors() for r in s.backlog)]
+            s.pend = BatchRow.own(torch.cat([t for t, _ in rows]), torch.cat([h for _, h in rows]))
             s.backlog = []
 
     def _masks(self, seqs: list[LiveSequence], g: int) -> StepMasks | None:
         """This step's grammar masks, or None when no sequence in it is constrained."""
-        if all(s.grammar is None for s in seqs):
+        if self.grammars is None or all(s.grammar is None for s in seqs):
             return None
         return StepMasks(self.grammars, [s.grammar for s in seqs], g, self.device)
 
@@ -510,7 +511,8 @@ class SpecEngine:
             self.policy.record_acceptance(v.proposed, v.accepted)
         self.runner.commit(self.target, v.accepted_dev)
         fed = (self._drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
-        next_rows = (v.next_dev[:, None],)
+        # the next verify's token; after a step without drafts, with its hidden: the drafter's row too
+        next_rows = (v.next_dev[:, None],) if drafts is not None else (v.next_dev[:, None], hidden_all)
         for i, s in enumerate(active):
             a = v.accepted[i]
             s.cache.truncate(starts[i] + a + 1)
@@ -521,7 +523,7 @@ class SpecEngine:
                 self.head.after_verify(a, s.state)
                 s.pend = BatchRow(fed, i, a + 1)
             else:
-                s.backlog.append((s.last_dev, hidden_all[i, :1]))
+                s.backlog.append(s.last_row)
 
     def _finish(self, active: list[LiveSequence], v: "Verdict", times: StepTimes, starts: list[int],
                 slots: list, masks: StepMasks | None) -> None:
@@ -644,11 +646,8 @@ class SpecEngine:
             if r.drafts:
                 res.propose_s.append(prop / r.drafts)
             res.verify_s.append(ver)
-            res.trace.append({"step": len(res.trace), "request": s.req.request_id, "position": r.position,
-                              "drafts": r.drafts, "accepted": r.accepted, "emitted": len(r.emitted),
-                              "draft_ids": r.draft_ids, "emitted_ids": r.emitted,
-                              "propose_ms": prop * 1e3, "verify_ms": ver * 1e3})
         res.decode_s = decode
+        res.records = s.records
         if s.grammar is not None:
             self._judge(s)
 
@@ -660,9 +659,6 @@ class SpecEngine:
         part = g.constrained_part(s.out)
         res.complete = s.done in ("grammar", "eos") and part is not None
         res.valid = self.grammars.validates(g.constraint, part) if res.complete else None
-        for row, r in zip(res.trace, s.records):
-            if r.grammar_valid is not None:
-                row["grammar_rejected"] = r.drafts - r.grammar_valid
 
     def _state_bytes(self, s: LiveSequence) -> dict[str, int]:
         out = {f"target_{k}": v for k, v in s.cache.bytes_held().items()}
