@@ -308,8 +308,8 @@ def run_bench_command(run: BenchRun) -> None:
     from glm5mtp_cli.checkpoint.resolve import resolve_config
     from glm5mtp_cli.diagnostics.bench import add_ratios, run_glm5mtp, run_transformers, systems_of
     from glm5mtp_cli.diagnostics.recommend import recommend
-    from glm5mtp_cli.diagnostics.step_bench import (check_target_layers, copy_bandwidth, draft_step, random_drafter,
-                                                    target_step)
+    from glm5mtp_cli.diagnostics.step_bench import (StepTiming, check_target_layers, copy_bandwidth, draft_step,
+                                                    random_drafter, target_step)
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.compiled import default_compile
     from glm5mtp_cli.engine.runtime import before_loading, load_runtime, pick_dtype, rank_device, resolve
@@ -361,16 +361,15 @@ def run_bench_command(run: BenchRun) -> None:
         rows += run_glm5mtp(rt, ids, systems, batch, c, rules)
     add_ratios(rows)
     recs = recommend(rows)
-    bw = copy_bandwidth(dev)
-    steps = (c.engine.compile, compile_mode)
-    drafts = [draft_step(mtp, embed, head, cfg, dev, dt, draft_context, k, folder, bw, cuda_graphs,
-                         run.draft_vocab_file, kernels, steps, world) for k in run.draft_vocab_sizes]
+    timing = StepTiming(dev, dt, draft_context, graphs=cuda_graphs, kernels=kernels,
+                        compile=(c.engine.compile, compile_mode), tp=world, bandwidth=copy_bandwidth(dev))
+    drafts = [draft_step((mtp, embed, head), timing, k, folder, run.draft_vocab_file) for k in run.draft_vocab_sizes]
     t_step = None
     if spec.random_weights and target_layers:
         del mtp, embed, head
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        t_step = target_step(cfg, target_layers, dev, dt, draft_context, bw, cuda_graphs, kernels, steps, comm)
+        t_step = target_step(cfg, target_layers, timing, comm)
     doc = {"model": model, "device": str(dev), "tp": world, "graphs": c.engine.graphs,
            "compile": c.engine.compile, "compile_mode": compile_mode,
            "target_step": t_step,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +40,29 @@ from glm5mtp_cli.models import family_of
 WARMUPS = 3
 PROFILED_STEPS = 5
 TOP_KERNELS = 12
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """How bench times its steps, built once from its flags: on which device and dtype, at how many
+    cached rows (`context`), replayed as CUDA graphs where the device has them, compiled (--compile,
+    --compile-mode), profiled for their kernels, over how many ranks (each stepping in lockstep), and
+    against which copy bandwidth (None: no floor)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    context: int
+    graphs: bool = True
+    kernels: bool = False
+    compile: tuple[str, str] = ("off", "default")
+    tp: int = 1
+    bandwidth: float | None = None
+    repeats: int = 20
+
+    @property
+    def static(self) -> bool:
+        """Whether the step is the runner's static forward (graph-replayed or compiled), not eager."""
+        return (self.graphs and self.device.type == "cuda") or self.compile[0] != "off"
 
 
 def _sync(device: torch.device) -> None:
@@ -94,22 +118,22 @@ def kernel_breakdown(step, device: torch.device, reset=lambda: None, steps: int 
                      "share": us / total_us} for name, count, us in rows[:top]]}
 
 
-def _step_runner(device: torch.device, graphs: bool, compile: tuple[str, str]) -> ForwardRunner:
+def _step_runner(t: StepTiming) -> ForwardRunner:
     """The runner of a timed static step: CUDA graphs with `graphs` on CUDA, else static forwards
     run eagerly; compiled unless compile[0] is "off"."""
-    return ForwardRunner("cuda" if graphs and device.type == "cuda" else "static", device, *compile)
+    return ForwardRunner("cuda" if t.graphs and t.device.type == "cuda" else "static", t.device, *t.compile)
 
 
-def _static_step(f, runner: ForwardRunner, repeats: int, kernels: bool) -> tuple[float, dict | None, float | None]:
+def _static_step(f, runner: ForwardRunner, t: StepTiming) -> tuple[float, dict | None, float | None]:
     """A one-row static forward the runner built (ForwardRunner.sequence_step): its replays' median
     device time when captured, else host-timed runs; then the kernel breakdown with `kernels`, and
     the compile seconds (None: not compiled)."""
     compile_s = runner.compile_s if runner.compile != "off" else None
     if f.graph is None:
-        return (_host_seconds(f.run, lambda: None, f.device, repeats),
-                kernel_breakdown(f.run, f.device) if kernels else None, compile_s)
-    seconds = _replay_seconds(f.run, repeats)
-    if not kernels:
+        return (_host_seconds(f.run, lambda: None, f.device, t.repeats),
+                kernel_breakdown(f.run, f.device) if t.kernels else None, compile_s)
+    seconds = _replay_seconds(f.run, t.repeats)
+    if not t.kernels:
         return seconds, None, compile_s
     prof = kernel_breakdown(f.run, f.device)
     if not prof["top"]:  # a profiler that does not see kernels inside graph replays: the same forward, eager
@@ -152,21 +176,20 @@ def _fill_random(pools) -> None:
         pool.data.normal_(0, 1)
 
 
-def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, context: int,
-                    draft_ids: torch.Tensor | None = None, repeats: int = 20, graphs: bool = True,
-                    kernels: bool = False, compile: tuple[str, str] = ("off", "default"), tp: int = 1
+def time_draft_step(drafter: tuple, t: StepTiming, draft_ids: torch.Tensor | None = None
                     ) -> tuple[float, dict | None, float | None]:
-    """Median seconds of one chained draft step (batch 1) at a context of `context` drafter rows:
-    one new row appended and dropped again (`tp`: the ranks `mtp` is sharded over, each running
-    this in lockstep). CUDA graph replays with `graphs` on CUDA, else eager
-    (compiled: the static forward, _static_step). With `kernels`, also the step's kernel_breakdown
-    (else None); then the compile seconds (None: not compiled)."""
+    """Median seconds of one chained draft step (batch 1) of drafter (mtp, embed, head; sharded
+    over t.tp ranks) at t.context drafter rows: one new row appended and dropped again. CUDA graph
+    replays with t.graphs on CUDA, else eager (compiled: the static forward, _static_step). With
+    t.kernels, also the step's kernel_breakdown (else None); then the compile seconds (None: not
+    compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.engine.config import EngineConfig
     from glm5mtp_cli.engine.mtp_head import MtpHead
 
-    cfg = mtp.cfg
-    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, tp=tp)
+    mtp, embed, head = drafter
+    cfg, context, device = mtp.cfg, t.context, t.device
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, t.dtype, device, tp=t.tp)
     # GLM-5-Next always chains on the post-norm hidden (its config has no such switch)
     head_ = MtpHead(mtp, embed, head, pools, EngineConfig(max_seq_len=context + 8), draft_ids,
                     carry_normed=getattr(cfg, "mtp_carry_normed_hidden", True))
@@ -175,15 +198,15 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
     try:
         _fill_random(pools)
         state.cache.length = state.real_rows = context
-        hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
+        hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=t.dtype)
         token = torch.tensor([1], device=device)
-        if (graphs and device.type == "cuda") or compile[0] != "off":
-            runner = _step_runner(device, graphs, compile)
+        if t.static:
+            runner = _step_runner(t)
             try:
                 f = runner.sequence_step(head_.context,
                                          lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
                                          state.cache, token[None], hidden[None])
-                return _static_step(f, runner, repeats, kernels)
+                return _static_step(f, runner, t)
             finally:
                 runner.close()
 
@@ -193,38 +216,35 @@ def time_draft_step(mtp, embed, head, device: torch.device, dtype: torch.dtype, 
         def reset():
             state.cache.truncate(context)
 
-        return (_host_seconds(step, reset, device, repeats),
-                kernel_breakdown(step, device, reset) if kernels else None, None)
+        return (_host_seconds(step, reset, device, t.repeats),
+                kernel_breakdown(step, device, reset) if t.kernels else None, None)
     finally:
         head_.free_state(state)
 
 
-def time_target_step(target, device: torch.device, dtype: torch.dtype, context: int, repeats: int = 20,
-                     graphs: bool = True, kernels: bool = False, compile: tuple[str, str] = ("off", "default"),
-                     tp: int = 1) -> tuple[float, dict | None, float | None]:
-    """Median seconds of one batch-1 decode step of `target` (sharded over `tp` ranks, each running
-    this in lockstep) at `context` cached rows: CUDA graph
-    replays with `graphs` on CUDA (compiled: _static_step); else an eager forward of one row plus
-    the commit of its fixed-size state (what the engine's commit after a verify writes),
-    host-timed. With `kernels`, also the step's kernel_breakdown (else None); then the compile
-    seconds (None: not compiled)."""
+def time_target_step(target, t: StepTiming) -> tuple[float, dict | None, float | None]:
+    """Median seconds of one batch-1 decode step of `target` (sharded over t.tp ranks) at
+    t.context cached rows: CUDA graph replays with t.graphs on CUDA (compiled: _static_step); else
+    an eager forward of one row plus the commit of its fixed-size state (what the engine's commit
+    after a verify writes), host-timed. With t.kernels, also the step's kernel_breakdown (else
+    None); then the compile seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
 
-    cfg = target.cfg
-    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, dtype, device, with_drafter=False, tp=tp)
+    cfg, context, device = target.cfg, t.context, t.device
+    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, t.dtype, device, with_drafter=False, tp=t.tp)
     cache = pools.target_cache()
     cache.reserve(context + 8)
     try:
         _fill_random(pools)
         cache.length = context
         ids = torch.ones(1, 1, dtype=torch.long, device=device)
-        if (graphs and device.type == "cuda") or compile[0] != "off":
-            runner = _step_runner(device, graphs, compile)
+        if t.static:
+            runner = _step_runner(t)
             try:
                 f = runner.sequence_step(target.context,
                                          lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
                                          cache, ids)
-                return _static_step(f, runner, repeats, kernels)
+                return _static_step(f, runner, t)
             finally:
                 runner.close()
         keep = torch.ones(1, dtype=torch.long, device=device)
@@ -236,8 +256,8 @@ def time_target_step(target, device: torch.device, dtype: torch.dtype, context: 
         def reset():
             cache.length = context  # the next step overwrites that row; states stay random-like
 
-        return (_host_seconds(step, reset, device, repeats),
-                kernel_breakdown(step, device, reset) if kernels else None, None)
+        return (_host_seconds(step, reset, device, t.repeats),
+                kernel_breakdown(step, device, reset) if t.kernels else None, None)
     finally:
         cache.release()
 
@@ -311,53 +331,46 @@ def random_drafter(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0,
     return mtp.eval(), embed, head
 
 
-def _timing(dev: torch.device, graphs: bool, compile: tuple[str, str]) -> dict:
+def _timing(t: StepTiming) -> dict:
     """How a step was timed: "timing" (cuda graph, static or eager) and the compile setting."""
-    timing = "cuda graph" if graphs and dev.type == "cuda" else ("static" if compile[0] != "off" else "eager")
-    return {"timing": timing, "compile": compile[0], "compile_mode": compile[1]}
+    timing = "cuda graph" if t.graphs and t.device.type == "cuda" else ("static" if t.compile[0] != "off" else "eager")
+    return {"timing": timing, "compile": t.compile[0], "compile_mode": t.compile[1]}
 
 
-def _against_floor(step_s: float, nbytes: dict, bw: float | None, kernels: dict | None,
-                   compile_s: float | None) -> dict:
+def _against_floor(step_s: float, nbytes: dict, t: StepTiming, kernels: dict | None, compile_s: float | None) -> dict:
+    bw = t.bandwidth
     floor = nbytes["total"] / bw if bw else None
     return {"step_ms": step_s * 1e3, "compile_s": compile_s, "bytes": nbytes, "copy_bandwidth_bytes_per_s": bw,
             "floor_ms": floor * 1e3 if floor else None, "ratio_to_floor": step_s / floor if floor else None,
             "kernels": kernels}
 
 
-def target_step(cfg, layers: int, dev: torch.device, dt: torch.dtype, context: int, bw: float | None,
-                graphs: bool, kernels: bool = False, compile: tuple[str, str] = ("off", "default"),
-                comm=None) -> dict:
+def target_step(cfg, layers: int, t: StepTiming, comm=None) -> dict:
     """One decode step of a random target truncated to `layers`, timed and set against its memory floor
-    (with `kernels`: and its kernel breakdown; with `compile`: compiled first, engine/compiled.py).
-    With `comm`: this rank's shard, every rank stepping in lockstep; the floor counts this rank's bytes."""
-    tp = comm.world if comm is not None else 1
-    target = random_target(cfg, layers, dev, dt, comm=comm)
-    step_s, prof, compile_s = time_target_step(target, dev, dt, context, graphs=graphs, kernels=kernels,
-                                               compile=compile, tp=tp)
-    nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=dt).element_size(), context, tp)
+    (with t.kernels: and its kernel breakdown; compiled first with t.compile, engine/compiled.py).
+    With `comm` (t.tp ranks): this rank's shard, every rank stepping in lockstep; the floor counts
+    this rank's bytes."""
+    target = random_target(cfg, layers, t.device, t.dtype, comm=comm)
+    step_s, prof, compile_s = time_target_step(target, t)
+    nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=t.dtype).element_size(), t.context, t.tp)
     del target
-    if dev.type == "cuda":
+    if t.device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"layers": layers, "context": context, **_timing(dev, graphs, compile),
-            **_against_floor(step_s, nbytes, bw, prof, compile_s)}
+    return {"layers": layers, "context": t.context, **_timing(t), **_against_floor(step_s, nbytes, t, prof, compile_s)}
 
 
-def draft_step(mtp, embed, head, cfg, dev: torch.device, dt: torch.dtype, context: int, k: int,
-               folder, bw: float | None, graphs: bool, counts_file=None, kernels: bool = False,
-               compile: tuple[str, str] = ("off", "default"), tp: int = 1) -> dict:
-    """One chained draft step over a vocabulary of k tokens (0: all), timed and set against its memory floor
-    (with `kernels`: and its kernel breakdown).
+def draft_step(drafter: tuple, t: StepTiming, k: int, folder=None, counts_file=None) -> dict:
+    """One chained draft step of drafter (mtp, embed, head) over a vocabulary of k tokens (0: all),
+    timed and set against its memory floor (with t.kernels: and its kernel breakdown).
     folder/counts_file: where the token counts for k come from (random weights: the first k ids).
-    tp: the ranks mtp, embed and head are sharded over (every rank steps in lockstep; the floor
-    counts this rank's bytes); a draft vocabulary (k > 0) needs tp 1."""
-    ids = None
+    The drafter is sharded over t.tp ranks (every rank steps in lockstep; the floor counts this
+    rank's bytes); a draft vocabulary (k > 0) needs tp 1."""
+    cfg, ids = drafter[0].cfg, None
     if k:
         # a checkpoint drafts over its most frequent tokens; random weights have no counts: first k ids
-        ids = (load_draft_ids(folder, k, cfg.vocab_size, dev, path=counts_file) if folder is not None
-               else torch.arange(min(k, cfg.vocab_size), device=dev))
-    step_s, prof, compile_s = time_draft_step(mtp, embed, head, dev, dt, context, ids, graphs=graphs, kernels=kernels,
-                                              compile=compile, tp=tp)
-    nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=dt).element_size(), context, k or None, tp)
-    return {"draft_vocab": k or None, "context": context, **_timing(dev, graphs, compile),
-            **_against_floor(step_s, nbytes, bw, prof, compile_s)}
+        ids = (load_draft_ids(folder, k, cfg.vocab_size, t.device, path=counts_file) if folder is not None
+               else torch.arange(min(k, cfg.vocab_size), device=t.device))
+    step_s, prof, compile_s = time_draft_step(drafter, t, ids)
+    nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=t.dtype).element_size(), t.context, k or None, t.tp)
+    return {"draft_vocab": k or None, "context": t.context, **_timing(t),
+            **_against_floor(step_s, nbytes, t, prof, compile_s)}
