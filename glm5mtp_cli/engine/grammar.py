@@ -190,6 +190,7 @@ class StepMasks:
         self.ok = [g is not None for g in seqs]  # still walking: every draft so far allowed
         self.valid = [0 if g is not None else None for g in seqs]  # drafts the grammar allowed
         self.filled = 0  # positions whose rows are filled
+        self._drafts_read = None  # (host ids, event): the drafts' copy `read_drafts` started
 
     def _fill_row(self, i: int, col: list[int] | None, counts: list[int] | None = None) -> None:
         """Row i: each walking sequence advanced by its draft i (col, host ids; None for row 0), then
@@ -220,16 +221,42 @@ class StepMasks:
         allowed |= ~allowed.any(-1, keepdim=True)  # no allowed token among the K: that row drafts unmasked
         return logits.masked_fill(~allowed, float("-inf"))
 
+    def read_drafts(self, drafts) -> None:
+        """Start copying the draft columns `verify` still has to walk to the host, before the verify
+        forward is launched: then `verify`'s read waits for drafting only, and the walk overlaps the
+        verify forward (a read enqueued after it would wait for the whole verify)."""
+        k = drafts.tokens.shape[1] if drafts is not None else 0
+        if not k or self.filled > k:
+            return
+        cols = drafts.tokens[:, max(self.filled - 1, 0):k]
+        if cols.device.type != "cuda":
+            self._drafts_read = (cols, None)
+            return
+        host = cols.to("cpu", non_blocking=True)  # into pinned memory: the copy is queued, not waited for
+        done = torch.cuda.Event()
+        done.record()
+        self._drafts_read = (host, done)
+
     def verify(self, drafts) -> torch.Tensor:
         """The verify's masks [A, k + 1, W] on the device (k: the drafts' columns, 0 without drafts):
-        the rows drafting did not fill, filled now from the drafts read once."""
+        the rows drafting did not fill, filled now from the drafts read once (`read_drafts`)."""
         k = drafts.tokens.shape[1] if drafts is not None else 0
         if self.filled <= k:
             first = max(self.filled - 1, 0)  # the draft column before the first row still to fill
-            cols = drafts.tokens[:, first:k].tolist() if k else []
+            cols = self._read_cols(drafts, first, k) if k else []
             for i in range(self.filled, k + 1):
                 self._fill_row(i, [c[i - 1 - first] for c in cols] if i else None, drafts.counts if k else None)
         for b, n in enumerate(self.valid):  # drafting may have walked past a confidence stop
             if n is not None and drafts is not None:
                 self.valid[b] = min(n, drafts.counts[b])
         return self.host[: k + 1].to(self.device, non_blocking=True).transpose(0, 1)
+
+    def _read_cols(self, drafts, first: int, k: int) -> list[list[int]]:
+        """Draft columns first..k-1 on the host: the copy `read_drafts` started, else read now."""
+        if self._drafts_read is None:
+            return drafts.tokens[:, first:k].tolist()
+        host, done = self._drafts_read
+        self._drafts_read = None
+        if done is not None:
+            done.synchronize()
+        return host.tolist()

@@ -206,9 +206,11 @@ class SpecEngine:
         v0 = self.clock.now()
         if self.hooks is not None:
             self.hooks.before_verify(active)
+        if masks is not None:
+            masks.read_drafts(drafts)  # queued before the verify, so the walk below overlaps it
         starts = [s.cache.length for s in active]
         out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
-        if masks is not None:  # the walk's host work overlaps the verify forward already launched
+        if masks is not None:
             apply_bitmask(out.logits, masks.verify(drafts))
         verdict = self._accept(drafts, out.logits, active)
         times = StepTimes(p0, v0, self.clock.now())
