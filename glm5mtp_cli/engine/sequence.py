@@ -115,7 +115,7 @@ class LiveSequence:
     t0: object
     all_tokens: list[int] = field(default_factory=list)  # prompt + every accepted token (untruncated)
     last: int = 0  # t[n]: newest accepted token, not yet in the target cache
-    last_row: BatchRow | None = None  # the same token on the device (next verify input): [1]
+    last_row: BatchRow | None = None  # that token on the device [1] (after a step without drafts: and its hidden)
     pend: BatchRow | None = None  # the drafter's pending rows: (tokens [n], hiddens [n, H])
     backlog: list[BatchRow] = field(default_factory=list)  # (token, hidden) rows of each step without drafts since the last drafting one
     done: str | None = None
