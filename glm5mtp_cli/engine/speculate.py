@@ -40,13 +40,14 @@ from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine import drafting
+from glm5mtp_cli.engine.accept import Verdict, accept, accept_synthetic, drafter_feed
 from glm5mtp_cli.engine.grammar import Grammars, StepMasks
 from glm5mtp_cli.engine.graphs import ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_drafters, prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import graph_rows
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState
-from glm5mtp_cli.engine.sampling import accept_rejection, choose, request_stream
+from glm5mtp_cli.engine.sampling import choose, request_stream
 from glm5mtp_cli.engine.sequence import (BatchRow, LiveSequence, Request, SeqResult, StepRecord, budget_tokens,
                                          reserve_tokens, whole_batch)
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
@@ -67,20 +68,6 @@ class Run:
     width: int
     prefill_s: float = 0.0
     capture_s: float = 0.0
-
-
-@dataclass
-class Verdict:
-    """What one verify decided per sequence: on the host, drafts proposed and accepted, the
-    target's next token and the drafted ids (None without drafts); on the device, the next tokens
-    and the accepted counts (the drafter's next feed is built from them without a host copy)."""
-
-    proposed: list[int]
-    accepted: list[int]
-    next: list[int]
-    draft_ids: list[list[int]] | None
-    next_dev: torch.Tensor
-    accepted_dev: torch.Tensor
 
 
 class SpecEngine:
@@ -504,7 +491,7 @@ class SpecEngine:
         last = self._last_tokens(active)
         return last[:, None] if drafts is None else torch.cat([last[:, None], drafts.tokens], dim=1)
 
-    def _commit(self, active: list[LiveSequence], v: "Verdict", drafts: Drafts | None, hidden_all: torch.Tensor,
+    def _commit(self, active: list[LiveSequence], v: Verdict, drafts: Drafts | None, hidden_all: torch.Tensor,
                 starts: list[int]) -> None:
         """Both caches back to each sequence's accepted prefix: the target keeps n + a + 1 rows (its
         fixed-size state commits the same prefix), the drafter drops its speculative rows and is fed
@@ -512,7 +499,7 @@ class SpecEngine:
         if self.policy.adaptive:
             self.policy.record_acceptance(v.proposed, v.accepted)
         self.runner.commit(self.target, v.accepted_dev)
-        fed = (self._drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
+        fed = (drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
         # the next verify's token; after a step without drafts, with its hidden: the drafter's row too
         next_rows = (v.next_dev[:, None],) if drafts is not None else (v.next_dev[:, None], hidden_all)
         for i, s in enumerate(active):
@@ -527,7 +514,7 @@ class SpecEngine:
             else:
                 s.backlog.append(s.last_row)
 
-    def _finish(self, active: list[LiveSequence], v: "Verdict", times: StepTimes, starts: list[int],
+    def _finish(self, active: list[LiveSequence], v: Verdict, times: StepTimes, starts: list[int],
                 slots: list, masks: StepMasks | None) -> None:
         """Each sequence's tokens of this step; one that finished (EOS, length, grammar, cancel:
         released) leaves its slot to the next admission."""
@@ -536,7 +523,7 @@ class SpecEngine:
             if s.done is not None:
                 slots[s.slot] = None
 
-    def _emit(self, s: LiveSequence, v: "Verdict", i: int, times: StepTimes, start: int,
+    def _emit(self, s: LiveSequence, v: Verdict, i: int, times: StepTimes, start: int,
               grammar_valid: int | None = None) -> None:
         """Sequence i's tokens of this step (a accepted drafts and the target's own), its record of
         the step, then whether it finished."""
@@ -563,54 +550,12 @@ class SpecEngine:
         whole = whole_batch([s.last_row for s in active])
         return whole[0][:, 0] if whole is not None else torch.cat([s.last_dev for s in active])
 
-    @staticmethod
-    def _drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
-        """[A, g + 1] device rows whose first a_i + 1 are sequence i's next drafter tokens: its a_i
-        accepted drafts, then the target's token (built once for the batch: no host copy of tokens,
-        and an unchanged batch's next draft reads it whole, proposer.Feed)."""
-        pos = torch.arange(drafts.shape[1] + 1, device=drafts.device)
-        return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
-
-    def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence]) -> "Verdict":
-        """Greedy match or rejection sampling over the verified logits [A, g + 1, V] (or synthetic
-        draws); greedy reads the device once per step."""
-        proposed = drafts.counts if drafts is not None else [0] * logits.shape[0]
+    def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence]) -> Verdict:
+        """This step's Verdict (engine/accept.py): the models' or, under --synthetic-acceptance, drawn."""
+        gens = [s.gen for s in active]
         if self.synthetic is not None and drafts is not None:
-            return self._accept_synthetic(drafts, logits, active)
-        if self.sampling.greedy:
-            target_tokens = logits.argmax(-1)  # [B, g+1]
-            if drafts is None:
-                nxt = target_tokens[:, 0]
-                return Verdict(proposed, proposed, nxt.tolist(), None, nxt, torch.zeros_like(nxt))
-            tokens = drafts.tokens
-            match = (target_tokens[:, :-1] == tokens).int()
-            if min(proposed) < tokens.shape[1]:  # a confidence stop proposed fewer drafts somewhere
-                n = torch.tensor(proposed, device=logits.device)
-                match = match * (torch.arange(tokens.shape[1], device=logits.device)[None, :] < n[:, None])
-            acc = match.cumprod(1).sum(1)
-            nxt = target_tokens.gather(1, acc[:, None])[:, 0]
-            host = torch.cat([acc[:, None], nxt[:, None], tokens], dim=1).tolist()  # the one sync
-            return Verdict(proposed, [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt, acc)
-        acc, nxt = [], []
-        no_drafts = logits.new_empty(0, dtype=torch.long)
-        for i, s in enumerate(active):
-            d, q = (no_drafts, None) if drafts is None else (drafts.tokens[i], drafts.probs[i])
-            a, t = accept_rejection(d, q, logits[i], proposed[i], self.sampling, s.gen)
-            acc.append(a)
-            nxt.append(t)
-        both = torch.tensor([acc, nxt], dtype=torch.long, device=logits.device)  # one copy for both
-        return Verdict(proposed, acc, nxt, None if drafts is None else drafts.tokens.tolist(), both[1], both[0])
-
-    def _accept_synthetic(self, drafts: Drafts, logits: torch.Tensor, active: list[LiveSequence]) -> "Verdict":
-        """--synthetic-acceptance: the first a drafts kept as drawn (engine/synthetic.py), then the
-        target's own token at position a; one host read, as greedy's."""
-        tokens, proposed = drafts.tokens, drafts.counts
-        n = torch.tensor(proposed, device=logits.device) if min(proposed) < tokens.shape[1] else None
-        acc = self.synthetic.accepted(tokens.shape[0], tokens.shape[1], n)
-        at = logits.gather(1, acc[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
-        nxt, _ = choose(at, self.sampling, [s.gen for s in active])
-        host = torch.cat([acc[:, None], nxt[:, None], tokens], dim=1).tolist()  # the one sync
-        return Verdict(proposed, [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt, acc)
+            return accept_synthetic(drafts, logits, gens, self.sampling, self.synthetic)
+        return accept(drafts, logits, gens, self.sampling)
 
     def _maybe_finish(self, s: LiveSequence, fresh_from: int = 0) -> None:
         """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""
