@@ -137,6 +137,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
         x = out.pending.rows
         held += out.pending.extended.nbytes + sum(t.nbytes for t in (x.q, x.k, x.v, x.f, x.b, x.dt_bias, x.a_log))
+        held += bucket.commit[gamma].kept.nbytes
         if gamma:
             held += bucket.draft[gamma].run().nbytes
         assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma, 128)

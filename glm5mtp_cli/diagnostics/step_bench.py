@@ -7,9 +7,9 @@ values (MLA latents, indexer rows, recurrent states), so it costs what it costs 
 without prefilling L tokens. The floor is the bytes the step must read (sizing.draft_step_bytes,
 sizing.target_step_bytes: active weights, cache reads, recurrent state traffic) over a copy
 bandwidth measured in the same run. Timing: on CUDA the forward is replayed as a CUDA graph (what
-the engine replays), timed with device events (GLM-5-Next's target step: the forward only, its
-KDA commit runs eagerly after the graph in the engine); every CPU run is host-timed around a
-synchronised eager forward. Both report the median of `repeats` runs after 3 warm-ups.
+the engine replays), timed with device events (GLM-5-Next's target step: the forward only; the
+engine replays its KDA commit after it as a graph of its own, engine/static.StaticCommit); every
+CPU run is host-timed around a synchronised eager forward. Both report the median of `repeats` runs after 3 warm-ups.
 
 With `compile` (bench --compile, engine/compiled.py) the step's static forward is compiled first (its
 compile seconds reported apart), then replayed as a CUDA graph on CUDA, or run and host-timed on the CPU.

@@ -31,7 +31,8 @@ taken once per engine): set by `occupy`, pointed at the scratch slot by `retire`
 like the tables. A forward only reads those states; the target's commit records are the graph's
 outputs (with the slot indices the forward read), which the runner keeps until the engine's
 `commit` after the accept hands the accepted counts to the target (Target.commit, device tensors
-alone), before that graph's next replay.
+alone), before that graph's next replay: on CUDA a graph of its own per verify forward, captured
+after it (static.StaticCommit), reading the counts from a buffer.
 One memory pool, the runner's, holds every graph set's captures (decode, verify, draft chain, the
 prefill's buckets, bench's one-sequence steps). Graphs sharing a pool may reuse each other's freed
 intermediates, so a replay may overwrite what another graph left; that is safe because every
@@ -56,7 +57,7 @@ import torch
 from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
-from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table, sequence_forward
+from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, Table, sequence_forward
 from glm5mtp_cli.errors import UserError
 
 
@@ -89,6 +90,7 @@ class _Bucket:
     draft: dict
     catchup: StaticForward | None = None
     chain: StaticForward | None = None
+    commit: dict | None = None  # verify[g]'s StaticCommit, for targets with fixed-size state
     idx_slots: list[int] | None = None  # the engine slots `idx` points its rows at now
 
     def forwards(self) -> list[StaticForward]:
@@ -151,7 +153,8 @@ class EngineGraphs:
         tt, ts = self.tables["target"], self.slot_index["target"]
         verify = {g: StaticForward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t), "all"),
                                    b, g + 1, tt, dev, idx=idx, slots=ts) for g in gammas}
-        bucket = _Bucket(b, idx, verify, {})
+        commit = {g: StaticCommit(target, f) for g, f in verify.items()} if target.reads_slots else None
+        bucket = _Bucket(b, idx, verify, {}, commit=commit)
         if proposer is None or max(gammas) == 0:
             return bucket
         td, ds = self.tables["drafter"], self.slot_index["drafter"]
@@ -187,8 +190,11 @@ class EngineGraphs:
         if self.mempool is None:
             return
         for b in sorted(self.buckets, reverse=True):
-            for f in self.buckets[b].forwards():
+            bucket = self.buckets[b]
+            for f in bucket.forwards():
                 f.capture(self.mempool)
+            for c in (bucket.commit or {}).values():
+                c.capture(self.mempool)
 
     def occupy(self, slot: int, caches: dict[str, object]) -> None:
         """A sequence takes `slot`: its table rows name its blocks (scratch past them), its slot
@@ -212,7 +218,7 @@ class EngineGraphs:
     def close(self) -> None:
         """Destroy the graphs, then give the scratch blocks and slots back."""
         for bucket in self.buckets.values():
-            for f in bucket.forwards():
+            for f in [*bucket.forwards(), *(bucket.commit or {}).values()]:
                 f.close()
         self.buckets = {}
         for name, blocks in self.scratch.items():
@@ -251,6 +257,7 @@ class ForwardRunner:
         self.bucket: _Bucket | None = None
         self.active = 0
         self.pending = None  # the last verify's commit records (Target.commit), until `commit`
+        self.committer: StaticCommit | None = None  # the static commit of the verify that left them
 
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
@@ -353,6 +360,7 @@ class ForwardRunner:
             c.prepare(f.t)  # within capacity (_starts): reserves nothing
         out = f.run()
         self.pending = out.pending  # the graph's outputs: committed before its next replay
+        self.committer = self.bucket.commit[ids.shape[1] - 1] if self.bucket.commit else None
         for c in caches:
             c.length += f.t
         # logits are read before the next replay; the hiddens are kept a step: copied out
@@ -364,10 +372,10 @@ class ForwardRunner:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        kept = accepted + 1
-        if self.graphs is not None and self.bucket.size > kept.shape[0]:
-            kept = torch.cat([kept, kept.new_zeros(self.bucket.size - kept.shape[0])])
-        target.commit(pending, kept)
+        if self.graphs is None:
+            target.commit(pending, accepted + 1)
+        else:
+            self.committer.run(pending, accepted)
 
     # ---- the drafter (called by the engine's drafting) ----------------------------------------
     def catchup(self, proposer, feed: Feed, caches: list):

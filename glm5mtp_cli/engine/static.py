@@ -147,6 +147,49 @@ class StaticForward:
 
 
 
+class StaticCommit:
+    """The target's commit after one static verify forward (Target.commit), as a function of a
+    buffer of the kept counts [B]: captured right after that verify on CUDA, reading the verify's
+    commit records where its graph leaves them, so a step's commit is one replay, not its dozens of
+    launches; run eagerly otherwise."""
+
+    def __init__(self, target, verify: StaticForward):
+        self.target, self.verify = target, verify
+        self.kept = torch.zeros(verify.b, dtype=torch.long, device=verify.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def capture(self, mempool) -> None:
+        """After verify.capture: replay the verify once, so that its records hold values (a capture
+        runs nothing: until a replay its outputs are uninitialised memory, slot indices included,
+        and a commit of those wrote through garbage indices), then warm up and capture the commit.
+        At engine start every row names the scratch slot and the buffer keeps no rows: no state moves."""
+        self.verify.run()
+        pending = self.verify.out.pending
+        side = warmup_stream(self.verify.device)
+        side.wait_stream(torch.cuda.current_stream(self.verify.device))
+        with torch.cuda.stream(side), sync_free():
+            self.target.commit(pending, self.kept)
+        torch.cuda.current_stream(self.verify.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool), sync_free():
+            self.target.commit(pending, self.kept)
+
+    def run(self, pending, accepted: torch.Tensor) -> None:
+        """Commit `pending` (the verify's last outputs): row b keeps accepted[b] + 1 rows (the
+        accepted drafts and the row before them); rows past accepted's length keep none (padding)."""
+        a = accepted.shape[0]
+        torch.add(accepted, 1, out=self.kept[:a])
+        if a < self.kept.shape[0]:
+            self.kept[a:].zero_()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.target.commit(pending, self.kept)
+
+    def close(self) -> None:
+        self.graph = None
+
+
 def sequence_forward(context_fn, fn, cache, t: int, device: torch.device,
                      hidden: tuple[int, torch.dtype] | None = None) -> StaticForward:
     """A static forward over ONE sequence's cache (benchmarks): its own tables and state slots
