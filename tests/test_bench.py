@@ -9,6 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from glm5mtp_cli.checkpoint.resolve import resolve_config
+
 from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.diagnostics.bench import add_ratios
 from glm5mtp_cli.diagnostics.sizing import draft_step_bytes
@@ -110,6 +112,31 @@ def test_bench_random_weights_draft_step_only():
     assert doc["rows"] == [] and [d["draft_vocab"] for d in doc["draft_steps"]] == [None, 64]
     full, sub = doc["draft_steps"]
     assert sub["bytes"]["lm_head"] == full["bytes"]["lm_head"] * 64 // 256
+
+
+def test_bench_steps_at_batch_sizes():
+    """--step-batch-sizes: each draft vocabulary's step and the target step at every batch, their
+    bytes the batch's (sizing.batch_step_bytes: weights once, every sequence's cache rows, the
+    routed experts the batch touches)."""
+    from glm5mtp_cli.diagnostics.sizing import batch_step_bytes, routed_expert_bytes, target_step_bytes
+
+    r = CliRunner().invoke(app, ["bench", "--model", "glm5-tiny", "--random-weights", "--draft-vocab-sizes", "0,64",
+                                 "--step-batch-sizes", "1,3", "--draft-context", "32", "--target-layers", "2",
+                                 "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert [(d["draft_vocab"], d["batch"]) for d in doc["draft_steps"]] == [(None, 1), (None, 3), (64, 1), (64, 3)]
+    assert [t["batch"] for t in doc["target_steps"]] == [1, 3] and doc["target_step"] == doc["target_steps"][0]
+    one, three = doc["draft_steps"][:2]
+    assert one["bytes"]["total"] < three["bytes"]["total"] < 3 * one["bytes"]["total"]
+    cfg = resolve_config("glm5-tiny")[0]
+    step = target_step_bytes(cfg.with_layers(2), 4, 32)
+    want = batch_step_bytes(step, routed_expert_bytes(cfg.with_layers(2), 4)["target"], 3, 3, cfg.n_routed_experts,
+                            cfg.num_experts_per_tok)
+    assert doc["target_steps"][1]["bytes"] == {**step, "total": int(want)}
+    r = CliRunner().invoke(app, ["bench", "--model", "glm5-tiny", "--random-weights", "--step-batch-sizes", "0",
+                                 "--device", "cpu"])
+    assert r.exit_code == 2 and "--step-batch-sizes" in r.output
 
 
 def test_bench_kernels_breakdown():

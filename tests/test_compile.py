@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.engine.cache import CachePools, write_rows
 from glm5mtp_cli.engine.compiled import compile_forward
-from glm5mtp_cli.engine.static import sequence_forward
+from glm5mtp_cli.engine.static import sequences_forward
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
 from kernels import fp8_block, moe, moe_grouped, paged, rmsnorm, rope
@@ -98,8 +98,8 @@ def test_compiled_decode_logits_close(glm5):
     try:
         for pool in pools.pools.values():
             pool.data.normal_(0, 1, generator=torch.Generator().manual_seed(0))
-        f = sequence_forward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
-                             cache, 1, torch.device("cpu"))
+        f = sequences_forward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
+                              [cache], 1, torch.device("cpu"))
         f.ids.fill_(5)
         f.set_starts([9])
         want = f.run().logits.clone()

@@ -147,28 +147,34 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     assert not any(pools.blocks_held().values())
 
 
-def test_sequence_forward_reads_the_sequences_state_slots(rt):
-    """step_bench's one-sequence static forward (graphs.sequence_forward, what bench captures for
-    the target step) passes the cache's own KDA slots: its logits equal the eager forward's."""
+def test_sequences_forward_reads_the_sequences_state_slots(rt):
+    """step_bench's static forward over given sequences (static.sequences_forward, what bench
+    captures for the target step, at --step-batch-sizes) reads each cache's own KDA slots: its
+    logits equal the eager forward's over the same caches, one sequence or two."""
     from glm5mtp_cli.engine.cache import CachePools
-    from glm5mtp_cli.engine.static import sequence_forward
+    from glm5mtp_cli.engine.static import sequences_forward
 
-    pools = CachePools.create(rt.cfg, 8, 4, torch.float32, "cpu", with_drafter=False)
-    cache = pools.target_cache()
-    prompt = torch.tensor([_work(rt)[0][0]])
-    rt.target.commit(rt.target(prompt, [cache]).pending, torch.tensor([prompt.shape[1]]))  # the prefill's state
-    cache.prepare(1)  # room for the step's row
-    n = cache.length
-    f = sequence_forward(rt.target.context, lambda f: rt.target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
-                         cache, 1, torch.device("cpu"))
-    f.ids.fill_(42)
-    f.set_starts([n])
-    static = f.run().logits[0, -1].clone()
-    eager = rt.target(torch.tensor([[42]]), [cache], rows="last").logits[0, -1]
-    torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
-    other = rt.target(torch.tensor([[42]]), [pools.target_cache()], rows="last").logits[0, -1]
-    assert not torch.allclose(static, other, atol=1e-3)  # the state read mattered
-    cache.release()
+    pools = CachePools.create(rt.cfg, 16, 4, torch.float32, "cpu", with_drafter=False)
+    caches = []
+    for text in (_work(rt)[0][0], _work(rt)[1][0]):
+        prompt = torch.tensor([text])
+        caches.append(pools.target_cache())
+        caches[-1].reserve(16)  # one reservation: the tables of a batched step stack
+        rt.target.commit(rt.target(prompt, caches[-1:]).pending, torch.tensor([prompt.shape[1]]))  # the prefill's state
+        caches[-1].prepare(1)  # room for the step's row
+    for batch in (caches[:1], caches):
+        f = sequences_forward(rt.target.context, lambda f: rt.target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
+                              batch, 1, torch.device("cpu"))
+        f.ids.fill_(42)
+        f.set_starts([c.length for c in batch])
+        static = f.run().logits[:, -1].clone()
+        eager = rt.target(torch.full((len(batch), 1), 42), batch, rows="last").logits[:, -1]
+        for c in batch:
+            c.truncate(c.length - 1)
+        torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(static[0], static[1], atol=1e-3)  # each row read its own state
+    for c in caches:
+        c.release()
 
 
 def _prefill_graph_runs(rt, chunk: int, mode: str):

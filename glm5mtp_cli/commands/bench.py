@@ -76,6 +76,10 @@ def _capture(row: dict) -> str:
     return "-" if not ms else f"{ms / 1e3:.2f}"
 
 
+def _seqs(step: dict) -> str:
+    return f"{step['batch']} sequences x " if step["batch"] > 1 else ""
+
+
 def _floor(step: dict) -> str:
     if step["floor_ms"] is None:
         return "no floor on the CPU"
@@ -208,6 +212,9 @@ def bench_cmd(
     draft_vocab_sizes: Annotated[str, typer.Option("--draft-vocab-sizes", metavar="LIST", rich_help_panel=STEPS,
                                                    help="Draft-step vocabularies to time; 0 is the full "
                                                         "vocabulary.")] = "0",
+    step_batch_sizes: Annotated[str, typer.Option("--step-batch-sizes", metavar="LIST", rich_help_panel=STEPS,
+        help="Sequences per timed draft and target step, each at --draft-context rows (steps at batch > 1 "
+             "calibrate plan's per-sequence costs).")] = "1",
     draft_vocab_file: Annotated[Optional[Path], typer.Option("--draft-vocab-file", metavar="FILE", rich_help_panel=STEPS,
         help="Token counts for --draft-vocab-sizes (default: token_counts.json beside the checkpoint).")] = None,
     target_layers: Annotated[Optional[int], typer.Option("--target-layers", metavar="N", rich_help_panel=STEPS,
@@ -266,6 +273,7 @@ def bench_cmd(
     c = BenchConfig(engine, tuple(_ints(gammas, "--gammas", 0, MAX_GAMMA)), tuple(_ints(batch_sizes, "--batch-sizes", 1)), repeats,
                     transformers, gamma_policies=policies, num_prompts=num_prompts)
     sizes = _ints(draft_vocab_sizes, "--draft-vocab-sizes", 0)
+    step_batches = tuple(_ints(step_batch_sizes, "--step-batch-sizes", 1))
     if tp > 1 and any(sizes):
         # a draft vocabulary is a subset of the whole head's rows; under --tp each rank holds a slice
         raise UserError("--draft-vocab-sizes under --tp: only 0 (the full vocabulary) is timed over split ranks")
@@ -279,7 +287,8 @@ def bench_cmd(
     c = dataclasses.replace(c, engine=engine.replace(**constraint_flags(
         json_schema, json_object, regex, grammar, constrain_after, draft_mask, items, local_folder(model),
         resolve_config(model)[0].vocab_size, synthetic_acceptance is not None, tp)))
-    run = BenchRun(spec, c, items, draft_context, tuple(sizes), draft_vocab_file, target_layers, kernels, json_out)
+    run = BenchRun(spec, c, items, draft_context, tuple(sizes), step_batches, draft_vocab_file, target_layers, kernels,
+                   json_out)
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.engine.runtime import set_threads
 
@@ -296,6 +305,7 @@ class BenchRun:
     items: list | None  # prompts (--prompts), None: the shipped model's
     draft_context: int
     draft_vocab_sizes: tuple[int, ...]
+    step_batch_sizes: tuple[int, ...]
     draft_vocab_file: Path | None
     target_layers: int | None
     kernels: bool
@@ -363,16 +373,19 @@ def run_bench_command(run: BenchRun) -> None:
     recs = recommend(rows)
     timing = StepTiming(dev, dt, draft_context, graphs=cuda_graphs, kernels=kernels,
                         compile=(c.engine.compile, compile_mode), tp=world, bandwidth=copy_bandwidth(dev))
-    drafts = [draft_step((mtp, embed, head), timing, k, folder, run.draft_vocab_file) for k in run.draft_vocab_sizes]
-    t_step = None
+    batched = [dataclasses.replace(timing, batch=b) for b in run.step_batch_sizes]
+    drafts = [draft_step((mtp, embed, head), bt, k, folder, run.draft_vocab_file)
+              for k in run.draft_vocab_sizes for bt in batched]
+    t_steps = []
     if spec.random_weights and target_layers:
         del mtp, embed, head
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        t_step = target_step(cfg, target_layers, timing, comm)
+        t_steps = [target_step(cfg, target_layers, bt, comm) for bt in batched]
     doc = {"model": model, "device": str(dev), "tp": world, "graphs": c.engine.graphs,
            "compile": c.engine.compile, "compile_mode": compile_mode,
-           "target_step": t_step,
+           "target_step": t_steps[0] if t_steps else None,
+           "target_steps": t_steps,
            "dtype": str(dt).replace("torch.", ""), "random_weights": spec.random_weights,
            "fp8_weights": bool(getattr(cfg, "fp8", False)),
            "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows, "recommendation": recs,
@@ -386,13 +399,14 @@ def run_bench_command(run: BenchRun) -> None:
         print_rows(out, doc)
     rank = f" on rank 0 of {world}, its shard's bytes" if world > 1 else ""
     for d in drafts:
-        out.print(f"one draft step ({d['timing']}{rank}), vocab {d['draft_vocab'] or cfg.vocab_size}, {draft_context} "
-                  f"drafter rows: {d['step_ms']:.3f} ms, reads {d['bytes']['total'] / 1e9:.4f} GB; {_floor(d)}")
+        out.print(f"one draft step ({d['timing']}{rank}), vocab {d['draft_vocab'] or cfg.vocab_size}, {_seqs(d)}"
+                  f"{draft_context} drafter rows: {d['step_ms']:.3f} ms, reads {d['bytes']['total'] / 1e9:.4f} GB; "
+                  f"{_floor(d)}")
         if d["kernels"]:
-            _print_kernels(out, f"draft step, vocab {d['draft_vocab'] or cfg.vocab_size}", d)
-    if t_step:
-        out.print(f"one target decode step ({t_step['timing']}{rank}), {t_step['layers']} layers, {draft_context} cached "
-                  f"rows: {t_step['step_ms']:.3f} ms, reads {t_step['bytes']['total'] / 1e9:.4f} GB; {_floor(t_step)}")
-        if t_step["kernels"]:
-            _print_kernels(out, f"target step, {t_step['layers']} layers", t_step)
+            _print_kernels(out, f"draft step, vocab {d['draft_vocab'] or cfg.vocab_size}, batch {d['batch']}", d)
+    for t in t_steps:
+        out.print(f"one target decode step ({t['timing']}{rank}), {t['layers']} layers, {_seqs(t)}{draft_context} "
+                  f"cached rows: {t['step_ms']:.3f} ms, reads {t['bytes']['total'] / 1e9:.4f} GB; {_floor(t)}")
+        if t["kernels"]:
+            _print_kernels(out, f"target step, {t['layers']} layers, batch {t['batch']}", t)
     out.print("[dim]--json prints these numbers as one JSON document[/dim]")

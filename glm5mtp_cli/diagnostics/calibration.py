@@ -120,17 +120,21 @@ def read_measurements(path: Path) -> list[Measurement]:
 
 
 def _steps(src: str, doc: dict) -> list[Measurement]:
+    """The document's full-vocabulary draft steps and its target steps, at each batch they were timed
+    at (bench --step-batch-sizes; older documents: the one batch-1 step of each)."""
     fp8 = bool(doc.get("fp8_weights"))
     out = []
     for key, kind in (("draft_step", "draft"), ("target_step", "decode")):
-        step = doc.get(key)
-        if not step or not step.get("step_ms"):
-            continue
-        layers = step.get("layers")
-        calls = (step.get("kernels") or {}).get("calls_per_step")
-        what = f"{key.replace('_', ' ')}" + (f" ({layers} layers)" if layers else "") + (" fp8" if fp8 else "")
-        out.append(Measurement(src, what, doc["model"], layers if kind == "decode" else 1, fp8, kind,
-                               step["step_ms"] / 1e3, step["context"], calls))
+        steps = doc.get(key + "s") or [doc.get(key)]
+        for step in steps:
+            if not step or not step.get("step_ms") or step.get("draft_vocab"):
+                continue
+            layers, batch = step.get("layers"), step.get("batch", 1)
+            calls = (step.get("kernels") or {}).get("calls_per_step")
+            what = (f"{key.replace('_', ' ')}" + (f" ({layers} layers)" if layers else "") + (" fp8" if fp8 else "")
+                    + (f", batch {batch}" if batch > 1 else ""))
+            out.append(Measurement(src, what, doc["model"], layers if kind == "decode" else 1, fp8, kind,
+                                   step["step_ms"] / 1e3, step["context"], calls, seqs=batch))
     return out
 
 
@@ -173,10 +177,10 @@ def _generate_run(src: str, doc: dict) -> list[Measurement]:
 
 def kernel_counts(measurements: list[Measurement], family_of_model) -> dict:
     """Per family: the draft step's kernels and the target step's per layer, the mean over the files
-    that counted them (`bench --kernels`)."""
+    that counted them (`bench --kernels`) at batch 1."""
     seen: dict[str, dict[str, list]] = {}
     for m in measurements:
-        if m.kernels is None or m.kind == "run":
+        if m.kernels is None or m.kind == "run" or m.seqs > 1:
             continue
         fam = seen.setdefault(family_of_model(m), {"draft": [], "target_per_layer": [], "source": []})
         fam["draft" if m.kind == "draft" else "target_per_layer"].append(

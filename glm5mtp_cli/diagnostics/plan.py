@@ -4,7 +4,7 @@ Every forward is costed from what it moves and runs, on one of --tp ranks:
 
 - bytes: sizing.draft_step_bytes / target_step_bytes (the batch-1 reads: active weights, KV / indexer /
   KDA state at the context), with the routed experts (sizing.routed_expert_bytes) scaled to the
-  experts a batch touches: N tokens routed top-k of E uniformly touch E * (1 - (1 - k/E)^N) distinct
+  experts a batch touches (sizing.batch_step_bytes, which bench's batched steps read too): N tokens routed top-k of E uniformly touch E * (1 - (1 - k/E)^N) distinct
   experts (k at N = 1, so batch 1 is sizing's number exactly); the state reads once per row of a
   decode, verify or draft (each query selects its own keys; the KDA replay steps its state row by
   row), once per sequence in a prefill chunk (its tiles read the cached prefix once);
@@ -35,7 +35,6 @@ from glm5mtp_cli.diagnostics.hardware import Hardware
 from glm5mtp_cli.diagnostics.recommend import best_gamma, decode_tokens_per_s
 
 BF16 = 2
-PER_ROW = ("cache", "kda_state", "embed_row")  # sizing's step components read again per row
 PREFILL_CHUNK = 1024  # rows of one prompt per prefill forward (EngineConfig.prefill_chunk)
 BLOCK_SIZE = 16  # tokens per cache block (the engine's default)
 DRAFTER = ("draft", "catchup")  # the MTP layer's forwards: a chained draft, a catch-up over prompt rows
@@ -132,17 +131,11 @@ def model_sizes(cfg, c: PlanConfig) -> ModelSizes:
         state_bytes=sum(state.values()))
 
 
-def touched_experts_factor(tokens: int, experts: int, top_k: int) -> float:
-    """Distinct experts N tokens touch, relative to one token's top-k: (E/k)(1 - (1 - k/E)^N)."""
-    return experts / top_k * (1.0 - (1.0 - top_k / experts) ** tokens)
-
-
 def forward_bytes(step_bytes: dict, routed: int, tokens: int, state_reads: int, s: ModelSizes) -> float:
-    """One forward of `tokens` rows in all: weights once (routed experts as touched), the state
-    `state_reads` times."""
-    per_read = sum(step_bytes.get(k, 0) for k in PER_ROW)
-    shared = step_bytes["total"] - per_read - routed
-    return shared + routed * touched_experts_factor(tokens, s.experts, s.top_k) + state_reads * per_read
+    """One forward of `tokens` rows in all (sizing.batch_step_bytes: the one model of a batch's reads)."""
+    from glm5mtp_cli.diagnostics.sizing import batch_step_bytes
+
+    return batch_step_bytes(step_bytes, routed, tokens, state_reads, s.experts, s.top_k)
 
 
 def _comm(tokens: int, layers: int, s: ModelSizes, c: PlanConfig) -> tuple[float, float]:

@@ -48,7 +48,7 @@ def _forwards(m: Measurement, hw: Hardware, cal: Calibration) -> list[tuple[Forw
                    (m.seqs,), (m.gamma,))
     s = model_sizes(_config(m.model, m.layers, m.fp8), c)
     if m.kind != "run":
-        return [(forward(m.kind, 1, 1, s, c), 1)]
+        return [(forward(m.kind, m.seqs, 1, s, c), 1)]
     if m.gamma == 0:
         return [(forward("decode", m.seqs, 1, s, c), 1)]
     return [(forward("draft", m.seqs, 1, s, c), m.gamma), (forward("verify", m.seqs, m.gamma + 1, s, c), 1)]

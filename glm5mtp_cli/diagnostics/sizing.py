@@ -125,6 +125,24 @@ def routed_expert_bytes(cfg, elem_bytes: int, tp: int = 1) -> dict[str, int]:
     return out
 
 
+PER_ROW = ("cache", "kda_state", "embed_row")  # the step components read again per row
+
+
+def touched_experts_factor(tokens: int, experts: int, top_k: int) -> float:
+    """Distinct experts N tokens touch, relative to one token's top-k: (E/k)(1 - (1 - k/E)^N)."""
+    return experts / top_k * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def batch_step_bytes(step_bytes: dict, routed: int, tokens: int, state_reads: int, experts: int, top_k: int) -> float:
+    """A forward of `tokens` rows in all from a batch-1 step's reads (draft_step_bytes or
+    target_step_bytes, whose routed experts are `routed`): weights once, the routed experts as many
+    as N tokens routed top-k of E uniformly touch (E (1 - (1 - k/E)^N); k at N = 1), the per-row
+    state (PER_ROW) `state_reads` times."""
+    per_read = sum(step_bytes.get(k, 0) for k in PER_ROW)
+    shared = step_bytes["total"] - per_read - routed
+    return shared + routed * touched_experts_factor(tokens, experts, top_k) + state_reads * per_read
+
+
 def scratch_bytes(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
     """Transient bytes of one verify forward of gamma+1 rows at `context` cached rows (the family's
     PyTorch path, its formula)."""

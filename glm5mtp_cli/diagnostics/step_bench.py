@@ -1,11 +1,13 @@
-"""One draft step and one target decode step (batch 1) against their memory floors, at a model's
+"""One draft step and one target decode step against their memory floors, at a model's
 real dimensions with random weights built on the device (`bench --random-weights`), or on a
 loaded model's MTP layer (the draft step of every `bench`).
 
 A step at a context of L rows runs over the engine's pools (engine/cache.py) filled with random
 values (MLA latents, indexer rows, recurrent states), so it costs what it costs in the engine
-without prefilling L tokens. The floor is the bytes the step must read (sizing.draft_step_bytes,
-sizing.target_step_bytes: active weights, cache reads, recurrent state traffic) over a copy
+without prefilling L tokens; a step of B sequences (bench --step-batch-sizes) runs B of them, each at
+L rows. The floor is the bytes the step must read (sizing.draft_step_bytes, sizing.target_step_bytes:
+active weights, cache reads, recurrent state traffic; at B > 1 sizing.batch_step_bytes, the routed
+experts the batch touches and every sequence's state) over a copy
 bandwidth measured in the same run. Timing: on CUDA the forward is replayed as a CUDA graph (what
 the engine replays), timed with device events (GLM-5-Next's target step: the forward only; the
 engine replays its KDA commit after it as a graph of its own, engine/static.StaticCommit); every
@@ -31,7 +33,7 @@ import torch
 
 from glm5mtp_cli.checkpoint.load import build_loaded
 from glm5mtp_cli.checkpoint.random import RandomReader
-from glm5mtp_cli.diagnostics.sizing import draft_step_bytes, target_step_bytes
+from glm5mtp_cli.diagnostics.sizing import batch_step_bytes, draft_step_bytes, routed_expert_bytes, target_step_bytes
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.errors import UserError
@@ -44,8 +46,8 @@ TOP_KERNELS = 12
 
 @dataclass(frozen=True)
 class StepTiming:
-    """How bench times its steps, built once from its flags: on which device and dtype, at how many
-    cached rows (`context`), replayed as CUDA graphs where the device has them, compiled (--compile,
+    """How bench times its steps, built once from its flags: on which device and dtype, over how many
+    sequences (`batch`) at how many cached rows each (`context`), replayed as CUDA graphs where the device has them, compiled (--compile,
     --compile-mode), profiled for their kernels, over how many ranks (each stepping in lockstep), and
     against which copy bandwidth (None: no floor)."""
 
@@ -58,6 +60,7 @@ class StepTiming:
     tp: int = 1
     bandwidth: float | None = None
     repeats: int = 20
+    batch: int = 1  # sequences a step runs, each at `context` rows
 
     @property
     def static(self) -> bool:
@@ -125,7 +128,7 @@ def _step_runner(t: StepTiming) -> ForwardRunner:
 
 
 def _static_step(f, runner: ForwardRunner, t: StepTiming) -> tuple[float, dict | None, float | None]:
-    """A one-row static forward the runner built (ForwardRunner.sequence_step): its replays' median
+    """A one-row static forward the runner built (ForwardRunner.sequences_step): its replays' median
     device time when captured, else host-timed runs; then the kernel breakdown with `kernels`, and
     the compile seconds (None: not compiled)."""
     compile_s = runner.compile_s if runner.compile != "off" else None
@@ -178,88 +181,101 @@ def _fill_random(pools) -> None:
 
 def time_draft_step(drafter: tuple, t: StepTiming, draft_ids: torch.Tensor | None = None
                     ) -> tuple[float, dict | None, float | None]:
-    """Median seconds of one chained draft step (batch 1) of drafter (mtp, embed, head; sharded
-    over t.tp ranks) at t.context drafter rows: one new row appended and dropped again. CUDA graph
-    replays with t.graphs on CUDA, else eager (compiled: the static forward, _static_step). With
-    t.kernels, also the step's kernel_breakdown (else None); then the compile seconds (None: not
-    compiled)."""
+    """Median seconds of one chained draft step of drafter (mtp, embed, head; sharded over t.tp
+    ranks) over t.batch sequences at t.context drafter rows each: one new row appended and dropped
+    again. CUDA graph replays with t.graphs on CUDA, else eager (compiled: the static forward,
+    _static_step). With t.kernels, also the step's kernel_breakdown (else None); then the compile
+    seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
     from glm5mtp_cli.engine.config import EngineConfig
     from glm5mtp_cli.engine.mtp_head import MtpHead
 
     mtp, embed, head = drafter
-    cfg, context, device = mtp.cfg, t.context, t.device
-    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, t.dtype, device, tp=t.tp)
+    cfg, context, device, b = mtp.cfg, t.context, t.device, t.batch
+    pools = CachePools.create(cfg, b * math.ceil((context + 8) / 16), 16, t.dtype, device, tp=t.tp)
     # GLM-5-Next always chains on the post-norm hidden (its config has no such switch)
     head_ = MtpHead(mtp, embed, head, pools, EngineConfig(max_seq_len=context + 8), draft_ids,
                     carry_normed=getattr(cfg, "mtp_carry_normed_hidden", True))
-    state = head_.alloc_state_for(context + 8)
+    states = []
     out_head = head_.draft_head or head
     try:
+        for _ in range(b):
+            states.append(head_.alloc_state_for(context + 8))
         _fill_random(pools)
-        state.cache.length = state.real_rows = context
-        hidden = torch.randn(1, cfg.hidden_size, device=device, dtype=t.dtype)
-        token = torch.tensor([1], device=device)
+        caches = [s.cache for s in states]
+        for s in states:
+            s.cache.length = s.real_rows = context
+        hidden = torch.randn(b, 1, cfg.hidden_size, device=device, dtype=t.dtype)
+        tokens = torch.ones(b, 1, dtype=torch.long, device=device)
         if t.static:
             runner = _step_runner(t)
             try:
-                f = runner.sequence_step(head_.context,
-                                         lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
-                                         state.cache, token[None], hidden[None])
+                f = runner.sequences_step(head_.context,
+                                          lambda f: head_.drafter_forward(f.ids, f.hidden, f.context(f.starts, 1), "last"),
+                                          caches, tokens, hidden)
                 return _static_step(f, runner, t)
             finally:
                 runner.close()
 
         def step():
-            mtp(token[None], hidden[None], [state.cache], embed, out_head, rows="last")
+            mtp(tokens, hidden, caches, embed, out_head, rows="last")
 
         def reset():
-            state.cache.truncate(context)
+            for c in caches:
+                c.truncate(context)
 
         return (_host_seconds(step, reset, device, t.repeats),
                 kernel_breakdown(step, device, reset) if t.kernels else None, None)
     finally:
-        head_.free_state(state)
+        for s in states:
+            head_.free_state(s)
 
 
 def time_target_step(target, t: StepTiming) -> tuple[float, dict | None, float | None]:
-    """Median seconds of one batch-1 decode step of `target` (sharded over t.tp ranks) at
-    t.context cached rows: CUDA graph replays with t.graphs on CUDA (compiled: _static_step); else
-    an eager forward of one row plus the commit of its fixed-size state (what the engine's commit
-    after a verify writes), host-timed. With t.kernels, also the step's kernel_breakdown (else
-    None); then the compile seconds (None: not compiled)."""
+    """Median seconds of one decode step of `target` (sharded over t.tp ranks) over t.batch
+    sequences at t.context cached rows each: CUDA graph replays with t.graphs on CUDA (compiled:
+    _static_step); else an eager forward of one row each plus the commit of their fixed-size state
+    (what the engine's commit after a verify writes), host-timed. With t.kernels, also the step's
+    kernel_breakdown (else None); then the compile seconds (None: not compiled)."""
     from glm5mtp_cli.engine.cache import CachePools
 
-    cfg, context, device = target.cfg, t.context, t.device
-    pools = CachePools.create(cfg, math.ceil((context + 8) / 16), 16, t.dtype, device, with_drafter=False, tp=t.tp)
-    cache = pools.target_cache()
-    cache.reserve(context + 8)
+    cfg, context, device, b = target.cfg, t.context, t.device, t.batch
+    pools = CachePools.create(cfg, b * math.ceil((context + 8) / 16), 16, t.dtype, device, with_drafter=False,
+                              tp=t.tp)
+    caches = []
     try:
+        for _ in range(b):
+            caches.append(pools.target_cache())
+            caches[-1].reserve(context + 8)
         _fill_random(pools)
-        cache.length = context
-        ids = torch.ones(1, 1, dtype=torch.long, device=device)
+        for c in caches:
+            c.length = context
+        ids = torch.ones(b, 1, dtype=torch.long, device=device)
         if t.static:
             runner = _step_runner(t)
             try:
-                f = runner.sequence_step(target.context,
-                                         lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
-                                         cache, ids)
+                f = runner.sequences_step(target.context,
+                                          lambda f: target.forward_batch(f.ids, f.context(f.starts, 1), "last"),
+                                          caches, ids)
                 return _static_step(f, runner, t)
             finally:
                 runner.close()
-        keep = torch.ones(1, dtype=torch.long, device=device)
+        keep = torch.ones(b, dtype=torch.long, device=device)
 
         def step():
-            target.commit(target(ids, [cache], rows="last").pending, keep)  # keeps the row's recurrent state
-            cache.truncate(context + 1)
+            target.commit(target(ids, caches, rows="last").pending, keep)  # keeps the row's recurrent state
+            for c in caches:
+                c.truncate(context + 1)
 
         def reset():
-            cache.length = context  # the next step overwrites that row; states stay random-like
+            for c in caches:
+                c.length = context  # the next step overwrites that row; states stay random-like
 
         return (_host_seconds(step, reset, device, t.repeats),
                 kernel_breakdown(step, device, reset) if t.kernels else None, None)
     finally:
-        cache.release()
+        for c in caches:
+            c.release()
 
 
 def check_target_layers(cfg, layers: int) -> None:
@@ -337,6 +353,20 @@ def _timing(t: StepTiming) -> dict:
     return {"timing": timing, "compile": t.compile[0], "compile_mode": t.compile[1]}
 
 
+def _elem(t: StepTiming) -> int:
+    return torch.empty(0, dtype=t.dtype).element_size()
+
+
+def _batch_bytes(cfg, one: dict, owner: str, t: StepTiming) -> dict:
+    """A step's reads over t.batch sequences: one sequence's components (sizing's batch-1 step), and
+    in "total" the batch's (sizing.batch_step_bytes; the one sequence's total at batch 1)."""
+    if t.batch == 1:
+        return one
+    routed = routed_expert_bytes(cfg, _elem(t), t.tp)[owner]
+    total = batch_step_bytes(one, routed, t.batch, t.batch, cfg.n_routed_experts, cfg.num_experts_per_tok)
+    return {**one, "total": int(total)}
+
+
 def _against_floor(step_s: float, nbytes: dict, t: StepTiming, kernels: dict | None, compile_s: float | None) -> dict:
     bw = t.bandwidth
     floor = nbytes["total"] / bw if bw else None
@@ -352,11 +382,12 @@ def target_step(cfg, layers: int, t: StepTiming, comm=None) -> dict:
     this rank's bytes."""
     target = random_target(cfg, layers, t.device, t.dtype, comm=comm)
     step_s, prof, compile_s = time_target_step(target, t)
-    nbytes = target_step_bytes(target.cfg, torch.empty(0, dtype=t.dtype).element_size(), t.context, t.tp)
+    nbytes = _batch_bytes(target.cfg, target_step_bytes(target.cfg, _elem(t), t.context, t.tp), "target", t)
     del target
     if t.device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"layers": layers, "context": t.context, **_timing(t), **_against_floor(step_s, nbytes, t, prof, compile_s)}
+    return {"layers": layers, "batch": t.batch, "context": t.context, **_timing(t),
+            **_against_floor(step_s, nbytes, t, prof, compile_s)}
 
 
 def draft_step(drafter: tuple, t: StepTiming, k: int, folder=None, counts_file=None) -> dict:
@@ -371,6 +402,6 @@ def draft_step(drafter: tuple, t: StepTiming, k: int, folder=None, counts_file=N
         ids = (load_draft_ids(folder, k, cfg.vocab_size, t.device, path=counts_file) if folder is not None
                else torch.arange(min(k, cfg.vocab_size), device=t.device))
     step_s, prof, compile_s = time_draft_step(drafter, t, ids)
-    nbytes = draft_step_bytes(cfg, torch.empty(0, dtype=t.dtype).element_size(), t.context, k or None, t.tp)
-    return {"draft_vocab": k or None, "context": t.context, **_timing(t),
+    nbytes = _batch_bytes(cfg, draft_step_bytes(cfg, _elem(t), t.context, k or None, t.tp), "mtp", t)
+    return {"draft_vocab": k or None, "batch": t.batch, "context": t.context, **_timing(t),
             **_against_floor(step_s, nbytes, t, prof, compile_s)}

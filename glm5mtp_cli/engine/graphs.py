@@ -34,7 +34,7 @@ outputs (with the slot indices the forward read), which the runner keeps until t
 alone), before that graph's next replay: on CUDA a graph of its own per verify forward, captured
 after it (static.StaticCommit), reading the counts from a buffer.
 One memory pool, the runner's, holds every graph set's captures (decode, verify, draft chain, the
-prefill's buckets, bench's one-sequence steps). Graphs sharing a pool may reuse each other's freed
+prefill's buckets, bench's steps). Graphs sharing a pool may reuse each other's freed
 intermediates, so a replay may overwrite what another graph left; that is safe because every
 replay's outputs are consumed before the next replay of any graph: copied out (the verify's
 hiddens, the fused chain's drafts, the prefill's logits and hiddens), read (logits by the accept,
@@ -57,7 +57,7 @@ import torch
 from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
-from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, Table, sequence_forward
+from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, Table, sequences_forward
 from glm5mtp_cli.errors import UserError
 
 
@@ -253,7 +253,7 @@ class ForwardRunner:
         self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.graphs: EngineGraphs | None = None
         self.prefill: PrefillForwards | None = None  # --prefill-graphs: the admission prefill's graph set
-        self.sequences: list[StaticForward] = []  # bench's one-sequence steps (sequence_step)
+        self.sequences: list[StaticForward] = []  # bench's steps (sequences_step)
         self.bucket: _Bucket | None = None
         self.active = 0
         self.pending = None  # the last verify's commit records (Target.commit), until `commit`
@@ -319,17 +319,18 @@ class ForwardRunner:
                                   non_blocking=True)
             self.bucket.idx_slots = list(slots)
 
-    def sequence_step(self, context_fn, fn, cache, ids: torch.Tensor, hidden: torch.Tensor | None = None) -> StaticForward:
-        """bench's step timing: a one-row static forward over ONE sequence's cache at its length
-        (static.sequence_forward), its inputs ids [1, 1] (and hidden [1, 1, H]), built as the
-        graph sets are: compiled (compile_s) and, on CUDA, captured in the runner's pool."""
-        f = sequence_forward(context_fn, fn, cache, 1, self.device,
-                             (hidden.shape[-1], hidden.dtype) if hidden is not None else None)
+    def sequences_step(self, context_fn, fn, caches: list, ids: torch.Tensor,
+                       hidden: torch.Tensor | None = None) -> StaticForward:
+        """bench's step timing: a one-row static forward over the given sequences' caches at their
+        lengths (static.sequences_forward), its inputs ids [B, 1] (and hidden [B, 1, H]), built as
+        the graph sets are: compiled (compile_s) and, on CUDA, captured in the runner's pool."""
+        f = sequences_forward(context_fn, fn, caches, 1, self.device,
+                              (hidden.shape[-1], hidden.dtype) if hidden is not None else None)
         self.sequences.append(f)
         f.ids.copy_(ids)
         if hidden is not None:
             f.hidden.copy_(hidden)
-        f.set_starts([cache.length])
+        f.set_starts([c.length for c in caches])
         if self.compile != "off":
             self.compile_s += f.compile(self.compile, self.compile_mode)
         if self.mempool is not None:

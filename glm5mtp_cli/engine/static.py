@@ -1,7 +1,7 @@
 """A static forward: one forward shape (B rows x T new rows) over static device buffers, run
 eagerly or captured as a CUDA graph and replayed; the block tables and slot indices it reads its
 caches through. The runner's graph sets (engine/graphs.py: decode, verify, draft chain;
-engine/prefill_graphs.py: admission prefill) are made of these.
+engine/prefill_graphs.py: admission prefill; bench's steps, sequences_forward) are made of these.
 """
 
 from __future__ import annotations
@@ -190,11 +190,15 @@ class StaticCommit:
         self.graph = None
 
 
-def sequence_forward(context_fn, fn, cache, t: int, device: torch.device,
-                     hidden: tuple[int, torch.dtype] | None = None) -> StaticForward:
-    """A static forward over ONE sequence's cache (benchmarks): its own tables and state slots
-    (a forward reads the states; nothing commits them); rows past its
-    reservation would go to its last block, so callers keep starts + t within the reservation."""
-    tables = {name: Table(rows.pool, rows.table[None].clone(), rows.blocks[-1]) for name, rows in cache.rows.items()}
-    slots = {name: SlotIndex(ref.pool, to_device([ref.slot], device), ref.slot) for name, ref in cache.slots.items()}
-    return StaticForward(context_fn, fn, 1, t, tables, device, hidden, slots=slots)
+def sequences_forward(context_fn, fn, caches: list, t: int, device: torch.device,
+                      hidden: tuple[int, torch.dtype] | None = None) -> StaticForward:
+    """A static forward over the given sequences' caches (benchmarks), row b over caches[b]: their
+    own tables and state slots (a forward reads the states; nothing commits them). Every cache
+    holds the same reservation (the tables stack), and callers keep starts + t within it: a row past
+    it would go to the first cache's last block."""
+    first = caches[0]
+    tables = {name: Table(rows.pool, torch.stack([c.rows[name].table for c in caches]), rows.blocks[-1])
+              for name, rows in first.rows.items()}
+    slots = {name: SlotIndex(ref.pool, to_device([c.slots[name].slot for c in caches], device), ref.slot)
+             for name, ref in first.slots.items()}
+    return StaticForward(context_fn, fn, len(caches), t, tables, device, hidden, slots=slots)
