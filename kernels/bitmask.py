@@ -51,7 +51,7 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     assert logits.shape[:-1] == bitmask.shape[:-1], f"logits {tuple(logits.shape)} vs mask {tuple(bitmask.shape)}"
     assert bitmask.dtype == torch.int32, "the bitmask is int32 words"
     rows_l = logits if logits.dim() == 2 else logits.view(-1, v)  # in place: rows of the caller's tensor
-    rows_m = bitmask.reshape(-1, w)  # a copy where strided (the engine's [g + 1, A, W] transposed): small
+    rows_m = bitmask.reshape(-1, w)  # a copy where strided (a verify of fewer rows than its buffer): small
     assert rows_l.stride(-1) == 1 and rows_m.stride(-1) == 1, "logits and bitmask need a unit last stride"
     block = 1024
     if rows_l.shape[0]:

@@ -66,22 +66,26 @@ def _counted_schedule(schedule):
 SpecEngine.step = _timed_step(SpecEngine.step)
 SpecEngine._schedule = _counted_schedule(SpecEngine._schedule)
 HOST = [0.0]  # seconds of grammar work in the current run
+PARTS: dict[str, float] = {}  # the same by part (verify_wait: verify's wait for the drafts, inside verify)
 
 
-def _host(fn):
+def _host(fn, part: str, total: bool = True):
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            HOST[0] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            HOST[0] += dt if total else 0.0
+            PARTS[part] = PARTS.get(part, 0.0) + dt
     return timed
 
 
-SpecEngine._masks = _host(SpecEngine._masks)
-StepMasks.draft, StepMasks.verify = _host(StepMasks.draft), _host(StepMasks.verify)
-SeqGrammar.commit = _host(SeqGrammar.commit)
-speculate.apply_bitmask = _host(speculate.apply_bitmask)
+SpecEngine._masks = _host(SpecEngine._masks, "masks")
+StepMasks.draft, StepMasks.verify = _host(StepMasks.draft, "draft"), _host(StepMasks.verify, "verify")
+StepMasks._read_cols = _host(StepMasks._read_cols, "verify_wait", total=False)
+SeqGrammar.commit = _host(SeqGrammar.commit, "commit")
+speculate.apply_bitmask = _host(speculate.apply_bitmask, "apply")
 
 
 def one(rt, ids, rules, mode: str, batch: int, gamma: int, max_new: int) -> dict:
@@ -89,11 +93,13 @@ def one(rt, ids, rules, mode: str, batch: int, gamma: int, max_new: int) -> dict
     t0 = time.perf_counter()
     STEPS.clear()
     HOST[0] = 0.0
+    PARTS.clear()
     results, acc, lat, _, _ = run_generate(rt, ids, config, constraints=None if mode == "unconstrained" else rules)
     steps = sum(lat["gamma_steps"].values())
     mine = [r for r in results if r.constraint is not None]
     full = [s for n, s in STEPS if n == batch]
-    return {"grammar_host_ms_per_step": 1e3 * HOST[0] / len(STEPS), "full_steps": len(full), "full_step_ms": 1e3 * statistics.median(full) if full else None,"mode": mode, "batch": batch, "gamma": gamma, "steps": steps, "wall_s": time.perf_counter() - t0,
+    return {"grammar_host_ms_per_step": 1e3 * HOST[0] / len(STEPS),
+            "grammar_host_ms_per_step_by_part": {k: 1e3 * v / len(STEPS) for k, v in PARTS.items()}, "full_steps": len(full), "full_step_ms": 1e3 * statistics.median(full) if full else None,"mode": mode, "batch": batch, "gamma": gamma, "steps": steps, "wall_s": time.perf_counter() - t0,
             "decode_s": lat["wall_decode_s"], "step_ms": 1e3 * lat["wall_decode_s"] / steps,
             "tokens": sum(len(r.tokens) for r in results), "decode_tokens_per_s": lat["decode_tokens_per_s"],
             "mean_acceptance_length": acc.to_json()["mean_acceptance_length"],

@@ -76,6 +76,47 @@ def test_llguidance_fills_the_same_packing(nano):
     assert allowed and all(t and t.isdigit() and len(t) <= 3 for t in texts), texts
 
 
+def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeypatch):
+    """--no-draft-mask's verify walks every plain sequence in one llguidance call: its rows, the
+    drafts it counts as allowed and the matchers' states after it equal the row by row walk's, for
+    drafts rejected at every position, a grammar completed mid-draft, fewer drafts than columns and
+    an end token among the drafts (that sequence walks row by row in both)."""
+    from types import SimpleNamespace
+
+    tok = nano.tokenizer
+    digit = [tok.encode(str(d))[0] for d in range(10)]
+    letter = tok.encode("x")[0]
+    eos = nano.cfg.eos_token_id[0] if isinstance(nano.cfg.eos_token_id, list) else nano.cfg.eos_token_id
+    drafts = [[digit[1], digit[2], digit[3], digit[4]], [letter, digit[1], digit[2], digit[3]],
+              [digit[5], letter, digit[1], digit[2]], [digit[7], digit[8], letter, digit[9]],
+              [digit[1], digit[2], digit[3], digit[4]], [digit[1], eos, digit[2], digit[3]]]
+    counts = [4, 4, 4, 4, 2, 4]
+    d = SimpleNamespace(tokens=torch.tensor(drafts), counts=counts)
+
+    def walk(one_call: bool):
+        grammars = _grammars(nano)
+        seqs = [grammars.open(Constraint("regex", r"[0-9]{3}"), {eos}) for _ in drafts]
+        if not one_call:
+            monkeypatch.setattr(StepMasks, "_walk_plain", lambda self, cols, counts: None)
+        masks = StepMasks(grammars, seqs, 4, torch.device("cpu"))
+        rows = masks.verify(d).clone()
+        monkeypatch.undo()
+        for g in seqs:
+            g.rollback()  # what commit does first
+        after = [int(unpack(r, nano.cfg.vocab_size).sum()) for r in _first_rows(grammars, seqs)]
+        return rows, masks.valid, after
+
+    def _first_rows(grammars, seqs):
+        out = torch.full((len(seqs), words(nano.cfg.vocab_size)), -1, dtype=torch.int32)
+        grammars.fill_rows(out, [(g.matcher, b) for b, g in enumerate(seqs)])
+        return out
+
+    fast, slow = walk(True), walk(False)
+    assert torch.equal(fast[0], slow[0])
+    assert fast[1] == slow[1] == [3, 0, 1, 2, 2, 1]
+    assert fast[2] == slow[2]
+
+
 # ---- lossless under a grammar ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft_mask", [True, False])
@@ -100,10 +141,11 @@ def test_static_forwards_mask_their_outputs_alike(nano, prompt_set, draft_mask):
     assert [r.tokens for r in got] == [r.tokens for r in base]
 
 
-def test_constrained_and_free_requests_share_a_batch(nano, prompt_set):
+@pytest.mark.parametrize("draft_mask", [True, False])
+def test_constrained_and_free_requests_share_a_batch(nano, prompt_set, draft_mask):
     ids, rules = prompt_set
     mixed = [c if i % 2 else None for i, c in enumerate(rules)]
-    got = _run(nano, ids, mixed, gamma=3, batch_size=4)
+    got = _run(nano, ids, mixed, gamma=3, batch_size=4, draft_mask=draft_mask)
     alone = [_run(nano, [i], [c], gamma=0)[0] for i, c in zip(ids, mixed)]
     assert [r.tokens for r in got] == [r.tokens for r in alone]
     assert [r.constraint is not None for r in got] == [c is not None for c in mixed]

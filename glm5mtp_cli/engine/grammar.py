@@ -3,13 +3,16 @@ drafts and rolled back to what the verify accepted (vLLM's structured-output man
 LLMatcher).
 
 Per step (speculate.SpecEngine._step), for the constrained sequences of the batch, `StepMasks`
-holds the host bitmask [g + 1, A, W] (kernels/bitmask.py's packing; one position's rows contiguous,
-so a draft position's mask is one copy): row i is the matcher's state after drafts d1..di, so verify position i is masked by the state after the prefix before it. With
-masked drafting (the default) row i is filled before draft i+1 is chosen, so the drafter's logits
-are masked too: one host read of the previous draft per position. With --no-draft-mask the drafts
-are read once after drafting, while the verify forward runs, and only the verify is masked. A draft
-the grammar rejects ends the walk: the target's masked token replaces it, later rows stay open (no
-position past it can be accepted). After the verdict each matcher rolls its walk back and consumes
+holds the host bitmask [A, g + 1, W] (kernels/bitmask.py's packing; one sequence's rows contiguous,
+the verify's layout): row i is the matcher's state after drafts d1..di, so verify position i is
+masked by the state after the prefix before it. With masked drafting (the default) row i is filled
+before draft i+1 is chosen, so the drafter's logits are masked too: one host read of the previous
+draft per position. With --no-draft-mask the drafts are read once after drafting, while the verify
+forward runs, and only the verify is masked: every sequence's rows in one call on llguidance's
+thread pool (each matcher walks its drafts, filling a row per position, and is rolled back), where
+the walk needs nothing of the engine's own (no end token among the drafts, already constrained).
+A draft the grammar rejects ends the walk: the target's masked token replaces it, later rows stay
+open (no position past it can be accepted). After the verdict each matcher rolls its walk back and consumes
 the tokens the step emitted (`SeqGrammar.commit`): where the grammar then admits nothing more, the
 sequence finishes (reason `grammar`).
 
@@ -72,15 +75,27 @@ class Grammars:
         return g
 
     def fill_rows(self, rows: torch.Tensor, members: list[tuple[object, int]]) -> None:
-        """rows [R, W] int32 (host, contiguous): row b gets the mask of matcher m, for each (m, b) of
-        members, computed on llguidance's thread pool (the matchers release the GIL): a batch's masks
-        cost about one mask's time, not one per sequence (vLLM fills its bitmask the same way)."""
-        if not members:
-            return
+        """rows [..., W] int32 (host, contiguous), read as R rows of W: row r gets the mask of
+        matcher m, for each (m, r) of members, computed on llguidance's thread pool (the matchers
+        release the GIL): a batch's masks cost about one mask's time, not one per sequence (vLLM
+        fills its bitmask the same way)."""
+        if members:
+            self.executor().unsafe_compute_mask_ptr(members, rows.data_ptr(), rows.shape[-1] * rows.element_size(),
+                                                    rows.numel() // rows.shape[-1])
+
+    def fill_walks(self, rows: torch.Tensor, members: list[tuple[object, int, list[int]]]) -> None:
+        """rows as fill_rows'; for each (m, r, tokens) of members, row r gets matcher m's mask and
+        rows r + 1.. the masks after each of `tokens` in turn, up to the first the grammar rejects
+        (its row and those after it are left as they were); m ends where it started. One call on
+        the thread pool for the whole batch (llguidance's speculative walk)."""
+        if members:
+            self.executor().unsafe_compute_mask_ptr_with_draft_token(
+                members, rows.data_ptr(), rows.shape[-1] * rows.element_size(), rows.numel() // rows.shape[-1])
+
+    def executor(self):
         if self._executor is None:
             self._executor = llguidance().LLExecutor()
-        self._executor.unsafe_compute_mask_ptr(members, rows.data_ptr(), rows.shape[-1] * rows.element_size(),
-                                               rows.shape[0])
+        return self._executor
 
     def validates(self, c: Constraint, tokens: list[int]) -> bool:
         """Whether `tokens` are a complete match, by a fresh matcher (not the one that produced them)."""
@@ -88,16 +103,16 @@ class Grammars:
         return m.consume_tokens(tokens) and m.is_accepting()
 
     def host_buffer(self, positions: int, rows: int, device: torch.device) -> torch.Tensor:
-        """A [positions, rows, W] int32 host mask, all allowed; pinned for CUDA, reused (a step's
+        """A [rows, positions, W] int32 host mask, all allowed; pinned for CUDA, reused (a step's
         copies are done by its one host read, before the next step refills it). One buffer per
-        positions count, as wide as the most rows it met, and narrower batches take a view of it:
+        positions count, as long as the most rows it met, and smaller batches take its first rows:
         a batch that shrinks as its sequences finish allocates nothing (leak-check's census would
         count a buffer per (positions, rows) met after its warm-up as growth)."""
         buf = self._buffers.get(positions)
-        if buf is None or buf.shape[1] < rows:
-            buf = self._buffers[positions] = torch.empty((positions, rows, self.words), dtype=torch.int32,
+        if buf is None or buf.shape[0] < rows:
+            buf = self._buffers[positions] = torch.empty((rows, positions, self.words), dtype=torch.int32,
                                                          pin_memory=device.type == "cuda")
-        return buf[:, :rows].fill_(-1)
+        return buf[:rows].fill_(-1)
 
 
 class SeqGrammar:
@@ -179,13 +194,14 @@ class SeqGrammar:
 
 class StepMasks:
     """One step's masks for the batch's constrained sequences (the module docstring): rows filled
-    position by position, on the host, then copied to the device whole or per draft position."""
+    on the host, position by position while drafting, else in one walk before the verify; then
+    copied to the device per draft position or whole."""
 
     def __init__(self, grammars: Grammars, seqs: list[SeqGrammar | None], gamma: int, device: torch.device):
         self.seqs = seqs
         self.grammars = grammars
         self.device = device
-        self.host = grammars.host_buffer(gamma + 1, len(seqs), device)
+        self.host = grammars.host_buffer(gamma + 1, len(seqs), device)  # [A, gamma + 1, W]
         self.vocab_size = grammars.vocab_size
         self.ok = [g is not None for g in seqs]  # still walking: every draft so far allowed
         self.valid = [0 if g is not None else None for g in seqs]  # drafts the grammar allowed
@@ -196,6 +212,7 @@ class StepMasks:
         """Row i: each walking sequence advanced by its draft i (col, host ids; None for row 0), then
         the masks of those still walking, in parallel."""
         members = []
+        positions = self.host.shape[1]
         for b, g in enumerate(self.seqs):
             if not self.ok[b]:
                 continue
@@ -205,8 +222,8 @@ class StepMasks:
                     continue
                 self.valid[b] += 1
             if g.masking:
-                members.append((g.matcher, b))
-        self.grammars.fill_rows(self.host[i], members)
+                members.append((g.matcher, b * positions + i))
+        self.grammars.fill_rows(self.host, members)
         self.filled = i + 1
 
     def draft(self, i: int, logits: torch.Tensor, prev: torch.Tensor | None, subset=None) -> torch.Tensor:
@@ -214,7 +231,7 @@ class StepMasks:
         [A] on the device, read here: the one host read per draft position). subset: the proposer's
         --draft-vocab head, whose logit j is token subset.ids[j]."""
         self._fill_row(i, prev.tolist() if prev is not None else None)
-        mask = self.host[i].to(self.device, non_blocking=True)
+        mask = self.host[:, i].to(self.device, non_blocking=True)
         if subset is None:
             return apply_bitmask(logits, mask)
         allowed = unpack(mask, self.vocab_size).index_select(-1, subset.ids)
@@ -241,15 +258,38 @@ class StepMasks:
         """The verify's masks [A, k + 1, W] on the device (k: the drafts' columns, 0 without drafts):
         the rows drafting did not fill, filled now from the drafts read once (`read_drafts`)."""
         k = drafts.tokens.shape[1] if drafts is not None else 0
+        counts = drafts.counts if k else None
         if self.filled <= k:
             first = max(self.filled - 1, 0)  # the draft column before the first row still to fill
             cols = self._read_cols(drafts, first, k) if k else []
+            if self.filled == 0:
+                self._walk_plain(cols, counts)
             for i in range(self.filled, k + 1):
-                self._fill_row(i, [c[i - 1 - first] for c in cols] if i else None, drafts.counts if k else None)
+                self._fill_row(i, [c[i - 1 - first] for c in cols] if i else None, counts)
         for b, n in enumerate(self.valid):  # drafting may have walked past a confidence stop
             if n is not None and drafts is not None:
                 self.valid[b] = min(n, drafts.counts[b])
-        return self.host[: k + 1].to(self.device, non_blocking=True).transpose(0, 1)
+        return self.host[:, : k + 1].to(self.device, non_blocking=True)
+
+    def _walk_plain(self, cols: list[list[int]], counts: list[int] | None) -> None:
+        """Every row of the sequences whose walk needs nothing of the engine's (constrained, drafts
+        and no end token among them) in one call (Grammars.fill_walks), their allowed drafts counted
+        from the rows; the rest are left walking for the row by row fill."""
+        members, plain = [], []
+        positions = self.host.shape[1]
+        for b, g in enumerate(self.seqs):
+            toks = cols[b][: counts[b]] if counts is not None else []
+            if g is not None and toks and g.masking and not g.ends.intersection(toks):
+                members.append((g.matcher, b * positions, toks))
+                plain.append((b, toks))
+                self.ok[b] = False  # walked here
+        self.grammars.fill_walks(self.host, members)
+        rows = self.host.numpy()
+        for b, toks in plain:
+            n = 0
+            while n < len(toks) and rows[b, n, toks[n] >> 5] >> (toks[n] & 31) & 1:
+                n += 1  # draft n + 1 is allowed by the row before it
+            self.valid[b] = n
 
     def _read_cols(self, drafts, first: int, k: int) -> list[list[int]]:
         """Draft columns first..k-1 on the host: the copy `read_drafts` started, else read now."""
