@@ -192,7 +192,9 @@ def time_draft_step(drafter: tuple, t: StepTiming, draft_ids: torch.Tensor | Non
 
     mtp, embed, head = drafter
     cfg, context, device, b = mtp.cfg, t.context, t.device, t.batch
-    pools = CachePools.create(cfg, b * math.ceil((context + 8) / 16), 16, t.dtype, device, tp=t.tp)
+    # one state slot per sequence: the drafter keeps none, but the pools hold the target's too (one
+    # per block would be 137 GiB of GLM-5-Next's KDA states at batch 8)
+    pools = CachePools.create(cfg, b * math.ceil((context + 8) / 16), 16, t.dtype, device, tp=t.tp, num_slots=b)
     # GLM-5-Next always chains on the post-norm hidden (its config has no such switch)
     head_ = MtpHead(mtp, embed, head, pools, EngineConfig(max_seq_len=context + 8), draft_ids,
                     carry_normed=getattr(cfg, "mtp_carry_normed_hidden", True))
@@ -241,7 +243,7 @@ def time_target_step(target, t: StepTiming) -> tuple[float, dict | None, float |
 
     cfg, context, device, b = target.cfg, t.context, t.device, t.batch
     pools = CachePools.create(cfg, b * math.ceil((context + 8) / 16), 16, t.dtype, device, with_drafter=False,
-                              tp=t.tp)
+                              tp=t.tp, num_slots=b)
     caches = []
     try:
         for _ in range(b):

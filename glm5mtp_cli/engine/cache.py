@@ -354,14 +354,15 @@ class CachePools:
 
     @classmethod
     def create(cls, cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
-               device: torch.device | str, with_drafter: bool = True, tp: int = 1) -> "CachePools":
-        """Pools for `num_blocks` blocks per row component; slot components get one slot per
-        block, which is never fewer than the sequences the block pools can hold. tp: the ranks the
-        model is sharded over (a rank's pools hold its share of head-split state)."""
+               device: torch.device | str, with_drafter: bool = True, tp: int = 1,
+               num_slots: int | None = None) -> "CachePools":
+        """Pools for `num_blocks` blocks per row component; slot components get `num_slots` slots
+        (default one per block, which is never fewer than the sequences the block pools can hold).
+        tp: the ranks the model is sharded over (a rank's pools hold its share of head-split state)."""
         pools, owners = {}, {}
         for c in family_of(cfg).state_components(cfg, dtype, with_drafter, tp=tp):
             if c.kind == SLOT:
-                pools[c.name] = SlotPool(c.name, c.layers, c.shape, num_blocks, c.dtype, device)
+                pools[c.name] = SlotPool(c.name, c.layers, c.shape, num_slots or num_blocks, c.dtype, device)
             else:
                 pools[c.name] = BlockPool(c.name, c.layers, c.shape[0], block_size, num_blocks, c.dtype, device)
             owners.setdefault(c.owner, []).append(c.name)
