@@ -85,6 +85,22 @@ def test_more_bandwidth_is_never_slower_and_gamma0_is_the_baseline():
     assert not doc["validated"] and "not validated on hardware here" in doc["notes"][0]  # tp 8
 
 
+def test_a_step_drafts_from_a_catch_up_as_wide_as_its_verify():
+    """A gamma-3 step over 8 sequences: the catch-up forward of 4 rows a sequence (the engine's,
+    padded to its largest gamma's width), 2 chained one-row drafts, a verify of 4 rows; gamma 0 is
+    the decode alone; the step's time is the sum of its forwards'."""
+    from glm5mtp_cli.diagnostics.plan import step_forwards
+
+    cfg, _ = resolve_config("glm5")
+    c = _config("glm5", batch_sizes=(8,))
+    s = model_sizes(cfg, c)
+    forwards = step_forwards(8, 3, s, c)
+    assert [(f.kind, f.rows, n) for f, n in forwards] == [("draft", 32, 1), ("draft", 8, 2), ("verify", 32, 1)]
+    assert forwards[0][0].bytes > forwards[1][0].bytes  # 32 tokens touch more routed experts than 8
+    assert math.isclose(step_seconds(8, 3, s, c), sum(f.seconds * n for f, n in forwards))
+    assert [(f.kind, f.rows) for f, _ in step_forwards(8, 0, s, c)] == [("decode", 8)]
+
+
 def test_one_speedup_model_with_bench():
     """plan's tokens/s is recommend's formula on plan's step cost."""
     from glm5mtp_cli.diagnostics.recommend import predict

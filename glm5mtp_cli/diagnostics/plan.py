@@ -20,7 +20,7 @@ Every forward is costed from what it moves and runs, on one of --tp ranks:
 A forward takes max(bandwidth, compute) + communication + launch + host; its bound is the largest
 term. Bandwidth is achieved at the calibrated fraction of the datasheet's for that kind of step
 (plan_calibration_h200.json, `plan --calibrate`). A step with gamma drafts over B sequences takes
-gamma drafts + one verify of gamma + 1 rows; it decodes B * E(gamma) tokens (recommend's model, the
+gamma drafts (the first a catch-up of gamma + 1 rows a sequence) + one verify of gamma + 1 rows; it decodes B * E(gamma) tokens (recommend's model, the
 project's one speedup model). TTFT: the batch's prompts (--context tokens each) prefilled in chunks,
 plus the drafter's catch-up over them when gamma > 0.
 """
@@ -182,10 +182,20 @@ def forward(kind: str, seqs: int, rows: int, s: ModelSizes, c: PlanConfig) -> Fo
 
 
 def step_seconds(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> float:
-    """One decode step: gamma chained drafts, then a verify of gamma + 1 rows (a decode at gamma 0)."""
+    """One decode step (a decode at gamma 0): gamma drafts, the first of them a catch-up over
+    gamma + 1 rows per sequence (the engine's catch-up forward is as wide as its largest gamma's,
+    the rows the last verify accepted plus padding), then a verify of gamma + 1 rows."""
+    return sum(f.seconds * n for f, n in step_forwards(seqs, gamma, s, c))
+
+
+def step_forwards(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> list[tuple[Forward, int]]:
+    """The forwards of step_seconds' step, each with the times it runs."""
     if gamma == 0:
-        return forward("decode", seqs, 1, s, c).seconds
-    return gamma * forward("draft", seqs, 1, s, c).seconds + forward("verify", seqs, gamma + 1, s, c).seconds
+        return [(forward("decode", seqs, 1, s, c), 1)]
+    out = [(forward("draft", seqs, gamma + 1, s, c), 1)]
+    if gamma > 1:
+        out.append((forward("draft", seqs, 1, s, c), gamma - 1))
+    return out + [(forward("verify", seqs, gamma + 1, s, c), 1)]
 
 
 def ttft_seconds(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> float:

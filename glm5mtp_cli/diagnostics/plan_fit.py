@@ -20,7 +20,7 @@ import numpy as np
 from glm5mtp_cli.diagnostics import calibration as cal_mod
 from glm5mtp_cli.diagnostics.calibration import Calibration, Measurement
 from glm5mtp_cli.diagnostics.hardware import Hardware
-from glm5mtp_cli.diagnostics.plan import Forward, PlanConfig, forward, model_sizes
+from glm5mtp_cli.diagnostics.plan import Forward, PlanConfig, forward, model_sizes, step_forwards
 
 ROUNDS = 5000  # at most: the alternation converges slowly (50 rounds left the efficiencies ~5% off)
 TOLERANCE = 1e-10  # stop when no value moves by more than this, relatively
@@ -49,9 +49,7 @@ def _forwards(m: Measurement, hw: Hardware, cal: Calibration) -> list[tuple[Forw
     s = model_sizes(_config(m.model, m.layers, m.fp8), c)
     if m.kind != "run":
         return [(forward(m.kind, m.seqs, 1, s, c), 1)]
-    if m.gamma == 0:
-        return [(forward("decode", m.seqs, 1, s, c), 1)]
-    return [(forward("draft", m.seqs, 1, s, c), m.gamma), (forward("verify", m.seqs, m.gamma + 1, s, c), 1)]
+    return step_forwards(m.seqs, m.gamma, s, c)
 
 
 def predict_seconds(m: Measurement, hw: Hardware, cal: Calibration) -> float:
