@@ -18,6 +18,11 @@ inputs (q, k, v after the conv, the forget gate's pre-activation, beta's logit) 
 
 Each output is compared with ``kda_rows_ref`` in fp32 (max error over max magnitude). Medians of 200
 graph replays. The last line of stdout is one JSON object, also written to ``--out``.
+
+A prefill (``--prefill``): B prompts of T rows, each with its own real length (varlen, the rest
+padding), at Flash's heads and at glm5next-nano's (4 of 64). ``chunked`` is the model's form before
+``kda_slots(final=True)`` (the prologue in PyTorch, the padding masked, ``kda_chunked`` over every
+head folded); ``kda_slots_final`` the one launch; both against the reference's outputs and states.
 """
 
 import argparse
@@ -27,7 +32,7 @@ import sys
 
 import torch
 
-from .kda import gated_inputs, kda_rows, kda_rows_ref, kda_slots
+from .kda import gated_inputs, kda_rows, kda_rows_ref, kda_slots, kda_slots_ref
 
 H, D, LOWER = 64, 128, -5.0
 
@@ -122,12 +127,59 @@ def case(batch: int, rows: int, fla) -> dict:
     return out
 
 
+def prefill_case(heads: int, dim: int, batch: int, rows: int) -> dict:
+    from glm5mtp_cli.models.glm5_next.kda import KdaInputs, kda_chunked
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(heads * batch + rows)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=g).to(dtype)
+    q, k, v = rnd(1, batch, rows, heads, dim), rnd(1, batch, rows, heads, dim), rnd(1, batch, rows, heads, dim)
+    f, b = rnd(1, batch, rows, heads, dim), rnd(1, batch, rows, heads)
+    dt_bias, a_log = torch.zeros(1, heads * dim, device=dev), torch.rand(1, heads, device=dev, generator=g) * 2 - 1
+    pool = torch.randn(1, batch + 1, heads, dim, dim, device=dev, generator=g) * 0.05
+    slots = torch.randperm(batch + 1, device=dev, generator=g)[:batch]
+    real = torch.randint(rows // 2, rows + 1, (batch,), device=dev, generator=g)
+    real[0] = rows
+    raw = (q, k, v, f, dt_bias, a_log, b, LOWER, pool, slots, real)
+
+    def chunked():
+        x = gated_inputs(q[0], k[0], v[0], f[0], dt_bias, a_log, b[0], LOWER)
+        live = torch.arange(rows, device=dev)[None, :] < real[:, None]
+        x = KdaInputs(x[0], x[1], x[2], x[3] * live[..., None, None], x[4] * live[..., None]).folded()
+        return kda_chunked(x, pool[0].index_select(0, slots).reshape(batch * heads, dim, dim))
+    want_o, want_s = kda_slots_ref(*raw, final=True)
+    o, s_after = kda_slots(*raw, final=True)
+    live = (torch.arange(rows, device=dev)[None, :] < real[:, None])[None, :, :, None, None]
+    c_o, c_s = chunked()
+    c_o = c_o.view(rows, batch, heads, dim).transpose(0, 1)[None]
+    return {"heads": heads, "dim": dim, "batch": batch, "rows": rows, "real_rows": int(real.sum()),
+            "chunked_us": _graph_us(chunked, 20), "kda_slots_final_us": _graph_us(lambda: kda_slots(*raw, final=True), 20),
+            "chunked_err": max(_err(c_o * live, want_o), _err(c_s.view(want_s.shape), want_s)),
+            "kda_slots_final_err": max(_err(o, want_o), _err(s_after, want_s))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--prefill", action="store_true", help="time prefill forwards (module docstring)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("kernels.bench_kda needs CUDA; nothing timed")
+        return
+    if a.prefill:
+        shapes = [(H, D, 1, 128), (H, D, 1, 1024), (H, D, 8, 256), (H, D, 1, 4096),
+                  (4, 64, 1, 128), (4, 64, 8, 256), (4, 64, 64, 256), (4, 64, 16, 1024)]
+        rows = []
+        for shape in shapes:
+            rows.append(prefill_case(*shape))
+            print(json.dumps(rows[-1]), flush=True)
+        doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prefill": rows}
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump(doc, fh, indent=1)
+        print(json.dumps(doc))
         return
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla

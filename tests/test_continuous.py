@@ -23,6 +23,7 @@ from glm5mtp_cli.engine.sequence import Request  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
 from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget  # noqa: E402
+from kernels._triton import kernel_path  # noqa: E402
 
 # prompt, max new tokens: different lengths (one over index_topk), budgets ending at different steps
 WORK = [([3, 17, 99, 4, 250], 14), (list(range(10, 40)), 6), ([7] * 3 + list(range(60, 81)), 17),
@@ -234,10 +235,13 @@ def _per_request(res):
     return [(r.tokens, r.finish_reason, r.acceptance.accepted, r.acceptance.proposed) for r in res]
 
 
-def test_glm5next_varlen_prefill_equals_each_prompt_alone(glm5next):
+@pytest.mark.parametrize("path", ["cuda", "all"])
+def test_glm5next_varlen_prefill_equals_each_prompt_alone(glm5next, path):
     """One forward of 4 prompts padded to 70 rows ('final' KDA: across its 64-row chunk; pools of 4
     ended mid-pool) gives each prompt's last logits and hiddens as its own forward does, and leaves
-    its KDA states and conv windows such that the next decode step's logits agree too."""
+    its KDA states and conv windows such that the next decode step's logits agree too. Path "all":
+    the shared forward takes the kernels' branch (KDA's one-launch recurrence over every prompt's
+    real rows, kernels/kda.kda_slots with `final`), each prompt alone the chunked form."""
     cfg, target, _ = glm5next
     lengths = [70, 5, 66, 33]
     prompts = [torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
@@ -257,8 +261,9 @@ def test_glm5next_varlen_prefill_equals_each_prompt_alone(glm5next):
     for j, p in enumerate(prompts):
         ids[j, : len(p)] = p
     real = torch.tensor(lengths)
-    out = target(ids, shared, rows=real - 1, real=real)
-    target.commit(out.pending, real)  # as prefill_targets does: each KDA state at its real rows
+    with kernel_path(path):
+        out = target(ids, shared, rows=real - 1, real=real)
+        target.commit(out.pending, real)  # as prefill_targets does: each KDA state at its real rows
     for j, c in enumerate(shared):
         c.truncate(lengths[j])
         torch.testing.assert_close(out.logits[j, 0], ref[j].logits[0, 0], atol=1e-4, rtol=1e-4)

@@ -73,11 +73,11 @@ def case_kda_rows_lengths(device, big):
     return kda_rows(*args, lengths, force_triton=True), kda_rows_ref(*args, lengths)
 
 
-def _kda_slots_inputs(device, big, layers=1):
+def _kda_slots_inputs(device, big, layers=1, rows=None):
     """A KDA layer's raw rows as the model passes them: q, k, v chunks of one conv output (strided
     views), bf16 at Flash's head size on the GPU (fp32 in the interpreter), states in a slot pool
-    with more slots than sequences, in an order of their own."""
-    b, t, h, d = (8, 5, 8, 128) if big else (3, 4, 2, 16)
+    with more slots than sequences, in an order of their own; `rows` a sequence (a verify's 5 or 4)."""
+    b, t, h, d = (8, rows or 5, 8, 128) if big else (3, rows or 4, 2, 16)
     dt = BF16 if big else torch.float32
     z = _rand(layers, b, t, 3 * h * d, device=device, dtype=dt)
     q, k, v = (x.view(layers, b, t, h, d) for x in z.chunk(3, dim=-1))
@@ -96,6 +96,18 @@ def case_kda_slots(device, big):
     got = (kda_slots(*x, pool, slots, force_triton=True), kda_slots(*x, pool, slots, lengths, force_triton=True))
     assert torch.equal(pool, before), "the forward wrote the pool"
     return got, (kda_slots_ref(*x, pool, slots), kda_slots_ref(*x, pool, slots, lengths))
+
+
+def case_kda_slots_final(device, big):
+    # a shared prefill forward: each prompt's outputs and its state after its own real rows (0 to
+    # all of them), over more rows than a verify has; the pool is read, not written
+    x, pool, slots, _ = _kda_slots_inputs(device, big, rows=70 if big else 9)
+    lengths = torch.tensor([0, 9, 5] if not big else [70, 1, 33, 64, 0, 70, 17, 2], device=device)
+    before = pool.clone()
+    got = (kda_slots(*x, pool, slots, final=True, force_triton=True),
+           kda_slots(*x, pool, slots, lengths, final=True, force_triton=True))
+    assert torch.equal(pool, before), "the prefill's forward wrote the pool"
+    return got, (kda_slots_ref(*x, pool, slots, final=True), kda_slots_ref(*x, pool, slots, lengths, final=True))
 
 
 def case_kda_slots_commit(device, big):

@@ -31,7 +31,8 @@ from kernels.kda import gated_inputs, kda_rows, kda_slots, normalised_qk
 
 CHUNK = 64  # chunk length of the prefill form (transformers' and FLA's)
 # Up to this many rows, a kernel-path forward runs the recurrence (kernels/kda.py: one launch over
-# every row) instead of the chunked form's ~30 launches per chunk: a decode or a verify.
+# every row) instead of the chunked form's ~30 launches per chunk: a decode or a verify. A batched
+# prefill forward ("final") takes the recurrence's kernel at any length (kernels/kda.py's docstring).
 KERNEL_ROWS = 16
 
 
@@ -344,11 +345,14 @@ class KdaLayer(nn.Module):
         rows, extended = self.rows(a, window)
         pending = KdaBatchPending(extended, self.lower_bound, rows=rows if mode == "replay" else None,
                                   padded=real is not None)
-        if t <= KERNEL_ROWS and use_kernels(a) and mode == "replay":  # one kernel from the raw rows, S in place
+        if use_kernels(a) and (mode == "final" or t <= KERNEL_ROWS):  # one kernel from the raw rows, S in place
             pool = kda.data[layer:layer + 1]
-            o = kda_slots(*(x[None] for x in (rows.q, rows.k, rows.v, rows.f)), rows.dt_bias[None],
-                          rows.a_log[None], rows.b[None], self.lower_bound, pool, kda.index, real)[0]
-            return self.output(a, o.to(a.dtype)), pending
+            run = kda_slots(*(x[None] for x in (rows.q, rows.k, rows.v, rows.f)), rows.dt_bias[None],
+                            rows.a_log[None], rows.b[None], self.lower_bound, pool, kda.index, real,
+                            final=mode == "final")
+            if mode == "final":
+                run, pending.final = run[0], run[1][0]
+            return self.output(a, run[0].to(a.dtype)), pending
         x = rows.prepared(self.lower_bound)
         if real is not None:
             live = torch.arange(t, device=a.device)[None, :] < real[:, None]          # [B, T]
