@@ -1,9 +1,9 @@
 """The engine's host time per decode step, forwards excluded: what the step loop costs beside its
 graph replays (at batch 64 on the H200 the loop's host work was a large share of a step).
 
-    OMP_NUM_THREADS=1 python3 -m glm5mtp_cli.diagnostics.host_time --gamma 3 --batch 64
+    OMP_NUM_THREADS=1 python3 -m glm5mtp_cli.diagnostics.host_time --gamma 3 --batch 64 [--model glm5next-tiny]
 
-Runs glm5-tiny with random weights on the CPU in static mode (the CUDA-graph code path, its forwards
+Runs glm5-tiny (or --model, another profile) with random weights on the CPU in static mode (the CUDA-graph code path, its forwards
 run eagerly), times every static forward and subtracts them from the decode wall time; prints the
 best of `--repeats` runs after a warm-up, per step and per sequence-step. A measurement of Python
 bookkeeping on this machine, not of any GPU.
@@ -23,8 +23,9 @@ from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
 
 
-def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: int = 64, repeats: int = 3) -> float:
-    rt = load_runtime(ModelSpec("glm5-tiny", "cpu", "fp32", random_weights=True), progress=False)
+def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: int = 64, repeats: int = 3,
+                     model: str = "glm5-tiny") -> float:
+    rt = load_runtime(ModelSpec(model, "cpu", "fp32", random_weights=True), progress=False)
     pools = rt.make_pools(200, batch + 1)
     engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=256, eos_ids=(), graphs="static"))
     rnd = random.Random(0)
@@ -39,11 +40,25 @@ def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: in
         spent[0] += time.perf_counter() - t0
         return out
 
+    commit, stepping = rt.target.commit, [False]
+
+    def timed_commit(pending, kept):
+        # a fixed-size state's commit after a verify: a graph replay on CUDA (StaticCommit), eager
+        # compute here, so it is a forward too; admissions' commits fall outside the decode wall
+        t0 = time.perf_counter()
+        commit(pending, kept)
+        if stepping[0]:
+            spent[0] += time.perf_counter() - t0
+
     def counted_step(schedule):
         steps[0] += 1
-        return step(schedule)
+        stepping[0] = True
+        try:
+            return step(schedule)
+        finally:
+            stepping[0] = False
 
-    static.StaticForward.run, engine.step = timed_run, counted_step
+    static.StaticForward.run, engine.step, rt.target.commit = timed_run, counted_step, timed_commit
     try:
         engine.generate(reqs, batch_size=batch)  # warm-up: builds the static forwards
         best = None
@@ -55,6 +70,7 @@ def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: in
         return best * 1e6
     finally:
         static.StaticForward.run = run
+        del rt.target.commit
         engine.close()
 
 
@@ -63,10 +79,12 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--model", default="glm5-tiny", help="a profile, run with random weights (glm5next-tiny: GLM-5-Next)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    us = host_us_per_step(a.gamma, a.batch, repeats=a.repeats)
-    print(f"gamma {a.gamma}, batch {a.batch}: {us:.0f} us of host time per step, {us / a.batch:.1f} us per "
+    us = host_us_per_step(a.gamma, a.batch, a.requests, repeats=a.repeats, model=a.model)
+    print(f"{a.model}, gamma {a.gamma}, batch {a.batch}: {us:.0f} us of host time per step, {us / a.batch:.1f} us per "
           f"sequence-step (best of {a.repeats}, forwards excluded)")
 
 
