@@ -223,6 +223,7 @@ def test_calibrate_refits_the_shipped_values_from_its_files():
     for key, v in shipped.bandwidth_efficiency.items():
         assert math.isclose(refit.bandwidth_efficiency[key], v, rel_tol=1e-6)
     assert math.isclose(refit.per_kernel_s, shipped.per_kernel_s, rel_tol=1e-6)
+    assert math.isclose(refit.reread_fraction, shipped.reread_fraction, rel_tol=1e-6)
     assert refit.kernels == shipped.kernels
 
 
@@ -234,7 +235,7 @@ def test_the_fit_recovers_a_per_sequence_draft_cost():
     hw = dataclasses.replace(TABLE["h200"], launch_s=None)
     truth = dataclasses.replace(calibration.load(), bandwidth_efficiency={"draft": 0.7, "decode": 0.6},
                                 per_kernel_s=2e-6, host_step_s=0.0, host_forward_s=1e-4, host_sequence_s=2e-5,
-                                draft_sequence_s=3e-5)
+                                draft_sequence_s=3e-5, reread_fraction=0.4)
     shape = dict(model="glm5", layers=4, fp8=False, context=128, source="synthetic")  # real dimensions
     counts = {"draft": 150.0, "decode": 90.0 * 4}  # a step's kernels, as bench --kernels counts them
     truth = dataclasses.replace(truth, kernels={"glm_moe_dsa": {"draft": 150.0, "target_per_layer": 90.0}})
@@ -245,8 +246,32 @@ def test_the_fit_recovers_a_per_sequence_draft_cost():
     fitted = plan_fit.fit(measured, hw, [])
     assert math.isclose(fitted.draft_sequence_s, 3e-5, rel_tol=1e-3)
     assert math.isclose(fitted.host_sequence_s, 2e-5, rel_tol=1e-3)
+    assert math.isclose(fitted.reread_fraction, 0.4, rel_tol=1e-3)
     assert all(abs(r["error"]) < 1e-6 for r in fitted.residuals)
     c = _config("glm5-nano", calibration=truth)
     s = model_sizes(resolve_config("glm5-nano")[0], c)
     assert math.isclose(forward("draft", 8, 1, s, c).times["host"] - forward("draft", 1, 1, s, c).times["host"],
                         7 * 3e-5)
+
+
+def test_few_pair_moe_forwards_pay_for_repeated_expert_reads():
+    """kernels/moe.py streams an expert once per (token, expert) pair: a forward of N tokens repeats
+    N - E(1 - (1 - k/E)^N)/k top-k worth of expert reads, none at one token or where the grouped GEMM
+    runs (kernels/moe_grouped.pays), and the calibration's reread_fraction of them cost first reads."""
+    from kernels.moe_grouped import pays
+
+    assert sizing.reread_experts_factor(1, 256, 8) == 0.0
+    n = 32  # GLM-5's batch-8 gamma-3 verify: 256 pairs, the few-pair kernels
+    assert not pays(n * 8, 256)
+    assert math.isclose(sizing.reread_experts_factor(n, 256, 8), n - sizing.touched_experts_factor(n, 256, 8))
+    assert pays(128 * 8, 256) and sizing.reread_experts_factor(128, 256, 8) == 0.0
+    cfg, _ = resolve_config("glm5")
+    base = _config("glm5", layers=4, context=4096)
+    free, paid = (dataclasses.replace(base, calibration=dataclasses.replace(base.calibration, reread_fraction=f))
+                  for f in (0.0, 0.5))
+    s = model_sizes(cfg.with_layers(4), base)
+    one, wide = forward("verify", 8, 4, s, free), forward("verify", 8, 4, s, paid)
+    assert one.bytes == wide.bytes and wide.reread_bytes == one.reread_bytes > 0
+    eff = base.hardware.memory_bytes_per_s * base.calibration.efficiency("verify", False)
+    assert math.isclose(wide.times["bandwidth"] - one.times["bandwidth"], 0.5 * wide.reread_bytes / eff)
+    assert forward("decode", 1, 1, s, paid).reread_bytes == 0.0

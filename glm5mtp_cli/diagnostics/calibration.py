@@ -12,7 +12,11 @@ errors, alternating until it settles:
   some are given (FP8 forwards fall back to the bf16 value otherwise);
 - the cost of one kernel replayed from a graph, and the engine's host time per step, per forward (a
   graph replay's call) and per sequence (the last only when some run decodes more than one sequence
-  at a time; else its prior, below).
+  at a time; else its prior, below);
+- the share of the expert reads the few-pair MoE kernels repeat (one per (token, expert) pair beyond
+  the distinct experts: sizing.reread_experts_factor) that costs what a first read does, in [0, 1]
+  (at most all of them: a repeat is never dearer than the first read), when some forward of the fit
+  runs those kernels over more than one token.
 
 The compute efficiency is not fitted (no measured step is compute bound): COMPUTE_EFFICIENCY, assumed.
 Kernel counts per family (what `plan` multiplies the per-kernel cost by) are read from the files'
@@ -52,6 +56,11 @@ class Calibration:
     # each sequence of each draft forward of a run: the drafter's per-row bookkeeping and gathers,
     # which steps with drafting at batch > 1 pay beyond the bytes they read
     draft_sequence_s: float = 0.0
+    # the few-pair MoE kernels (kernels/moe.py) stream an expert once per (token, expert) pair: the
+    # share of the repeats beyond the distinct experts (sizing.reread_experts_factor) that costs what a
+    # first read does (the rest: L2 hits, taken as free), fitted in [0, 1]; 0 (repeats free) in a
+    # calibration fitted before the term
+    reread_fraction: float = 0.0
     fitted: dict = field(default_factory=dict)  # commit, files, what each value came from
     residuals: list = field(default_factory=list)  # the fit's own measurements beside its predictions
 

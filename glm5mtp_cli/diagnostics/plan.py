@@ -5,7 +5,11 @@ Every forward is costed from what it moves and runs, on one of --tp ranks:
 - bytes: sizing.draft_step_bytes / target_step_bytes (the batch-1 reads: active weights, KV / indexer /
   KDA state at the context), with the routed experts (sizing.routed_expert_bytes) scaled to the
   experts a batch touches (sizing.batch_step_bytes, which bench's batched steps read too): N tokens routed top-k of E uniformly touch E * (1 - (1 - k/E)^N) distinct
-  experts (k at N = 1, so batch 1 is sizing's number exactly); the state reads once per row of a
+  experts (k at N = 1, so batch 1 is sizing's number exactly); where the few-pair MoE kernels run
+  (kernels/moe.py, up to 2E pairs: a 32-token GLM-5 verify), they stream an expert once per (token,
+  expert) pair, and the repeats beyond the distinct experts (sizing.reread_experts_factor) are
+  priced as first reads for the calibration's `reread_fraction` of them (the rest: L2 hits); the
+  state reads once per row of a
   decode, verify or draft (each query selects its own keys; the KDA replay steps its state row by
   row), once per sequence in a prefill chunk (its tiles read the cached prefix once);
 - FLOPs: 2 x active parameters (info.active_params, embeddings left out: a lookup) x tokens; the
@@ -92,6 +96,7 @@ class Forward:
     comm_bytes: float
     kernels: float
     times: dict  # term -> seconds
+    reread_bytes: float = 0.0  # routed experts streamed again per pair (sizing.reread_experts_factor)
 
     @property
     def seconds(self) -> float:
@@ -103,7 +108,8 @@ class Forward:
         return max(TERMS, key=self.times.__getitem__)
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "rows": self.rows, "bytes": self.bytes, "flops": self.flops,
+        return {"kind": self.kind, "rows": self.rows, "bytes": self.bytes, "reread_bytes": self.reread_bytes,
+                "flops": self.flops,
                 "comm_bytes": self.comm_bytes, "kernels": self.kernels, "ms": self.seconds * 1e3,
                 "bound": self.bound, "terms_ms": {k: v * 1e3 for k, v in self.times.items()}}
 
@@ -160,12 +166,17 @@ def forward(kind: str, seqs: int, rows: int, s: ModelSizes, c: PlanConfig) -> Fo
     tokens = seqs * rows
     reads = seqs if kind in ("prefill", "catchup") else tokens
     kernels = cal.kernels_for(s.family)
+    from glm5mtp_cli.diagnostics.sizing import reread_experts_factor
+
+    reread = reread_experts_factor(tokens, s.experts, s.top_k)
     if kind in DRAFTER:
         nbytes = forward_bytes(s.draft_bytes, s.routed["mtp"], tokens, reads, s)
+        reread *= s.routed["mtp"]
         flops = 2.0 * s.draft_params * tokens
         n_kernels, layers = kernels["draft"], 1
     else:
         nbytes = forward_bytes(s.target_bytes, s.routed["target"], tokens, reads, s)
+        reread *= s.routed["target"]
         flops = 2.0 * s.target_params * tokens
         n_kernels, layers = kernels["target_per_layer"] * s.layers, s.layers
     peak = hw.fp8_flops if c.fp8 else hw.bf16_flops
@@ -175,10 +186,10 @@ def forward(kind: str, seqs: int, rows: int, s: ModelSizes, c: PlanConfig) -> Fo
         host += cal.host_step_s + seqs * cal.host_sequence_s
     elif kind == "draft":
         host += seqs * cal.draft_sequence_s
-    times = {"bandwidth": nbytes / (hw.memory_bytes_per_s * cal.efficiency(kind, c.fp8)),
+    times = {"bandwidth": (nbytes + cal.reread_fraction * reread) / (hw.memory_bytes_per_s * cal.efficiency(kind, c.fp8)),
              "compute": flops / (peak * cal.compute_efficiency),
              "communication": comm_s, "launch": n_kernels * _launch_s(c), "host": host}
-    return Forward(kind, tokens, nbytes, flops, comm_bytes, n_kernels, times)
+    return Forward(kind, tokens, nbytes, flops, comm_bytes, n_kernels, times, reread)
 
 
 def step_seconds(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> float:

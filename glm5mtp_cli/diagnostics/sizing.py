@@ -133,6 +133,21 @@ def touched_experts_factor(tokens: int, experts: int, top_k: int) -> float:
     return experts / top_k * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
+def reread_experts_factor(tokens: int, experts: int, top_k: int) -> float:
+    """Expert weights the few-pair MoE kernels (kernels/moe.py) stream beyond the distinct experts N
+    tokens touch, relative to one token's top-k: their GEMV programs stream the expert once per
+    (token, expert) pair, N - (E/k)(1 - (1 - k/E)^N) more than once per distinct expert (a verify
+    of 32 GLM-5 tokens: 256 pairs over ~163 experts). 0 where the grouped GEMM runs instead
+    (kernels/moe_grouped.pays: an expert's weight tile is shared by a block's rows, the GEMM's own
+    tiling). Whether the repeats come from HBM or L2 is what the calibration's `reread_efficiency`
+    prices."""
+    from kernels.moe_grouped import pays
+
+    if pays(tokens * top_k, experts):
+        return 0.0
+    return max(0.0, tokens - touched_experts_factor(tokens, experts, top_k))
+
+
 def batch_step_bytes(step_bytes: dict, routed: int, tokens: int, state_reads: int, experts: int, top_k: int) -> float:
     """A forward of `tokens` rows in all from a batch-1 step's reads (draft_step_bytes or
     target_step_bytes, whose routed experts are `routed`): weights once, the routed experts as many
