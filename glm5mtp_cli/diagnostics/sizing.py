@@ -139,7 +139,7 @@ def reread_experts_factor(tokens: int, experts: int, top_k: int) -> float:
     (token, expert) pair, N - (E/k)(1 - (1 - k/E)^N) more than once per distinct expert (a verify
     of 32 GLM-5 tokens: 256 pairs over ~163 experts). 0 where the grouped GEMM runs instead
     (kernels/moe_grouped.pays: an expert's weight tile is shared by a block's rows, the GEMM's own
-    tiling). Whether the repeats come from HBM or L2 is what the calibration's `reread_efficiency`
+    tiling). Whether the repeats come from HBM or L2 is what the calibration's `reread_fraction`
     prices."""
     from kernels.moe_grouped import pays
 
