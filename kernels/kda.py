@@ -21,8 +21,8 @@ the commit after a verify, written back to it in place: S read once, written onc
 it also returns the state after each sequence's rows, the pool untouched: a prefill forward over
 several prompts of their own lengths (varlen: `lengths` are each prompt's real rows) in one launch,
 where the chunked form costs ~30 launches per 64-row chunk and a [64, 64, heads, d] decay tensor.
-Each program loads row t+1 while it computes row t, so a long prefill waits on arithmetic, not on
-the loads' latency.
+Each program loads row t+1 while it computes row t, so the loads' latency overlaps the arithmetic
+instead of adding to every row of a long prefill.
 """
 
 import torch

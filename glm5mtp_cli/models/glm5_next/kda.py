@@ -345,14 +345,15 @@ class KdaLayer(nn.Module):
         rows, extended = self.rows(a, window)
         pending = KdaBatchPending(extended, self.lower_bound, rows=rows if mode == "replay" else None,
                                   padded=real is not None)
-        if use_kernels(a) and (mode == "final" or t <= KERNEL_ROWS):  # one kernel from the raw rows, S in place
+        if use_kernels(a) and (mode == "final" or t <= KERNEL_ROWS):  # one kernel from the raw rows, S read in place
             pool = kda.data[layer:layer + 1]
-            run = kda_slots(*(x[None] for x in (rows.q, rows.k, rows.v, rows.f)), rows.dt_bias[None],
+            out = kda_slots(*(x[None] for x in (rows.q, rows.k, rows.v, rows.f)), rows.dt_bias[None],
                             rows.a_log[None], rows.b[None], self.lower_bound, pool, kda.index, real,
                             final=mode == "final")
+            o = out[0] if mode == "final" else out  # [1, B, T, H, d]: the one layer's
             if mode == "final":
-                run, pending.final = run[0], run[1][0]
-            return self.output(a, run[0].to(a.dtype)), pending
+                pending.final = out[1][0]
+            return self.output(a, o[0].to(a.dtype)), pending
         x = rows.prepared(self.lower_bound)
         if real is not None:
             live = torch.arange(t, device=a.device)[None, :] < real[:, None]          # [B, T]
