@@ -1,11 +1,14 @@
-"""mHC, GLM-5-Next's hyper-connections (models/glm5_next/mhc.py), as three kernels per block site.
+"""mHC, GLM-5-Next's hyper-connections (models/glm5_next/mhc.py), as four kernels per block site.
 
-PyTorch spends ~140 launches on one site: the Sinkhorn normalisation alone is two reductions and two
+PyTorch spends ~150 launches on one site: the Sinkhorn normalisation alone is two reductions and two
 divisions per iteration over a [T, n, n] tensor (20 iterations in GLM-5-Next), and at decode every
 one of them is a launch on a few hundred bytes. Here:
 
-- `hc_mix`: the mixing logits m [T, (2+n)n] -> pre [T, n], post [T, n], comb [T, n, n] (sigmoids,
-  the row softmax and every Sinkhorn iteration in registers, one program per block of tokens);
+- `hc_weights`: the streams X [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] in two launches:
+  the mixing logits and each row's sum of squares, split over the n D columns so a decode's few rows
+  still spread over the GPU (the norm is a per-row scale, applied to the logits after the product);
+  then the sigmoids, the row softmax and every Sinkhorn iteration in registers, one program per
+  block of tokens. PyTorch's form is nine launches, one of them an fp32 GEMM;
 - `hc_collapse`: the block input sum_i pre_i X_i (fp32 sum, cast to the stream dtype);
 - `hc_expand`: the new streams X_k <- post_k y + sum_j comb[j, k] X_j, rounded where PyTorch's
   reference rounds (the product, the matmul, their sum, each once in the stream dtype).
@@ -15,11 +18,22 @@ The kernels have no backward: where autograd tracks an input (training), the ref
 """
 
 import torch
+import torch.nn.functional as F
 
 from ._triton import alloc, as_op, jit, next_pow2, tl, tracks_grad, use_triton
 
 
 # ---- references ---------------------------------------------------------------------------------
+
+def hc_weights_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                   norm_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """Mixing weights of one HC site: streams [T, n, D]; fn [(2+n)n, nD]; base [(2+n)n]; scale [3].
+    The flattened streams, RMS-normalised without a weight (norm_eps, not hc_eps), give the mixing
+    logits fn @ x (fp32), then hc_mix_ref."""
+    f = streams.reshape(*streams.shape[:-2], -1).float()
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps)
+    return hc_mix_ref(F.linear(f, fn.float()), base, scale, hc_eps, sinkhorn_iters)
+
 
 def hc_mix_ref(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, sinkhorn_iters: int):
     """m [T, (2+n)n] fp32 mixing logits; base [(2+n)n]; scale [3]. Returns pre, post [T, n] and
@@ -60,17 +74,52 @@ def _streams(width: int) -> int:
 # ---- kernels --------------------------------------------------------------------------------------
 
 @jit
-def _hc_mix_kernel(m_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, hc_eps, iters,
-                   N: tl.constexpr, BLOCK_T: tl.constexpr):
+def _hc_logits_kernel(x_ptr, w_ptr, part_ptr, sq_ptr, T, K, SPLIT_K, W: tl.constexpr, WP: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Partial logits x @ w^T and sums of squares of x over columns [s SPLIT_K, (s+1) SPLIT_K):
+    part [splits, T, W], sq [splits, T] (fp32; x in the stream dtype, w fp32)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    s = tl.program_id(1)
+    live = rows < T
+    j = tl.arange(0, WP)
+    acc = tl.zeros((BLOCK_T, WP), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for k0 in range(s * SPLIT_K, (s + 1) * SPLIT_K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & km[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + j[:, None] * K + k[None, :], mask=(j < W)[:, None] & km[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        sq += tl.sum(x * x, axis=1)
+    out = (s * T + rows).to(tl.int64)
+    tl.store(part_ptr + out[:, None] * W + j[None, :], acc, mask=live[:, None] & (j < W)[None, :])
+    tl.store(sq_ptr + out, sq, mask=live)
+
+
+@jit
+def _summed(ptr, offs, mask, splits, stride):
+    """sum over s < splits of ptr[s stride + offs] (fp32)."""
+    acc = tl.load(ptr + offs, mask=mask, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(ptr + s * stride + offs, mask=mask, other=0.0)
+    return acc
+
+
+@jit
+def _hc_mix_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, splits, K, norm_eps,
+                   hc_eps, iters, N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """hc_mix_ref of the logits _hc_logits_kernel left in parts, each row scaled by its RMS norm."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = rows < T
     W: tl.constexpr = (2 + N) * N
     i = tl.arange(0, N)
     s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    rnorm = tl.rsqrt(_summed(sq_ptr, rows, live, splits, T) / K + norm_eps)
     row = rows.to(tl.int64)[:, None] * W
-    m_pre = tl.load(m_ptr + row + i[None, :], mask=live[:, None], other=0.0)
+    m_pre = _summed(part_ptr, row + i[None, :], live[:, None], splits, T * W) * rnorm[:, None]
     pre = tl.sigmoid(m_pre * s_pre + tl.load(base_ptr + i)[None, :]) + hc_eps
-    m_post = tl.load(m_ptr + row + N + i[None, :], mask=live[:, None], other=0.0)
+    m_post = _summed(part_ptr, row + N + i[None, :], live[:, None], splits, T * W) * rnorm[:, None]
     post = 2 * tl.sigmoid(m_post * s_post + tl.load(base_ptr + N + i)[None, :])
     out = rows.to(tl.int64)[:, None] * N + i[None, :]
     tl.store(pre_ptr + out, pre, mask=live[:, None])
@@ -78,8 +127,8 @@ def _hc_mix_kernel(m_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, h
 
     jk = 2 * N + i[:, None] * N + i[None, :]                                  # [N, N]: m's comb entries
     live3 = live[:, None, None]
-    z = tl.load(m_ptr + rows.to(tl.int64)[:, None, None] * W + jk[None, :, :], mask=live3, other=0.0)
-    z = z * s_comb + tl.load(base_ptr + jk)[None, :, :]
+    z = _summed(part_ptr, rows.to(tl.int64)[:, None, None] * W + jk[None, :, :], live3, splits, T * W)
+    z = z * rnorm[:, None, None] * s_comb + tl.load(base_ptr + jk)[None, :, :]
     z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
     c = z / tl.sum(z, axis=2)[:, :, None] + hc_eps
     c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
@@ -118,18 +167,36 @@ def _hc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.conste
         tl.store(out_ptr + t * N * D + k * D + d, (spread + mixed).to(dt), mask=dm)
 
 
-def hc_mix_triton(m, base, scale, hc_eps: float, sinkhorn_iters: int):
-    n = _streams(m.shape[-1])
-    lead = m.shape[:-1]
-    m2 = m.reshape(-1, m.shape[-1]).float().contiguous()
-    t = m2.shape[0]
-    pre = alloc((*lead, n), torch.float32, m.device)
-    post = alloc((*lead, n), torch.float32, m.device)
-    comb = alloc((*lead, n, n), torch.float32, m.device)
+LOGITS_BLOCK_T, LOGITS_BLOCK_K = 16, 64
+
+
+def _logit_splits(t: int, k: int, device) -> int:
+    """Column splits of the logits: about two programs per SM, at least one block of columns each."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(_cdiv(k, LOGITS_BLOCK_K), _cdiv(2 * sms, _cdiv(t, LOGITS_BLOCK_T))))
+
+
+def hc_weights_triton(streams, fn, base, scale, norm_eps: float, hc_eps: float, sinkhorn_iters: int):
+    n, d = streams.shape[-2:]
+    lead = streams.shape[:-2]
+    x = streams.reshape(-1, n * d).contiguous()
+    t, k, width = x.shape[0], n * d, fn.shape[0]
+    pre = alloc((*lead, n), torch.float32, streams.device)
+    post = alloc((*lead, n), torch.float32, streams.device)
+    comb = alloc((*lead, n, n), torch.float32, streams.device)
     if t:
+        splits = _logit_splits(t, k, streams.device)
+        per_split = _cdiv(_cdiv(k, splits), LOGITS_BLOCK_K) * LOGITS_BLOCK_K
+        splits = _cdiv(k, per_split)
+        part = torch.empty(splits, t, width, dtype=torch.float32, device=streams.device)
+        sq = torch.empty(splits, t, dtype=torch.float32, device=streams.device)
+        _hc_logits_kernel[(_cdiv(t, LOGITS_BLOCK_T), splits)](
+            x, fn.float().contiguous(), part, sq, t, k, per_split, W=width, WP=next_pow2(width),
+            BLOCK_T=LOGITS_BLOCK_T, BLOCK_K=LOGITS_BLOCK_K)
         block = 16
-        _hc_mix_kernel[(_cdiv(t, block),)](m2, base.float().contiguous(), scale.float().contiguous(),
-                                                 pre, post, comb, t, hc_eps, sinkhorn_iters, N=n, BLOCK_T=block)
+        _hc_mix_kernel[(_cdiv(t, block),)](part, sq, base.float().contiguous(), scale.float().contiguous(),
+                                           pre, post, comb, t, splits, k, norm_eps, hc_eps, sinkhorn_iters,
+                                           N=n, BLOCK_T=block)
     return pre, post, comb
 
 
@@ -166,13 +233,15 @@ def hc_expand_triton(streams, y, post, comb):
 
 # ---- dispatchers ---------------------------------------------------------------------------------
 
-def hc_mix(m, base, scale, hc_eps: float, sinkhorn_iters: int, force_triton: bool = False):
-    """hc_mix_ref's results; the Triton kernel for CUDA tensors (or `force_triton` in the interpreter)."""
-    if as_op() and not tracks_grad(m, base, scale):
-        return hc_mix_op(m, base, scale, hc_eps, sinkhorn_iters)
-    if use_triton(m, force=force_triton) and _pow2(_streams(m.shape[-1])) and not tracks_grad(m, base, scale):
-        return hc_mix_triton(m, base, scale, hc_eps, sinkhorn_iters)
-    return hc_mix_ref(m, base, scale, hc_eps, sinkhorn_iters)
+def hc_weights(streams, fn, base, scale, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+               force_triton: bool = False):
+    """hc_weights_ref's results; the Triton kernels for CUDA tensors (or `force_triton` in the interpreter)."""
+    args = (streams, fn, base, scale)
+    if as_op() and not tracks_grad(*args):
+        return hc_weights_op(*args, norm_eps, hc_eps, sinkhorn_iters)
+    if use_triton(*args, force=force_triton) and _pow2(streams.shape[-2]) and not tracks_grad(*args):
+        return hc_weights_triton(*args, norm_eps, hc_eps, sinkhorn_iters)
+    return hc_weights_ref(*args, norm_eps, hc_eps, sinkhorn_iters)
 
 
 def hc_collapse(streams, pre, force_triton: bool = False):
@@ -199,20 +268,20 @@ def _pow2(n: int) -> bool:
 
 
 # The three as custom ops for compiled forwards (_triton's docstring).
-@torch.library.custom_op("glm5mtp::hc_mix", mutates_args=())
-def hc_mix_op(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-              sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if use_triton(m) and _pow2(_streams(m.shape[-1])):
-        return hc_mix_triton(m, base, scale, hc_eps, sinkhorn_iters)
-    return tuple(t.contiguous() for t in hc_mix_ref(m, base, scale, hc_eps, sinkhorn_iters))
+@torch.library.custom_op("glm5mtp::hc_weights", mutates_args=())
+def hc_weights_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                  hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    if use_triton(streams, fn, base, scale) and _pow2(streams.shape[-2]):
+        return hc_weights_triton(*args)
+    return tuple(t.contiguous() for t in hc_weights_ref(*args))
 
 
-@hc_mix_op.register_fake
-def _(m, base, scale, hc_eps, sinkhorn_iters):
-    n = _streams(m.shape[-1])
-    lead = m.shape[:-1]
-    return (m.new_empty((*lead, n), dtype=torch.float32), m.new_empty((*lead, n), dtype=torch.float32),
-            m.new_empty((*lead, n, n), dtype=torch.float32))
+@hc_weights_op.register_fake
+def _(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    n, lead = streams.shape[-2], streams.shape[:-2]
+    return (streams.new_empty((*lead, n), dtype=torch.float32), streams.new_empty((*lead, n), dtype=torch.float32),
+            streams.new_empty((*lead, n, n), dtype=torch.float32))
 
 
 @torch.library.custom_op("glm5mtp::hc_collapse", mutates_args=())

@@ -1,5 +1,6 @@
-"""GLM-5-Next's kernels against their references: mHC's mixing, collapse and expand
-(kernels/mhc.py) and KDA's recurrence (kernels/kda.py), in Triton's interpreter in a fresh subprocess
+"""GLM-5-Next's kernels against their references: mHC's mixing weights, collapse and expand
+(kernels/mhc.py), KDA's short conv (kernels/short_conv.py), recurrence (kernels/kda.py) and output
+gate (kernels/rmsnorm.gated_rmsnorm), in Triton's interpreter in a fresh subprocess
 and compiled on CUDA, as tests/test_kernels.py runs the others (its module docstring)."""
 
 import json
@@ -14,7 +15,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from kernels import _triton  # noqa: E402
 from kernels.kda import kda_rows, kda_rows_ref, kda_slots, kda_slots_ref  # noqa: E402
-from kernels.mhc import hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref, hc_mix, hc_mix_ref  # noqa: E402
+from kernels.rmsnorm import gated_rmsnorm, gated_rmsnorm_ref  # noqa: E402
+from kernels.short_conv import short_conv, short_conv_ref  # noqa: E402
+from kernels.mhc import (hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref, hc_mix_ref, hc_weights,  # noqa: E402
+                         hc_weights_ref)
 from test_kernels import BF16, _rand, check_close, interpret, run_cases  # noqa: E402
 
 
@@ -24,10 +28,24 @@ def _hc_weights(device, t, n=4):
     return m, base, scale
 
 
-def case_hc_mix(device, big):
-    # GLM-5-Next's n = 4 and 20 Sinkhorn iterations; rows past a program's block are masked
-    m, base, scale = _hc_weights(device, 300 if big else 21)
-    return hc_mix(m, base, scale, 1e-6, 20, force_triton=True), hc_mix_ref(m, base, scale, 1e-6, 20)
+def _hc_site(device, t, d, dtype, n=4):
+    streams = _rand(t, n, d, device=device, dtype=dtype)
+    fn = _rand((2 + n) * n, n * d, device=device, scale=(n * d) ** -0.5 * 3)
+    _, base, scale = _hc_weights(device, 1, n)
+    return streams, fn, base, scale
+
+
+def case_hc_weights(device, big):
+    # GLM-5-Next's n = 4 and 20 Sinkhorn iterations; rows past a program's block are masked, and the
+    # columns split over programs end inside a block (D = 200: 800 columns)
+    args = _hc_site(device, 300 if big else 21, 6144 if big else 200, torch.float32)
+    return hc_weights(*args, 1e-5, 1e-6, 20, force_triton=True), hc_weights_ref(*args, 1e-5, 1e-6, 20)
+
+
+def case_hc_weights_decode_bf16(device, big):
+    # one row (a decode at batch 1): every program of the logits a column split of it
+    args = _hc_site(device, 1, 6144 if big else 256, BF16)
+    return hc_weights(*args, 1e-5, 1e-6, 20, force_triton=True), hc_weights_ref(*args, 1e-5, 1e-6, 20)
 
 
 def _hc_streams(device, big, dtype):
@@ -50,6 +68,41 @@ def case_hc_collapse_expand_bf16(device, big):
     x, y, pre, post, comb = _hc_streams(device, big, BF16)
     return ((hc_collapse(x, pre, force_triton=True), hc_expand(x, y, post, comb, force_triton=True)),
             (hc_collapse_ref(x, pre), hc_expand_ref(x, y, post, comb)))
+
+
+def _conv_inputs(device, big, dtype, t):
+    b, c = (8, 3 * 512) if big else (3, 3 * 40)
+    # the rows a strided slice of a joined projection (their GEMM's other outputs beside them)
+    z = _rand(b, t, c + 24, device=device, dtype=dtype)[..., :c]
+    window = _rand(b, 3, c, device=device, dtype=dtype)
+    return z, window, _rand(c, 4, device=device, scale=0.5)
+
+
+def case_short_conv_decode(device, big):
+    args = _conv_inputs(device, big, BF16, 1)
+    return short_conv(*args, force_triton=True), short_conv_ref(*args)
+
+
+def case_short_conv_rows(device, big):
+    # a verify's rows and a prefill's (more rows than the window), fp32: the window's zeros at a start
+    z, window, w = _conv_inputs(device, big, torch.float32, 37 if big else 6)
+    window[0] = 0
+    return short_conv(z, window, w, force_triton=True), short_conv_ref(z, window, w)
+
+
+def case_gated_rmsnorm(device, big):
+    # the recurrence's fp32 outputs, rounded to the model dtype first; the gate a GEMM's bf16 rows
+    rows, h, d = (64, 32, 128) if big else (5, 4, 64)
+    o = _rand(2, rows, h, d, device=device)
+    gate = _rand(2, rows, h * d, device=device, dtype=BF16)
+    w = _rand(d, device=device) + 1
+    return gated_rmsnorm(o, gate, w, 1e-5, BF16, force_triton=True), gated_rmsnorm_ref(o, gate, w, 1e-5, BF16)
+
+
+def case_gated_rmsnorm_fp32(device, big):
+    o, gate, w = _rand(3, 4, 64, device=device), _rand(3, 256, device=device), _rand(64, device=device)
+    f32 = torch.float32
+    return gated_rmsnorm(o, gate, w, 1e-5, f32, force_triton=True), gated_rmsnorm_ref(o, gate, w, 1e-5, f32)
 
 
 def _kda_rows_inputs(device, big):
@@ -149,12 +202,21 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("Triton path taken for CPU tensors")
 
-    for mod, name in [(kd, "kda_rows_triton"), (kd, "kda_slots_triton"), (hc, "hc_mix_triton"),
-                      (hc, "hc_collapse_triton"), (hc, "hc_expand_triton")]:
+    import kernels.rmsnorm as rn
+    import kernels.short_conv as sc
+
+    for mod, name in [(kd, "kda_rows_triton"), (kd, "kda_slots_triton"), (hc, "hc_weights_triton"),
+                      (hc, "hc_collapse_triton"), (hc, "hc_expand_triton"), (sc, "short_conv_triton"),
+                      (rn, "gated_rmsnorm_triton")]:
         monkeypatch.setattr(mod, name, boom)
-    m, hx, hy = torch.randn(3, 24), torch.randn(3, 4, 8), torch.randn(3, 8)
-    pre, post, comb = hc_mix(m, m[0], torch.ones(3), 1e-6, 20)
-    assert all(torch.equal(a, b) for a, b in zip((pre, post, comb), hc_mix_ref(m, m[0], torch.ones(3), 1e-6, 20)))
+    conv = _conv_inputs("cpu", False, torch.float32, 2)
+    assert all(torch.equal(a, b) for a, b in zip(short_conv(*conv), short_conv_ref(*conv)))
+    gate = (torch.randn(2, 4, 16), torch.randn(2, 64), torch.rand(16), 1e-5, BF16)
+    assert torch.equal(gated_rmsnorm(*gate), gated_rmsnorm_ref(*gate))
+    hx, hy = torch.randn(3, 4, 8), torch.randn(3, 8)
+    site = (hx, torch.randn(24, 32), torch.randn(24), torch.ones(3), 1e-5, 1e-6, 20)
+    pre, post, comb = hc_weights(*site)
+    assert all(torch.equal(a, b) for a, b in zip((pre, post, comb), hc_weights_ref(*site)))
     assert torch.equal(hc_collapse(hx, pre), hc_collapse_ref(hx, pre))
     assert torch.equal(hc_expand(hx, hy, post, comb), hc_expand_ref(hx, hy, post, comb))
     kx = [torch.randn(2, 3, 16) for _ in range(4)] + [torch.rand(2, 3), torch.randn(3, 16, 16)]

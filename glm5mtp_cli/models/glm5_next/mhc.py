@@ -12,9 +12,9 @@ before the update, as transformers does, so bf16 runs round the same way.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kernels.mhc import hc_collapse, hc_expand, hc_mix  # noqa: F401 (the model's collapse and expand)
+# the model's mixing weights, collapse and expand (each site's pre, post, comb: hc_weights_ref's docstring)
+from kernels.mhc import hc_collapse, hc_expand, hc_weights  # noqa: F401
 
 
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -25,17 +25,3 @@ def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
 def contract_streams(streams: torch.Tensor) -> torch.Tensor:
     """[T, n, D] -> [T, D]: the unweighted mean (GLM-5-Next has no learned read-out)."""
     return streams.mean(dim=-2)
-
-
-def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               norm_eps: float, hc_eps: float, sinkhorn_iters: int):
-    """Mixing weights of one HC site.
-
-    streams [T, n, D]; fn [(2+n)n, nD]; base [(2+n)n]; scale [3].
-    Returns pre [T, n], post [T, n], comb [T, n, n] (all fp32); comb[j, k] weights input stream j
-    into output stream k (kernels/mhc.py: hc_mix_ref, one kernel on CUDA).
-    """
-    f = streams.reshape(*streams.shape[:-2], -1).float()
-    # unweighted RMSNorm with rms_norm_eps (not hc_eps)
-    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps)
-    return hc_mix(F.linear(f, fn.float()), base, scale, hc_eps, sinkhorn_iters)
