@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it.
+"""RMSNorm, optionally fused with the residual add that precedes it; and KDA's gated per-head RMSNorm
+(`gated_rmsnorm`, one launch for what PyTorch does in twelve).
 
 Semantics (Hugging Face's): ``y = (xf * rsqrt(mean(xf^2) + eps)).to(x.dtype) * weight`` with
 ``xf = x.float()``; the cast back to the input dtype comes BEFORE the weight product, and the
@@ -8,7 +9,7 @@ output dtype is ``torch.promote_types(x.dtype, weight.dtype)``. With ``residual`
 
 import torch
 
-from ._triton import alloc, as_op, jit, next_pow2, tl, use_triton
+from ._triton import alloc, as_op, jit, next_pow2, tl, tracks_grad, use_triton
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -97,3 +98,63 @@ def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 @rmsnorm_op.register_fake
 def _(x, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+# ---- KDA's output gate -----------------------------------------------------------------------------
+
+def gated_rmsnorm_ref(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """GLM-5-Next's KDA output (models/glm5_next/kda.py): o [..., H, d] rounded to `dtype`, each head
+    RMS-normalised in fp32 with its weight [d] (weight included before the cast), times
+    sigmoid(gate) (gate [..., H * d]); [..., H * d] in `dtype`."""
+    of = o.to(dtype).float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    of = of * torch.sigmoid(gate.float().reshape(of.shape))
+    return of.to(dtype).reshape(*o.shape[:-2], -1)
+
+
+@jit
+def _gated_rmsnorm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, D, g_row, H, eps, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)  # row * H + head
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(o_ptr + i * D + d, mask=m, other=0.0).to(dt).to(tl.float32)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)) * tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + (i // H) * g_row + (i % H) * D + d, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i * D + d, (x * tl.sigmoid(g)).to(dt), mask=m)
+
+
+def gated_rmsnorm_triton(o, gate, weight, eps: float, dtype: torch.dtype):
+    h, d = o.shape[-2:]
+    o2 = o.contiguous()
+    g2 = gate.reshape(-1, h * d)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    out = alloc((*o.shape[:-2], h * d), dtype, o.device)
+    n = o2.numel() // d
+    if n:
+        _gated_rmsnorm_kernel[(n,)](o2, g2, weight.contiguous(), out, d, g2.stride(0), h, eps, BLOCK_D=next_pow2(d))
+    return out
+
+
+def gated_rmsnorm(o, gate, weight, eps: float, dtype: torch.dtype, force_triton: bool = False):
+    """gated_rmsnorm_ref's result; the Triton kernel for CUDA tensors (or `force_triton` in the interpreter)."""
+    if as_op() and not tracks_grad(o, gate, weight):
+        return gated_rmsnorm_op(o, gate, weight, eps, dtype)
+    if use_triton(o, gate, weight, force=force_triton) and not tracks_grad(o, gate, weight):
+        return gated_rmsnorm_triton(o, gate, weight, eps, dtype)
+    return gated_rmsnorm_ref(o, gate, weight, eps, dtype)
+
+
+@torch.library.custom_op("glm5mtp::gated_rmsnorm", mutates_args=())
+def gated_rmsnorm_op(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                     dtype: torch.dtype) -> torch.Tensor:
+    if use_triton(o, gate, weight):
+        return gated_rmsnorm_triton(o, gate, weight, eps, dtype)
+    return gated_rmsnorm_ref(o, gate, weight, eps, dtype).contiguous()
+
+
+@gated_rmsnorm_op.register_fake
+def _(o, gate, weight, eps, dtype):
+    return o.new_empty((*o.shape[:-2], o.shape[-2] * o.shape[-1]), dtype=dtype)

@@ -257,7 +257,7 @@ def _tiny_fp8_block(block: int):
 def _joined_groups(*modules):
     """(submodule, its joined buffer, its projections) of every group the loader joined."""
     return [(sub, sub._buffers[f"joined_{g}_weight"], linears) for m in modules for sub in m.modules()
-            if hasattr(sub, "fp8_input_groups") for g, linears in sub.fp8_input_groups().items()
+            if hasattr(sub, "joined_groups") for g, linears in sub.joined_groups().items()
             if f"joined_{g}_weight" in sub._buffers]
 
 
@@ -299,6 +299,52 @@ def test_projections_of_one_input_share_one_matrix(monkeypatch):
     target_groups = _joined_groups(target)
     assert {w.data_ptr() for _, w, _ in target_groups} <= set(read)  # every joined matrix read as one
     assert not {m.weight.data_ptr() for _, _, linears in target_groups for m in linears[1:]} & set(read)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+
+def test_projections_loaded_in_the_model_dtype_share_one_matrix(monkeypatch):
+    """Without FP8 the loader joins the same groups after loading (models/fp8.join_loaded): GLM-5-Next's
+    KDA layers read q, k, v, f_a, g_a and beta's projection as one GEMM on the kernels' path and their
+    three conv weights as one tensor. Views, no joined name in the state_dict, and the same logits as
+    each projection by itself."""
+    from kernels._triton import kernel_path
+
+    from glm5mtp_cli.engine.config import ModelSpec
+    from glm5mtp_cli.engine.runtime import load_runtime
+    from glm5mtp_cli.models.glm5_next.kda import KdaLayer
+
+    rt = load_runtime(ModelSpec("glm5next-nano", "cpu", "fp32"), progress=False)
+    kda = [m for m in rt.target.modules() if isinstance(m, KdaLayer)]
+    groups = _joined_groups(rt.target)
+    assert kda and {(id(sub), n) for sub in kda for n in sub._buffers if n.startswith("joined_")} == {
+        (id(sub), f"joined_{g}_weight") for sub in kda for g in ("a", "conv")}
+    for sub, weight, mods in groups:
+        assert weight.dtype == torch.float32 and weight.shape[0] == sum(m.weight.shape[0] for m in mods)
+        for m in mods:
+            assert m.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert not any("joined_" in k for k in rt.target.state_dict())
+
+    gemms = []
+    real = fp8.F.linear
+    monkeypatch.setattr(fp8.F, "linear", lambda x, w, *a: gemms.append((w.data_ptr(), w.shape)) or real(x, w, *a))
+    pools = rt.make_pools(32, 2)
+    ids = torch.randint(2, rt.cfg.vocab_size, (2, 9))
+
+    def logits():
+        caches = [pools.target_cache() for _ in range(2)]
+        for c in caches:
+            c.reserve(9)
+        out = rt.target(ids, caches).logits
+        for c in caches:
+            c.release()
+        return out
+
+    joined = {(w.data_ptr(), w.shape) for w in (sub._buffers["joined_a_weight"] for sub in kda)}
+    alone = logits()  # the CPU's own path: each projection by itself
+    assert not joined & set(gemms)
+    with kernel_path("all"):
+        together = logits()
+    assert joined <= set(gemms)
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
 
 

@@ -130,8 +130,8 @@ def build_loaded(build: Callable[[], torch.nn.Module], reader, prefix: str, dtyp
                  shard: Callable[[torch.nn.Module], dict] | None = None, what: str = "module") -> torch.nn.Module:
     """`build()` with its parameters on meta, sharded by `shard` (returning the slicing plan) when
     given, its FP8-stored projections and expert stacks swapped for models/fp8.py's modules, then
-    filled from `reader` at `prefix + key`: the one way every module gets its weights (a
-    checkpoint's, or checkpoint.random's through a RandomReader)."""
+    filled from `reader` at `prefix + key`, projections of one input joined (models/fp8.py): the one
+    way every module gets its weights (a checkpoint's, or checkpoint.random's through a RandomReader)."""
     with _ParamsOnMeta():
         module = build()
     plan = shard(module) if shard is not None else None
@@ -139,6 +139,7 @@ def build_loaded(build: Callable[[], torch.nn.Module], reader, prefix: str, dtyp
     fp8.join_inputs(module, device)  # FP8 projections of one input: one matrix, one GEMM
     load_module(module, reader, prefix, dtype, device, plan, keeps_fp32)
     module.to(device)  # the non-persistent buffers; parameters are already there
+    fp8.join_loaded(module)  # the same for projections loaded in the model dtype
     _check_no_meta(module, what)
     return module
 

@@ -7,7 +7,8 @@ Which tensors are FP8 is what the checkpoint says: the loader (checkpoint/load.p
 modules on the meta device, shards them, then `convert` swaps every such module whose checkpoint
 weight is stored FP8, and fills the new buffers with the stored bytes and scales. Nothing
 dequantized is kept. Before filling, `join_inputs` lays FP8 projections of one input (a module's
-`fp8_input_groups()`) out as rows of one matrix, which one GEMM reads on CUDA (`joined`).
+`joined_groups()`) out as rows of one matrix, which one GEMM reads on CUDA (`joined`); after filling,
+`join_loaded` does the same for such groups loaded in the model dtype.
 
 Compute (`--dtype` stays the activation dtype):
 - CUDA: kernels/fp8_block.fp8_block_matmul (Triton, any row count: split-K for decode and verify
@@ -161,7 +162,7 @@ def _names(group: str) -> tuple[str, str]:
 
 
 def join_inputs(module: nn.Module, device) -> None:
-    """Give each group of FP8 projections of one input, as a submodule's `fp8_input_groups()` names
+    """Give each group of FP8 projections of one input, as a submodule's `joined_groups()` names
     them ({group: its Fp8Linears in order}), one FP8 matrix and scale grid on `device` holding them
     all: the submodule's non-persistent buffers `joined_{group}_weight` / `joined_{group}_scale_inv`,
     each Fp8Linear's buffers views of its rows. Run between `convert` and loading: the loader fills
@@ -172,7 +173,7 @@ def join_inputs(module: nn.Module, device) -> None:
     A group stays apart unless all its modules are Fp8Linear of one block and input width and each
     but the last ends on a scale block (the GEMM finds a row's scales by row // block)."""
     for sub in module.modules():
-        for group, linears in (sub.fp8_input_groups() if hasattr(sub, "fp8_input_groups") else {}).items():
+        for group, linears in _groups(sub):
             if not _joinable(linears):
                 continue
             first = linears[0]
@@ -191,13 +192,62 @@ def join_inputs(module: nn.Module, device) -> None:
                            group: (*_names(group), first.block, [m.out_features for m in linears])}
 
 
-def joined(sub: nn.Module, group: str, x: torch.Tensor) -> list[torch.Tensor] | None:
-    """The outputs of `sub`'s `group` projections of x (:func:`join_inputs`) from their one GEMM, split
-    per projection; None where the group was not joined, or off the kernels' inference path (the
-    CPU's own path, training): each projection then runs by itself."""
-    w_name, s_name, block, sizes = getattr(sub, "_joined", {}).get(group, (None, None, 0, None))
+def _groups(sub: nn.Module):
+    return (sub.joined_groups() if hasattr(sub, "joined_groups") else {}).items()
+
+
+def _plain(mods: list[nn.Module]) -> bool:
+    """Bias-free modules of one weight each (nn.Linear, or a bare weight holder), loaded, of one dtype,
+    device and row shape."""
+    weights = [m._parameters.get("weight") for m in mods]
+    if len(mods) < 2 or any(w is None or w.is_meta or w.dtype == FP8 or m._parameters.get("bias") is not None
+                            for m, w in zip(mods, weights)):
+        return False
+    first = weights[0]
+    return all(w.dtype == first.dtype and w.device == first.device and w.shape[1:] == first.shape[1:] for w in weights)
+
+
+def join_loaded(module: nn.Module) -> None:
+    """join_inputs for groups loaded in the model dtype (`_plain`), after loading: each group's weights
+    copied into one tensor, the submodule's non-persistent buffer `joined_{group}_weight`, and each
+    module's weight made a view of its rows (the old storage is freed group by group, so no byte is
+    held twice). A projection group is then one GEMM (:func:`joined`); GLM-5-Next's KDA layers read
+    six projections of one input in every decode step (q, k, v, the gates' f_a, g_a, beta's b)."""
+    for sub in module.modules():
+        for group, mods in _groups(sub):
+            if group in getattr(sub, "_joined", {}) or not _plain(mods):
+                continue
+            weight = torch.cat([m.weight.detach() for m in mods])
+            row = 0
+            for m in mods:
+                rows = m.weight.shape[0]
+                m.weight = nn.Parameter(weight[row:row + rows], requires_grad=m.weight.requires_grad)
+                row += rows
+            name = _names(group)[0]
+            sub.register_buffer(name, weight, persistent=False)
+            sub._joined = {**getattr(sub, "_joined", {}), group: (name, None, 0, [m.weight.shape[0] for m in mods])}
+
+
+def joined_weight(sub: nn.Module, group: str) -> torch.Tensor | None:
+    """`sub`'s joined `group` weight (join_inputs, join_loaded); None where the group was not joined,
+    or off the kernels' inference path (training: its gradients reach each module's own weight)."""
+    w_name = getattr(sub, "_joined", {}).get(group, (None,))[0]
     weight = sub._buffers.get(w_name)  # absent too where a caller took the joined buffers away
-    if weight is None or not use_kernels(x) or torch.is_grad_enabled():
+    return None if weight is None or torch.is_grad_enabled() else weight
+
+
+def joined_output(sub: nn.Module, group: str, x: torch.Tensor) -> torch.Tensor | None:
+    """`sub`'s `group` projections of x as one GEMM's output (the projections' outputs side by side);
+    None where the group was not joined, or off the kernels' inference path (the CPU's own path,
+    training): each projection then runs by itself."""
+    weight = joined_weight(sub, group)
+    if weight is None or not use_kernels(x):
         return None
-    out = fp8_block_matmul(x, weight, sub._buffers[s_name], block)
-    return list(out.split(sizes, dim=-1))
+    _, s_name, block, _ = sub._joined[group]
+    return F.linear(x, weight) if s_name is None else fp8_block_matmul(x, weight, sub._buffers[s_name], block)
+
+
+def joined(sub: nn.Module, group: str, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """joined_output split per projection."""
+    out = joined_output(sub, group, x)
+    return None if out is None else list(out.split(sub._joined[group][3], dim=-1))

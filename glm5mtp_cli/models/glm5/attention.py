@@ -149,7 +149,7 @@ class MLAttention(nn.Module):
             out = self.comm.all_reduce_sum(out)
         return out, topk
 
-    def fp8_input_groups(self) -> dict[str, list[nn.Module]]:
+    def joined_groups(self) -> dict[str, list[nn.Module]]:
         """The projections of one input each, in the order one FP8 GEMM reads them (models/fp8.join_inputs):
         of the layer's input x, and of q_resid (q_b's and the indexer's query heads)."""
         indexer = self.indexer is not None

@@ -66,7 +66,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
-    def fp8_input_groups(self) -> dict[str, list[nn.Module]]:
+    def joined_groups(self) -> dict[str, list[nn.Module]]:
         """gate and up read x: one FP8 GEMM where the loader joined them (models/fp8.join_inputs)."""
         return {"x": [self.gate_proj, self.up_proj]}
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from glm5mtp_cli.models.fp8 import joined
 from glm5mtp_cli.models.glm5.layers import RMSNorm
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from glm5mtp_cli.models.glm5_next.indexer import Indexer, key_mask, pool_scores, select_pools
@@ -90,6 +91,22 @@ class MlaLayer(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=False)
         self.indexer = Indexer(cfg)
+
+    def joined_groups(self) -> dict[str, list[nn.Module]]:
+        """The projections of one input each, in the order one GEMM reads them (models/fp8.py): of the
+        normed rows a, and of the query latent cq (q_b's and the indexer's query heads)."""
+        return {"a": [self.q_a_proj, self.kv_a_proj_with_mqa, self.indexer.wk], "cq": [self.q_b_proj, self.indexer.wq_b]}
+
+    def project(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q_a(a), kv_a(a), the indexer's wk(a) or None: the indexer then projects a itself); one GEMM
+        where the loader joined them."""
+        parts = joined(self, "a", a)
+        return (self.q_a_proj(a), self.kv_a_proj_with_mqa(a), None) if parts is None else tuple(parts)
+
+    def project_q(self, cq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(q_b(cq), the indexer's wq_b(cq) or None), as `project`."""
+        parts = joined(self, "cq", cq)
+        return (self.q_b_proj(cq), None) if parts is None else tuple(parts)
 
     def forward(self, a: torch.Tensor, past: MlaPast, reuse_selection: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, MlaPending]:

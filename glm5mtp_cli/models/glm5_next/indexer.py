@@ -35,13 +35,17 @@ class Indexer(nn.Module):
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(cfg.index_kpool, di))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(di, d))
 
-    def raw_keys(self, a: torch.Tensor) -> torch.Tensor:
-        """Per-token cacheable rows [T, 2 di]: LayerNorm(wk a) | gate logits (both read a, the normed input)."""
-        return torch.cat([self.k_norm(self.wk(a)), F.linear(a, self.index_kpool_compress_gate)], dim=-1)
+    def raw_keys(self, a: torch.Tensor, wk_a: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token cacheable rows [T, 2 di]: LayerNorm(wk a) | gate logits (both read a, the normed
+        input); wk_a: wk(a) where the caller's joined GEMM made it."""
+        k = self.wk(a) if wk_a is None else wk_a
+        return torch.cat([self.k_norm(k), F.linear(a, self.index_kpool_compress_gate)], dim=-1)
 
-    def queries(self, a: torch.Tensor, cq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [..., T, Hi, di] from the MLA query latent, head weights [..., T, Hi] fp32 scaled by Hi^-1/2)."""
-        q = self.wq_b(cq).view(*cq.shape[:-1], self.heads, self.head_dim)
+    def queries(self, a: torch.Tensor, cq: torch.Tensor, wq_cq: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [..., T, Hi, di] from the MLA query latent, head weights [..., T, Hi] fp32 scaled by
+        Hi^-1/2); wq_cq: wq_b(cq) where the caller's joined GEMM made it."""
+        q = (self.wq_b(cq) if wq_cq is None else wq_cq).view(*cq.shape[:-1], self.heads, self.head_dim)
         w = self.weights_proj(a.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
         return q, w
 

@@ -21,13 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm5mtp_cli.engine.cache import CachedSlots
+from glm5mtp_cli.models.fp8 import joined_output, joined_weight
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from kernels._triton import use_kernels
 from kernels.kda import gated_inputs, kda_rows, kda_slots, normalised_qk
+from kernels.rmsnorm import gated_rmsnorm
+from kernels.short_conv import short_conv
 
 CHUNK = 64  # chunk length of the prefill form (transformers' and FLA's)
 # Up to this many rows, a kernel-path forward runs the recurrence (kernels/kda.py: one launch over
@@ -39,17 +41,13 @@ KERNEL_ROWS = 16
 # ---- short causal conv -----------------------------------------------------------------------
 
 def conv_apply(z: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU over new rows.
+    """Depthwise causal conv + SiLU over new rows (kernels/short_conv.py; one kernel on CUDA).
 
     z [..., T, C] (pre-conv), window [..., K-1, C] (the K-1 rows before z; zeros at the sequence
     start), weight [C, K]. Returns (silu(conv) [..., T, C] in z's dtype, the extended window
     [..., K-1+T, C]). The new window after accepting the first m rows is extended[m : m+K-1].
     """
-    k = weight.shape[-1]
-    full = torch.cat([window.to(z.dtype), z], dim=-2)
-    cols = full.float().unfold(-2, k, 1)  # [..., T, C, K]: column j is row t+j of `full`
-    out = F.silu((cols * weight.float()).sum(-1))
-    return out.to(z.dtype), full
+    return short_conv(z, window, weight)
 
 
 # ---- the recurrence -----------------------------------------------------------------------------
@@ -282,39 +280,56 @@ class KdaLayer(nn.Module):
         self.o_norm = _Weight(hd)
         self.o_proj = nn.Linear(c, d, bias=False)
 
-    def conv_weight(self) -> torch.Tensor:
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+    def joined_groups(self) -> dict[str, list[nn.Module]]:
+        """What one kernel reads as one tensor (models/fp8.join_loaded): the six projections of the
+        input a, in the order `project` splits their GEMM; the three conv weights."""
+        return {"a": [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj],
+                "conv": [self.q_conv1d, self.k_conv1d, self.v_conv1d]}
 
-    def rows(self, a: torch.Tensor, window: torch.Tensor) -> tuple[KdaRows, torch.Tensor]:
-        """The raw rows of a [T, D] or [B, T, D] after the window [(B,) K-1, 3C]; also the extended window."""
+    def conv_weight(self) -> torch.Tensor:
+        w = joined_weight(self, "conv")
+        return (w if w is not None else torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,
+                                                   self.v_conv1d.weight])).squeeze(1)
+
+    def project(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of a [..., D]: (pre-conv q|k|v [..., 3C], f_a [..., hd], g_a [..., hd],
+        beta's logit [..., H]); one GEMM where the loader joined them."""
+        out = joined_output(self, "a", a)
+        if out is None:
+            z = torch.cat([self.q_proj(a), self.k_proj(a), self.v_proj(a)], dim=-1)
+            return z, self.f_a_proj(a), self.g_a_proj(a), self.b_proj(a)
+        c, hd = self.q_proj.out_features, self.f_a_proj.out_features
+        return out.split([3 * c, hd, hd, self.b_proj.out_features], dim=-1)
+
+    def rows(self, a: torch.Tensor, window: torch.Tensor) -> tuple[KdaRows, torch.Tensor, torch.Tensor]:
+        """The raw rows of a [T, D] or [B, T, D] after the window [(B,) K-1, 3C]; also the extended
+        window and the output gate's first projection (g_a, for `output`)."""
         lead = a.shape[:-1]
-        z = torch.cat([self.q_proj(a), self.k_proj(a), self.v_proj(a)], dim=-1)
+        z, f_a, g_a, b = self.project(a)
         zc, extended = conv_apply(z, window, self.conv_weight())
         q, k, v = (t.view(*lead, self.heads, self.head_dim) for t in zc.chunk(3, dim=-1))
         # the forget gate reads the pre-conv input a: lb * sigmoid(exp(A_log) (f_b f_a a + dt_bias))
-        f = self.f_b_proj(self.f_a_proj(a)).view(*lead, self.heads, self.head_dim)
-        return KdaRows(q, k, v, f, self.b_proj(a), self.dt_bias, self.A_log), extended
+        f = self.f_b_proj(f_a).view(*lead, self.heads, self.head_dim)
+        return KdaRows(q, k, v, f, b, self.dt_bias, self.A_log), extended, g_a
 
     def inputs(self, a: torch.Tensor, window: torch.Tensor) -> tuple[KdaInputs, torch.Tensor]:
         """Kernel inputs of rows a [T, D] after the window [K-1, 3C]; also the extended window."""
-        rows, extended = self.rows(a, window)
+        rows, extended, _ = self.rows(a, window)
         return rows.prepared(self.lower_bound), extended
 
-    def output(self, a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """Gated per-head RMSNorm (fp32, weight included) then o_proj."""
-        lead = a.shape[:-1]
-        gate = self.g_b_proj(self.g_a_proj(a)).view(*lead, self.heads, self.head_dim)
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
-        of = of * torch.sigmoid(gate.float())
-        out = self.o_proj(of.to(a.dtype).reshape(*lead, -1))
+    def output(self, a: torch.Tensor, o: torch.Tensor, g_a: torch.Tensor) -> torch.Tensor:
+        """o [..., H, d] (any dtype: rounded to a's first) through the gated per-head RMSNorm (fp32,
+        weight included; kernels/rmsnorm.gated_rmsnorm) then o_proj."""
+        gated = gated_rmsnorm(o, self.g_b_proj(g_a), self.o_norm.weight, self.eps, a.dtype)
+        out = self.o_proj(gated)
         return out if self.comm is None else self.comm.all_reduce_sum(out)
 
     def forward(self, a: torch.Tensor, state: torch.Tensor, window: torch.Tensor, mode: str = "final",
                 chunk: int = CHUNK, states_out: torch.Tensor | None = None) -> tuple[torch.Tensor, KdaPending]:
         """a [T, D] normed block input; state [H, d, d] fp32 and window [K-1, 3C] are read, not written.
         states_out (mode states): preallocated per-position state slots [>=T, H, d, d]."""
-        x, extended = self.inputs(a, window)
+        rows, extended, g_a = self.rows(a, window)
+        x = rows.prepared(self.lower_bound)
         if mode == "states":
             o, _, states = kda_recurrent(x, state, keep_states=True, states_out=states_out)
             pending = KdaPending(extended, states=states, start=state)
@@ -326,7 +341,7 @@ class KdaLayer(nn.Module):
             pending = KdaPending(extended, final=s, start=state)
         else:
             raise ValueError(f"unknown KDA mode {mode!r}")
-        return self.output(a, o.to(a.dtype)), pending
+        return self.output(a, o, g_a), pending
 
     def forward_batch(self, a: torch.Tensor, kda: CachedSlots, layer: int, window: torch.Tensor, mode: str = "replay",
                       chunk: int = CHUNK, real: torch.Tensor | None = None) -> tuple[torch.Tensor, KdaBatchPending]:
@@ -342,7 +357,7 @@ class KdaLayer(nn.Module):
         if mode not in ("replay", "final"):
             raise ValueError(f"batched KDA forwards keep 'replay' or 'final', got {mode!r}")
         b, t = a.shape[:2]
-        rows, extended = self.rows(a, window)
+        rows, extended, g_a = self.rows(a, window)
         pending = KdaBatchPending(extended, self.lower_bound, rows=rows if mode == "replay" else None,
                                   padded=real is not None)
         if use_kernels(a) and (mode == "final" or t <= KERNEL_ROWS):  # one kernel from the raw rows, S read in place
@@ -353,7 +368,7 @@ class KdaLayer(nn.Module):
             o = out[0] if mode == "final" else out  # [1, B, T, H, d]: the one layer's
             if mode == "final":
                 pending.final = out[1][0]
-            return self.output(a, o[0].to(a.dtype)), pending
+            return self.output(a, o[0], g_a), pending
         x = rows.prepared(self.lower_bound)
         if real is not None:
             live = torch.arange(t, device=a.device)[None, :] < real[:, None]          # [B, T]
@@ -363,4 +378,4 @@ class KdaLayer(nn.Module):
         o = run[0].view(t, b, self.heads, self.head_dim).transpose(0, 1)
         if mode == "final":
             pending.final = run[1].view(state.shape)
-        return self.output(a, o.to(a.dtype)), pending
+        return self.output(a, o, g_a), pending

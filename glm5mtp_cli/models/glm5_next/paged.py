@@ -95,16 +95,18 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
     all selected."""
     b, t = a.shape[:2]
     P = attn.pool
-    cq = attn.q_a_layernorm(attn.q_a_proj(a))
-    q = attn.q_b_proj(cq).view(b, t, attn.heads, attn.dn)
-    latent = ctx.rows["mla"].write_read(layer, attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(a))).to(a.dtype)
-    raw = ctx.rows["raw"].write_read(layer, attn.indexer.raw_keys(a))
+    q_a, kv_a, wk_a = attn.project(a)
+    cq = attn.q_a_layernorm(q_a)
+    q, wq_cq = attn.project_q(cq)
+    q = q.view(b, t, attn.heads, attn.dn)
+    latent = ctx.rows["mla"].write_read(layer, attn.kv_a_layernorm(kv_a)).to(a.dtype)
+    raw = ctx.rows["raw"].write_read(layer, attn.indexer.raw_keys(a, wk_a))
     pooled = write_pools(ctx.rows["pool"], layer, raw, ctx.starts, t, P, attn.indexer.index_kpool_compress_ape)
     pos = ctx.positions()
     visible = (pos + 1) // P
     ids = torch.arange(pooled.shape[1], device=a.device)
     if reuse is None:
-        qi, w = attn.indexer.queries(a, cq)
+        qi, w = attn.indexer.queries(a, cq, wq_cq)
         sel = select_pools(pool_scores(qi, w, pooled), visible, attn.indexer.n_select)
     else:
         step0, width = reuse
