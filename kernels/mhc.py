@@ -1,4 +1,5 @@
-"""mHC, GLM-5-Next's hyper-connections (models/glm5_next/mhc.py), as four kernels per block site.
+"""mHC, GLM-5-Next's hyper-connections (models/glm5_next/mhc.py), as four kernels per block site (the
+block's input norm among them).
 
 PyTorch spends ~150 launches on one site: the Sinkhorn normalisation alone is two reductions and two
 divisions per iteration over a [T, n, n] tensor (20 iterations in GLM-5-Next), and at decode every
@@ -9,7 +10,8 @@ one of them is a launch on a few hundred bytes. Here:
   still spread over the GPU (the norm is a per-row scale, applied to the logits after the product);
   then the sigmoids, the row softmax and every Sinkhorn iteration in registers, one program per
   block of tokens. PyTorch's form is nine launches, one of them an fp32 GEMM;
-- `hc_collapse`: the block input sum_i pre_i X_i (fp32 sum, cast to the stream dtype);
+- `hc_collapse`: the block input sum_i pre_i X_i (fp32 sum, cast to the stream dtype), and
+  `hc_collapse_norm` the same followed by the block's RMSNorm (one program a row, two passes);
 - `hc_expand`: the new streams X_k <- post_k y + sum_j comb[j, k] X_j, rounded where PyTorch's
   reference rounds (the product, the matmul, their sum, each once in the stream dtype).
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import alloc, as_op, jit, next_pow2, tl, tracks_grad, use_triton
+from .rmsnorm import rmsnorm_ref
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -56,6 +59,11 @@ def hc_mix_ref(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps:
 def hc_collapse_ref(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Block input: sum_i pre_i X_i, computed in fp32 and cast to the stream dtype."""
     return (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+
+
+def hc_collapse_norm_ref(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The block's normed input: kernels/rmsnorm.py's RMSNorm of hc_collapse_ref's result."""
+    return rmsnorm_ref(hc_collapse_ref(streams, pre), weight, eps)
 
 
 def hc_expand_ref(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -151,6 +159,30 @@ def _hc_collapse_kernel(x_ptr, pre_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl
 
 
 @jit
+def _hc_collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row: the collapse (rounded to the stream dtype, as hc_collapse's output is), its sum of
+    squares over D, then the collapse again, normalised and weighted (kernels/rmsnorm.py's rounding)."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, N)
+    p = tl.load(pre_ptr + t * N + i)
+    dt = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + t * N * D + i[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0).to(tl.float32)
+        h = tl.sum(p[:, None] * x, axis=0).to(dt).to(tl.float32)
+        acc += h * h
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < D
+        x = tl.load(x_ptr + t * N * D + i[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+        h = tl.sum(p[:, None] * x, axis=0).to(dt).to(tl.float32)
+        y = (h * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+@jit
 def _hc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -219,6 +251,17 @@ def hc_collapse_triton(streams, pre):
     return out
 
 
+def hc_collapse_norm_triton(streams, pre, weight, eps: float):
+    n, d = streams.shape[-2:]
+    x = streams.contiguous()
+    t = x.numel() // (n * d)
+    out = alloc((*streams.shape[:-2], d), torch.promote_types(streams.dtype, weight.dtype), streams.device)
+    if t:
+        _hc_collapse_norm_kernel[(t,)](x, pre.float().contiguous(), weight.contiguous(), out, d, eps, N=n,
+                                       BLOCK_D=_block_d(d))
+    return out
+
+
 def hc_expand_triton(streams, y, post, comb):
     n, d = streams.shape[-2:]
     x = streams.contiguous()
@@ -251,6 +294,16 @@ def hc_collapse(streams, pre, force_triton: bool = False):
     if use_triton(streams, pre, force=force_triton) and _pow2(streams.shape[-2]) and not tracks_grad(streams, pre):
         return hc_collapse_triton(streams, pre)
     return hc_collapse_ref(streams, pre)
+
+
+def hc_collapse_norm(streams, pre, weight, eps: float, force_triton: bool = False):
+    """hc_collapse_norm_ref's result (the block input, normed); one Triton kernel for CUDA tensors."""
+    if as_op() and not tracks_grad(streams, pre, weight):
+        return hc_collapse_norm_op(streams, pre, weight, eps)
+    if (use_triton(streams, pre, weight, force=force_triton) and _pow2(streams.shape[-2])
+            and not tracks_grad(streams, pre, weight)):
+        return hc_collapse_norm_triton(streams, pre, weight, eps)
+    return hc_collapse_norm_ref(streams, pre, weight, eps)
 
 
 def hc_expand(streams, y, post, comb, force_triton: bool = False):
@@ -294,6 +347,18 @@ def hc_collapse_op(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 @hc_collapse_op.register_fake
 def _(streams, pre):
     return streams.new_empty(streams.shape[:-2] + streams.shape[-1:])
+
+
+@torch.library.custom_op("glm5mtp::hc_collapse_norm", mutates_args=())
+def hc_collapse_norm_op(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(streams, pre, weight) and _pow2(streams.shape[-2]):
+        return hc_collapse_norm_triton(streams, pre, weight, eps)
+    return hc_collapse_norm_ref(streams, pre, weight, eps).contiguous()
+
+
+@hc_collapse_norm_op.register_fake
+def _(streams, pre, weight, eps):
+    return streams.new_empty(streams.shape[:-2] + streams.shape[-1:], dtype=torch.promote_types(streams.dtype, weight.dtype))
 
 
 @torch.library.custom_op("glm5mtp::hc_expand", mutates_args=())

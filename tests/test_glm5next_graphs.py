@@ -16,6 +16,7 @@ from glm5mtp_cli.engine.graphs import EngineGraphs
 from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.sequence import Request
+from kernels._triton import kernel_path
 
 # prompt, max new tokens: different lengths, budgets ending apart
 TEXTS = [("def binary_search(items, target):\n", 14), ("import os\n", 6),
@@ -133,10 +134,12 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
             held += sum(t.nbytes for t in (f.ids, f.hidden, f.starts, f.rows) if t is not None)
         held += sum(t.table.nbytes for owner in g.tables.values() for t in owner.values())
         held += sum(s.index.nbytes for owner in g.slot_index.values() for s in owner.values())
-        out = bucket.verify[gamma].run()
+        with kernel_path("all"):  # what CUDA graphs capture: the kernels' branch, joined projections
+            out = bucket.verify[gamma].run()
         held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
-        x = out.pending.rows
-        held += out.pending.extended.nbytes + sum(t.nbytes for t in (x.q, x.k, x.v, x.f, x.b, x.dt_bias, x.a_log))
+        records = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # views held whole
+                   for r in out.pending.rows for t in (r.q, r.k, r.v, r.f, r.b)}
+        held += out.pending.extended.nbytes + sum(records.values())
         held += bucket.commit[gamma].kept.nbytes
         if gamma:
             held += bucket.draft[gamma].run().nbytes

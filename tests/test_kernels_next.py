@@ -17,7 +17,7 @@ from kernels import _triton  # noqa: E402
 from kernels.kda import kda_rows, kda_rows_ref, kda_slots, kda_slots_ref  # noqa: E402
 from kernels.rmsnorm import gated_rmsnorm, gated_rmsnorm_ref  # noqa: E402
 from kernels.short_conv import short_conv, short_conv_ref  # noqa: E402
-from kernels.mhc import (hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref, hc_mix_ref, hc_weights,  # noqa: E402
+from kernels.mhc import (hc_collapse, hc_collapse_norm, hc_collapse_norm_ref, hc_collapse_ref, hc_expand, hc_expand_ref, hc_mix_ref, hc_weights,  # noqa: E402
                          hc_weights_ref)
 from test_kernels import BF16, _rand, check_close, interpret, run_cases  # noqa: E402
 
@@ -57,6 +57,13 @@ def _hc_streams(device, big, dtype):
 def case_hc_collapse(device, big):
     x, _, pre, _, _ = _hc_streams(device, big, torch.float32)
     return hc_collapse(x, pre, force_triton=True), hc_collapse_ref(x, pre)
+
+
+def case_hc_collapse_norm_bf16(device, big):
+    # the block's normed input; D = 6144 takes the row in six blocks, 40 ends inside one
+    x, _, pre, _, _ = _hc_streams(device, big, BF16)
+    w = _rand(x.shape[-1], device=device, dtype=BF16) + 1
+    return hc_collapse_norm(x, pre, w, 1e-5, force_triton=True), hc_collapse_norm_ref(x, pre, w, 1e-5)
 
 
 def case_hc_expand(device, big):
@@ -206,7 +213,8 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     import kernels.short_conv as sc
 
     for mod, name in [(kd, "kda_rows_triton"), (kd, "kda_slots_triton"), (hc, "hc_weights_triton"),
-                      (hc, "hc_collapse_triton"), (hc, "hc_expand_triton"), (sc, "short_conv_triton"),
+                      (hc, "hc_collapse_triton"), (hc, "hc_collapse_norm_triton"), (hc, "hc_expand_triton"),
+                      (sc, "short_conv_triton"),
                       (rn, "gated_rmsnorm_triton")]:
         monkeypatch.setattr(mod, name, boom)
     conv = _conv_inputs("cpu", False, torch.float32, 2)
@@ -218,6 +226,7 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     pre, post, comb = hc_weights(*site)
     assert all(torch.equal(a, b) for a, b in zip((pre, post, comb), hc_weights_ref(*site)))
     assert torch.equal(hc_collapse(hx, pre), hc_collapse_ref(hx, pre))
+    assert torch.equal(hc_collapse_norm(hx, pre, hy[0], 1e-5), hc_collapse_norm_ref(hx, pre, hy[0], 1e-5))
     assert torch.equal(hc_expand(hx, hy, post, comb), hc_expand_ref(hx, hy, post, comb))
     kx = [torch.randn(2, 3, 16) for _ in range(4)] + [torch.rand(2, 3), torch.randn(3, 16, 16)]
     assert all(torch.equal(a, b) for a, b in zip(kda_rows(*kx), kda_rows_ref(*kx)))

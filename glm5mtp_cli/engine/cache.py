@@ -128,8 +128,8 @@ def table_slots(table: torch.Tensor, block_size: int, starts: torch.Tensor, num_
     new = table.gather(1, block.clamp(max=nb - 1)) * block_size + pos % block_size
     if scratch_block is not None:
         new = torch.where(block < nb, new, scratch_block * block_size + pos % block_size)
-    j = torch.arange(nb * block_size, device=table.device)
-    return new.reshape(-1), table[:, j // block_size] * block_size + j % block_size
+    rows = table[:, :, None] * block_size + torch.arange(block_size, device=table.device)  # [B, NB, bs]
+    return new.reshape(-1), rows.reshape(table.shape[0], -1)
 
 
 class SlotPool:

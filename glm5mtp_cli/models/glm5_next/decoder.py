@@ -19,7 +19,8 @@ from glm5mtp_cli.models.glm5.layers import MLP, MoE, RMSNorm
 from glm5mtp_cli.models.glm5_next.attention import MlaLayer
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from glm5mtp_cli.models.glm5_next.kda import KdaLayer
-from glm5mtp_cli.models.glm5_next.mhc import hc_collapse, hc_expand, hc_weights
+from glm5mtp_cli.models.glm5_next.mhc import hc_collapse, hc_collapse_norm, hc_expand, hc_weights
+from kernels._triton import use_kernels
 
 # How a verify keeps what rollback needs for KDA layers: "replay" keeps the kernel inputs and re-runs
 # the kept rows' recurrent steps from the untouched committed S; "states" keeps S after every row.
@@ -64,11 +65,18 @@ class NextBlock(nn.Module):
         """The block around its attention: streams [..., T, n, D]; attend(a) -> (y, pending) attends
         the normed rows a [..., T, D] (one sequence's past, or B sequences' pools: paged.py)."""
         pre, post, comb = self._hc("attn", streams)
-        y, pending = attend(self.input_layernorm(hc_collapse(streams, pre)))
+        y, pending = attend(self._collapse_norm(streams, pre, self.input_layernorm))
         streams = hc_expand(streams, y, post, comb)
         pre, post, comb = self._hc("ffn", streams)
-        y = self.mlp(self.post_attention_layernorm(hc_collapse(streams, pre)))
+        y = self.mlp(self._collapse_norm(streams, pre, self.post_attention_layernorm))
         return hc_expand(streams, y, post, comb), pending
+
+    @staticmethod
+    def _collapse_norm(streams: torch.Tensor, pre: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """norm(hc_collapse(streams, pre)): one kernel on the kernels' path."""
+        if use_kernels(streams) and not torch.is_grad_enabled():
+            return hc_collapse_norm(streams, pre, norm.weight, norm.eps)
+        return norm(hc_collapse(streams, pre))
 
 
 class Glm5NextForCausalLM(nn.Module):

@@ -81,7 +81,7 @@ class KdaInputs:
 class KdaRows:
     """A KDA layer's raw rows, what kernels/kda.py's kda_slots takes: q, k, v after the conv, f the
     forget gate's projection (before dt_bias) [..., H, d], b beta's logit [..., H]; and the layer's
-    gate parameters dt_bias [H * d], a_log [H] (stacked: a leading layer dim on everything)."""
+    gate parameters dt_bias [H * d], a_log [H]."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -90,8 +90,6 @@ class KdaRows:
     b: torch.Tensor
     dt_bias: torch.Tensor
     a_log: torch.Tensor
-
-    FIELDS = ("q", "k", "v", "f", "b", "dt_bias", "a_log")
 
     def prepared(self, lower: float) -> KdaInputs:
         return KdaInputs(*gated_inputs(self.q, self.k, self.v, self.f, self.dt_bias, self.a_log, self.b, lower))
@@ -204,23 +202,23 @@ class KdaPending:
 @dataclass
 class KdaBatchPending:
     """What a KdaLayer.forward_batch over B sequences x T rows leaves for the commit after it (S is
-    untouched by the forward: the engine's slot). `stack` puts every KDA layer's behind one leading
-    layer dim, so one commit writes every layer of every sequence at once."""
+    untouched by the forward: the engine's slot). `stack` puts every KDA layer's conv rows (and a
+    prefill's states) behind one leading layer dim, so one gather and one write commit every layer's
+    windows; a verify's raw rows stay per layer (one replay launch each costs less than stacking
+    their seven tensors)."""
 
     extended: torch.Tensor                 # [(Lk,) B, K-1+T, 3C]
     lower: float                           # the forget gate's lower bound (the config's)
     final: torch.Tensor | None = None      # mode final: [(Lk,) B, H, d, d]
-    rows: KdaRows | None = None            # mode replay: the T raw rows [(Lk,) B, T, ...]
+    rows: KdaRows | list[KdaRows] | None = None  # mode replay: the T raw rows [B, T, ...] (stacked: a list by layer)
     padded: bool = False                   # rows past each sequence's real ones were kept out of `final`
     slots: dict | None = None              # the target's: the CachedSlots (kda, conv) it read, where it commits
 
     @classmethod
     def stack(cls, layers: list["KdaBatchPending"], slots: dict) -> "KdaBatchPending":
-        r = [p.rows for p in layers]
         return cls(torch.stack([p.extended for p in layers]), layers[0].lower,
                    None if layers[0].final is None else torch.stack([p.final for p in layers]),
-                   None if r[0] is None else KdaRows(*(torch.stack([getattr(x, n) for x in r]) for n in KdaRows.FIELDS)),
-                   layers[0].padded, slots)
+                   None if layers[0].rows is None else [p.rows for p in layers], layers[0].padded, slots)
 
     def commit(self, keep: torch.Tensor, k: int) -> None:
         """Stacked: every sequence keeps its first keep[b] rows (keep [B] on the device: no host
@@ -239,8 +237,9 @@ class KdaBatchPending:
             s = torch.where(keep.view(1, -1, 1, 1, 1) > 0, self.final, kda.data.index_select(1, kda.index))
             kda.data.index_copy_(1, kda.index, s)
             return
-        r = self.rows
-        kda_slots(r.q, r.k, r.v, r.f, r.dt_bias, r.a_log, r.b, self.lower, kda.data, kda.index, keep, commit=True)
+        for layer, r in enumerate(self.rows):
+            kda_slots(*(x[None] for x in (r.q, r.k, r.v, r.f, r.dt_bias, r.a_log, r.b)), self.lower,
+                      kda.data[layer:layer + 1], kda.index, keep, commit=True)
 
 
 class _Weight(nn.Module):

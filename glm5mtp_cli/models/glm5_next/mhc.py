@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-# the model's mixing weights, collapse and expand (each site's pre, post, comb: hc_weights_ref's docstring)
-from kernels.mhc import hc_collapse, hc_expand, hc_weights  # noqa: F401
+# the model's mixing weights, collapse (also with the block's norm) and expand (hc_weights_ref's docstring)
+from kernels.mhc import hc_collapse, hc_collapse_norm, hc_expand, hc_weights  # noqa: F401
 
 
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -84,13 +84,15 @@ def scratch_bytes(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
 
 
 def verify_record_bytes(cfg, dtype: torch.dtype, rows: int) -> int:
-    """What a verify graph of `rows` rows keeps for the KDA commit after it, per KDA layer: the
-    extended conv window and the raw rows q, k, v, f, b (model dtype; kda.KdaRows), and the gate's
-    fp32 dt_bias and A_log stacked beside them; and the captured commit's kept count (one int64 per
-    batch row: engine/static.StaticCommit)."""
-    d, h, k = dtype_bytes(dtype), cfg.linear_num_heads, cfg.linear_head_dim
-    return 8 + len(cfg.kda_layers) * ((cfg.linear_conv_kernel_dim - 1 + rows) * 3 * cfg.linear_dim * d
-                                      + rows * h * (4 * k + 1) * d + h * (k + 1) * 4)
+    """What a verify graph of `rows` rows keeps for the KDA commit after it, per KDA layer (model
+    dtype; kda.KdaRows): the extended conv window, the conv's outputs q, k, v, the forget gate's f,
+    and beta's logit b, a view of the layer's joined input GEMM (kernels' path: models/fp8.join_loaded),
+    whose whole output it keeps (3C + 2 head dims + H a row); and the captured commit's kept count
+    (one int64 per batch row: engine/static.StaticCommit)."""
+    d, h, k, c = dtype_bytes(dtype), cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_dim
+    joined = 3 * c + 2 * k + h
+    return 8 + len(cfg.kda_layers) * ((cfg.linear_conv_kernel_dim - 1 + rows) * 3 * c * d
+                                      + rows * (3 * c + h * k + joined) * d)
 
 
 TP_NOTES = [
