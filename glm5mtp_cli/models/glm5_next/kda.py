@@ -204,8 +204,8 @@ class KdaBatchPending:
     """What a KdaLayer.forward_batch over B sequences x T rows leaves for the commit after it (S is
     untouched by the forward: the engine's slot). `stack` puts every KDA layer's conv rows (and a
     prefill's states) behind one leading layer dim, so one gather and one write commit every layer's
-    windows; a verify's raw rows stay per layer (one replay launch each costs less than stacking
-    their seven tensors)."""
+    windows; a verify's raw rows stay per layer (a replay launch per layer in place of seven stacking
+    copies a forward)."""
 
     extended: torch.Tensor                 # [(Lk,) B, K-1+T, 3C]
     lower: float                           # the forget gate's lower bound (the config's)
