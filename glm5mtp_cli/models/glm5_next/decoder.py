@@ -19,8 +19,7 @@ from glm5mtp_cli.models.glm5.layers import MLP, MoE, RMSNorm
 from glm5mtp_cli.models.glm5_next.attention import MlaLayer
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from glm5mtp_cli.models.glm5_next.kda import KdaLayer
-from glm5mtp_cli.models.glm5_next.mhc import hc_collapse, hc_collapse_norm, hc_expand, hc_weights
-from kernels._triton import use_kernels
+from glm5mtp_cli.models.glm5_next.mhc import hc_collapse_norm, hc_expand, hc_weights
 
 # How a verify keeps what rollback needs for KDA layers: "replay" keeps the kernel inputs and re-runs
 # the kept rows' recurrent steps from the untouched committed S; "states" keeps S after every row.
@@ -65,18 +64,13 @@ class NextBlock(nn.Module):
         """The block around its attention: streams [..., T, n, D]; attend(a) -> (y, pending) attends
         the normed rows a [..., T, D] (one sequence's past, or B sequences' pools: paged.py)."""
         pre, post, comb = self._hc("attn", streams)
-        y, pending = attend(self._collapse_norm(streams, pre, self.input_layernorm))
+        norm = self.input_layernorm
+        y, pending = attend(hc_collapse_norm(streams, pre, norm.weight, norm.eps))
         streams = hc_expand(streams, y, post, comb)
         pre, post, comb = self._hc("ffn", streams)
-        y = self.mlp(self._collapse_norm(streams, pre, self.post_attention_layernorm))
+        norm = self.post_attention_layernorm
+        y = self.mlp(hc_collapse_norm(streams, pre, norm.weight, norm.eps))
         return hc_expand(streams, y, post, comb), pending
-
-    @staticmethod
-    def _collapse_norm(streams: torch.Tensor, pre: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """norm(hc_collapse(streams, pre)): one kernel on the kernels' path."""
-        if use_kernels(streams) and not torch.is_grad_enabled():
-            return hc_collapse_norm(streams, pre, norm.weight, norm.eps)
-        return norm(hc_collapse(streams, pre))
 
 
 class Glm5NextForCausalLM(nn.Module):
