@@ -29,11 +29,14 @@ def _cfg(name):
 
 def _module_bytes(module, cfg, skip=()) -> int:
     """Parameter and buffer bytes of a built module as a batch-1 token reads them: of the stacked
-    routed experts only top-k of E."""
-    total = 0
-    for name, p in (*module.named_parameters(), *module.named_buffers()):
-        if name.startswith(skip):
+    routed experts only top-k of E. A storage counts once: a joined group's buffer (fp8.join_loaded)
+    comes first and holds the bytes its projections' weights view."""
+    total, seen = 0, set()
+    for name, p in (*module.named_buffers(), *module.named_parameters()):
+        storage = p.untyped_storage().data_ptr()
+        if name.startswith(skip) or storage in seen:
             continue
+        seen.add(storage)
         n = p.numel() * p.element_size()
         total += n * cfg.num_experts_per_tok // cfg.n_routed_experts if ".mlp.experts." in name else n
     return total
