@@ -76,11 +76,14 @@ def test_llguidance_fills_the_same_packing(nano):
     assert allowed and all(t and t.isdigit() and len(t) <= 3 for t in texts), texts
 
 
-def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 64])
+def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeypatch, threads):
     """--no-draft-mask's verify walks every plain sequence in one llguidance call: its rows, the
     drafts it counts as allowed and the matchers' states after it equal the row by row walk's, for
-    drafts rejected at every position, a grammar completed mid-draft, fewer drafts than columns and
-    an end token among the drafts (that sequence walks row by row in both)."""
+    drafts rejected at every position, a grammar completed mid-draft, fewer drafts than columns (one
+    draft: its walk is a single row) and an end token among the drafts (that sequence walks row by
+    row in both); whole walks (1 thread) and walks cut in pieces of two rows, a rejection at a
+    piece's boundary among them (64)."""
     from types import SimpleNamespace
 
     tok = nano.tokenizer
@@ -89,12 +92,14 @@ def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeyp
     eos = nano.cfg.eos_token_id[0] if isinstance(nano.cfg.eos_token_id, list) else nano.cfg.eos_token_id
     drafts = [[digit[1], digit[2], digit[3], digit[4]], [letter, digit[1], digit[2], digit[3]],
               [digit[5], letter, digit[1], digit[2]], [digit[7], digit[8], letter, digit[9]],
-              [digit[1], digit[2], digit[3], digit[4]], [digit[1], eos, digit[2], digit[3]]]
-    counts = [4, 4, 4, 4, 2, 4]
+              [digit[1], digit[2], digit[3], digit[4]], [digit[1], eos, digit[2], digit[3]],
+              [digit[1], digit[2], digit[3], digit[4]]]
+    counts = [4, 4, 4, 4, 2, 4, 1]
     d = SimpleNamespace(tokens=torch.tensor(drafts), counts=counts)
 
     def walk(one_call: bool):
         grammars = _grammars(nano)
+        grammars.threads = threads
         seqs = [grammars.open(Constraint("regex", r"[0-9]{3}"), {eos}) for _ in drafts]
         if not one_call:
             monkeypatch.setattr(StepMasks, "_walk_plain", lambda self, cols, counts: None)
@@ -113,7 +118,7 @@ def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeyp
 
     fast, slow = walk(True), walk(False)
     assert torch.equal(fast[0], slow[0])
-    assert fast[1] == slow[1] == [3, 0, 1, 2, 2, 1]
+    assert fast[1] == slow[1] == [3, 0, 1, 2, 2, 1, 1]
     assert fast[2] == slow[2]
 
 

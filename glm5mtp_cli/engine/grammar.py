@@ -7,10 +7,13 @@ holds the host bitmask [A, g + 1, W] (kernels/bitmask.py's packing; one sequence
 the verify's layout): row i is the matcher's state after drafts d1..di, so verify position i is
 masked by the state after the prefix before it. With masked drafting (the default) row i is filled
 before draft i+1 is chosen, so the drafter's logits are masked too: one host read of the previous
-draft per position. With --no-draft-mask the drafts are read once after drafting, while the verify
-forward runs, and only the verify is masked: every sequence's rows in one call on llguidance's
-thread pool (each matcher walks its drafts, filling a row per position, and is rolled back), where
-the walk needs nothing of the engine's own (no end token among the drafts, already constrained).
+draft per position. With --no-draft-mask only the verify is masked: row 0, which needs no draft,
+is filled while the device drafts; the drafts are then read once, and the other rows filled while
+the verify forward runs, every sequence's in one call on llguidance's thread pool (each matcher
+walks its drafts, filling a row per position, and is rolled back), where the walk needs nothing of
+the engine's own (no end token among the drafts, already constrained). A walk is a chain of masks
+one after another, so where the pool has threads to spare (small batches) each is cut into pieces
+that start from copies of the matcher advanced to their first row.
 A draft the grammar rejects ends the walk: the target's masked token replaces it, later rows stay
 open (no position past it can be accepted). After the verdict each matcher rolls its walk back and consumes
 the tokens the step emitted (`SeqGrammar.commit`): where the grammar then admits nothing more, the
@@ -28,6 +31,7 @@ verify's own token; a rollback past it unarms the sequence again.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -53,6 +57,7 @@ class Grammars:
         self._grammars: dict[Constraint, str] = {}
         self._buffers: dict[int, torch.Tensor] = {}
         self._executor = None
+        self.threads = max(1, min(32, (os.cpu_count() or 1) * 4 // 5))  # llguidance's own default
 
     def tokenizer(self):
         if self._tok is None:
@@ -87,14 +92,18 @@ class Grammars:
         """rows as fill_rows'; for each (m, r, tokens) of members, row r gets matcher m's mask and
         rows r + 1.. the masks after each of `tokens` in turn, up to the first the grammar rejects
         (its row and those after it are left as they were); m ends where it started. One call on
-        the thread pool for the whole batch (llguidance's speculative walk)."""
-        if members:
+        the thread pool for the whole batch (llguidance's speculative walk), each walk cut into
+        pieces of about rows / threads masks (`_pieces`)."""
+        per = max(2, -(-sum(len(toks) + 1 for _, _, toks in members) // self.threads))
+        pieces = [p for m, r, toks in members if toks for p in _pieces(m, r, toks, per)]
+        if pieces:
             self.executor().unsafe_compute_mask_ptr_with_draft_token(
-                members, rows.data_ptr(), rows.shape[-1] * rows.element_size(), rows.numel() // rows.shape[-1])
+                pieces, rows.data_ptr(), rows.shape[-1] * rows.element_size(), rows.numel() // rows.shape[-1])
+        self.fill_rows(rows, [(m, r) for m, r, toks in members if not toks])  # a walk needs a token
 
     def executor(self):
         if self._executor is None:
-            self._executor = llguidance().LLExecutor()
+            self._executor = llguidance().LLExecutor(num_threads=self.threads)
         return self._executor
 
     def validates(self, c: Constraint, tokens: list[int]) -> bool:
@@ -113,6 +122,26 @@ class Grammars:
             buf = self._buffers[positions] = torch.empty((rows, positions, self.words), dtype=torch.int32,
                                                          pin_memory=device.type == "cuda")
         return buf[:rows].fill_(-1)
+
+
+def _pieces(m, r: int, tokens: list[int], per: int) -> list[tuple[object, int, list[int]]]:
+    """The walk (m, r, tokens), tokens not empty, as walks of `per` rows (per >= 2; a lone last row
+    joins the piece before it, as a walk needs a token): the first m's own, each later one a copy of
+    the matcher advanced to its first row (a copy and a consume cost a few microseconds, a mask tens).
+    A token the grammar rejects ends the pieces: the piece before it stops there too."""
+    n = len(tokens)
+    starts = list(range(0, n + 1, per))
+    if starts[-1] == n:
+        starts.pop()
+    pieces, prev = [], 0
+    for a, end in zip(starts, starts[1:] + [n + 1]):
+        if a:
+            m = m.deep_copy()
+            if m.try_consume_tokens(tokens[prev:a]) != a - prev:
+                break
+        pieces.append((m, r + a, tokens[a:end - 1]))
+        prev = a
+    return pieces
 
 
 class SeqGrammar:
@@ -260,33 +289,39 @@ class StepMasks:
         k = drafts.tokens.shape[1] if drafts is not None else 0
         counts = drafts.counts if k else None
         if self.filled <= k:
-            first = max(self.filled - 1, 0)  # the draft column before the first row still to fill
+            walk = self.filled == 0
+            if walk:
+                self._fill_row(0, None)  # needs no draft: filled before the read waits for drafting
+            first = self.filled - 1  # the draft column before the first row still to fill
             cols = self._read_cols(drafts, first, k) if k else []
-            if self.filled == 0:
+            if walk:
                 self._walk_plain(cols, counts)
             for i in range(self.filled, k + 1):
-                self._fill_row(i, [c[i - 1 - first] for c in cols] if i else None, counts)
+                self._fill_row(i, [c[i - 1 - first] for c in cols], counts)
         for b, n in enumerate(self.valid):  # drafting may have walked past a confidence stop
             if n is not None and drafts is not None:
                 self.valid[b] = min(n, drafts.counts[b])
         return self.host[:, : k + 1].to(self.device, non_blocking=True)
 
     def _walk_plain(self, cols: list[list[int]], counts: list[int] | None) -> None:
-        """Every row of the sequences whose walk needs nothing of the engine's (constrained, drafts
-        and no end token among them) in one call (Grammars.fill_walks), their allowed drafts counted
-        from the rows; the rest are left walking for the row by row fill."""
+        """Rows 1.. of the sequences whose walk needs nothing of the engine's (constrained, drafts
+        and no end token among them) in one call (Grammars.fill_walks), each matcher advanced by
+        its first draft here (row 0 is filled), their allowed drafts counted from the rows; the
+        rest are left walking for the row by row fill."""
         members, plain = [], []
         positions = self.host.shape[1]
         for b, g in enumerate(self.seqs):
             toks = cols[b][: counts[b]] if counts is not None else []
-            if g is not None and toks and g.masking and not g.ends.intersection(toks):
-                members.append((g.matcher, b * positions, toks))
+            if g is None or not toks or not g.masking or g.ends.intersection(toks):
+                continue
+            self.ok[b] = False  # walked here
+            if g.advance(toks[0]):  # else row 0 bans the first draft: none is allowed
+                members.append((g.matcher, b * positions + 1, toks[1:]))
                 plain.append((b, toks))
-                self.ok[b] = False  # walked here
         self.grammars.fill_walks(self.host, members)
         rows = self.host.numpy()
         for b, toks in plain:
-            n = 0
+            n = 1
             while n < len(toks) and rows[b, n, toks[n] >> 5] >> (toks[n] & 31) & 1:
                 n += 1  # draft n + 1 is allowed by the row before it
             self.valid[b] = n
