@@ -1,6 +1,6 @@
 """GLM-5-Next's kernels against their references: mHC's mixing weights, collapse and expand
 (kernels/mhc.py), KDA's short conv (kernels/short_conv.py), recurrence (kernels/kda.py) and output
-gate (kernels/rmsnorm.gated_rmsnorm), in Triton's interpreter in a fresh subprocess
+gate (kernels/rmsnorm.gated_rmsnorm), the pooled indexer's keys (kernels/pool_keys.py), in Triton's interpreter in a fresh subprocess
 and compiled on CUDA, as tests/test_kernels.py runs the others (its module docstring)."""
 
 import json
@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from kernels import _triton  # noqa: E402
 from kernels.kda import kda_rows, kda_rows_ref, kda_slots, kda_slots_ref  # noqa: E402
 from kernels.rmsnorm import gated_rmsnorm, gated_rmsnorm_ref  # noqa: E402
+from kernels.pool_keys import write_pool_keys, write_pool_keys_ref  # noqa: E402
 from kernels.short_conv import short_conv, short_conv_ref  # noqa: E402
 from kernels.mhc import (hc_collapse, hc_collapse_norm, hc_collapse_norm_ref, hc_collapse_ref, hc_expand, hc_expand_ref, hc_mix_ref, hc_weights,  # noqa: E402
                          hc_weights_ref)
@@ -179,6 +180,46 @@ def case_kda_slots_commit(device, big):
     return pool, want
 
 
+def _pool_keys_inputs(device, big, t):
+    """A forward appending t rows to each sequence of an indexed layer's pools (P = 4): raw (key,
+    gate) rows and the pool component in slot pools with more slots than rows, each sequence's
+    rows scattered over them; sequences starting on a pool boundary, inside a pool and at 0, so
+    the t rows complete no pool, one, or several, and the window's positions clamp at 0."""
+    b, di, length = (8, 128, 96) if big else (3, 16, 24)
+    dt = BF16 if big else torch.float32
+    P = 4
+    slots = b * length + 5
+    pool = _rand(2, slots, di // P, device=device, dtype=dt)
+    raw = _rand(2, slots, 2 * di, device=device, dtype=dt, scale=2.0)
+    order = torch.randperm(slots, device=device)
+    pool_slots = order[: b * length].view(b, length)
+    raw_slots = torch.randperm(slots, device=device)[: b * length].view(b, length)
+    starts = torch.tensor([0, 7, 12, 3, 40, 1, 60, 25][:b], device=device)
+    ape = _rand(P, di, device=device, dtype=dt)
+    return pool, raw, 1, pool_slots, raw_slots, starts, t, ape
+
+
+def _case_pool_keys(device, big, t):
+    args = _pool_keys_inputs(device, big, t)
+    got, want = args[0].clone(), args[0].clone()
+    write_pool_keys(got, *args[1:], force_triton=True)
+    write_pool_keys_ref(want, *args[1:])
+    assert not torch.equal(want, args[0]), "no pool was completed"
+    return got, want
+
+
+def case_pool_keys_decode(device, big):
+    return _case_pool_keys(device, big, 1)
+
+
+def case_pool_keys_verify(device, big):
+    return _case_pool_keys(device, big, 4)
+
+
+def case_pool_keys_prefill(device, big):
+    return _case_pool_keys(device, big, 9)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -209,12 +250,13 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("Triton path taken for CPU tensors")
 
+    import kernels.pool_keys as pk
     import kernels.rmsnorm as rn
     import kernels.short_conv as sc
 
     for mod, name in [(kd, "kda_rows_triton"), (kd, "kda_slots_triton"), (hc, "hc_weights_triton"),
                       (hc, "hc_collapse_triton"), (hc, "hc_collapse_norm_triton"), (hc, "hc_expand_triton"),
-                      (sc, "short_conv_triton"),
+                      (sc, "short_conv_triton"), (pk, "write_pool_keys_triton"),
                       (rn, "gated_rmsnorm_triton")]:
         monkeypatch.setattr(mod, name, boom)
     conv = _conv_inputs("cpu", False, torch.float32, 2)
@@ -232,6 +274,11 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(kda_rows(*kx), kda_rows_ref(*kx)))
     x, pool, slots, lengths = _kda_slots_inputs("cpu", False)
     assert torch.equal(kda_slots(*x, pool, slots, lengths), kda_slots_ref(*x, pool, slots, lengths))
+    keys = _pool_keys_inputs("cpu", False, 4)
+    got, want = keys[0].clone(), keys[0].clone()
+    write_pool_keys(got, *keys[1:])
+    write_pool_keys_ref(want, *keys[1:])
+    assert torch.equal(got, want)
 
 
 def test_mhc_kernels_leave_autograd_to_the_references(monkeypatch):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5mtp_cli.models.glm5_next.config import NextConfig
+from kernels.pool_keys import pool_keys_ref
 
 
 class Indexer(nn.Module):
@@ -51,17 +52,7 @@ class Indexer(nn.Module):
 
     def pool_keys(self, raw: torch.Tensor) -> torch.Tensor:
         """Pooled keys of complete pools: raw [m*P, 2 di] -> [m, di]."""
-        return pool_keys(raw, self.index_kpool_compress_ape, self.pool)
-
-
-def pool_keys(raw: torch.Tensor, ape: torch.Tensor, pool: int) -> torch.Tensor:
-    """K̄_p[c] = sum_j softmax_j(gate[pP+j, c] + ape[j, c]) * key[pP+j, c]; softmax in fp32 then cast."""
-    di = ape.shape[-1]
-    m = raw.shape[0] // pool
-    grouped = raw[: m * pool].view(m, pool, 2 * di)
-    keys, gates = grouped[..., :di], grouped[..., di:]
-    probs = (gates.float() + ape.float()).softmax(dim=1).to(keys.dtype)
-    return (probs * keys).sum(dim=1)
+        return pool_keys_ref(raw, self.index_kpool_compress_ape, self.pool)
 
 
 def pool_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,10 @@ static and CUDA-graph forwards run, and its eager forwards too (pooled.py).
 Every shape depends only on (B, T, the tables' width L): no sequence length is read on the host.
 Per indexed layer (NoPE MLA + pooled indexer, REFERENCE-glm5next section 6):
 - the new rows' latent and raw indexer rows are written through the tables, then every sequence's
-  rows 0..L-1 are read back (past a sequence's length they are masked like future ones);
-- pools: the T + P - 1 positions ending at the last new row cover every pool the forward can
-  complete. Each gets its pool's key chunk (pooled.py: a key is split over its pool's P rows) when
-  that pool is complete now and was not before, else the value it already holds (positions before 0
-  clamp to 0, so duplicate slots receive equal values and the write is order-free);
+  latent rows 0..L-1 are read back (past a sequence's length they are masked like future ones);
+- pools: the pools the new rows complete get their keys (kernels/pool_keys.py: a key is split over
+  its pool's P rows, read from the raw rows through the table), then every complete pool's key is
+  read back;
 - scores over all L // P pools, -inf past each query's complete ones, top-min(k, L // P) of them;
 - attention over the L latent rows masked to the selected pools and the query's own tail pool.
 Per KDA layer: each sequence's S and conv window are read through its slot index (CachedSlots;
@@ -23,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, pool_write
+from glm5mtp_cli.engine.cache import CachedRows, CachedSlots
 from glm5mtp_cli.models.glm5_next.attention import MlaLayer
-from glm5mtp_cli.models.glm5_next.indexer import pool_keys, pool_scores, select_pools
+from glm5mtp_cli.models.glm5_next.indexer import pool_scores, select_pools
 from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
 from glm5mtp_cli.models.glm5_next.mhc import contract_streams, expand_streams
+from kernels.pool_keys import write_pool_keys
 
 
 @dataclass
@@ -51,27 +51,17 @@ class PagedContext:
         return self.starts[:, None] + torch.arange(self.t, device=self.starts.device)
 
 
-def write_pools(rows: CachedRows, layer: int, raw: torch.Tensor, starts: torch.Tensor, t: int, pool: int,
-                ape: torch.Tensor) -> torch.Tensor:
-    """Store the pooled keys of pools completed by the t new rows; -> every pooled key [B, L//P, di].
-    raw [B, L, 2 di]: each sequence's raw rows, the new ones included (module docstring)."""
-    b, length = rows.all.shape
-    dev = starts.device
-    pos = (starts[:, None] - (pool - 1) + torch.arange(t + pool - 1, device=dev)).clamp(min=0)  # [B, W]
-    base = pos // pool * pool
-    members = (base[..., None] + torch.arange(pool, device=dev)).clamp(max=length - 1)           # [B, W, P]
-    grouped = raw.gather(1, members.reshape(b, -1, 1).expand(-1, -1, raw.shape[-1]))
-    keys = pool_keys(grouped.reshape(-1, raw.shape[-1]), ape, pool)                              # [B*W, di]
-    chunks = keys.view(b, pos.shape[1], pool, -1)
-    chunk = chunks.gather(2, (pos % pool)[..., None, None].expand(-1, -1, 1, chunks.shape[-1])).squeeze(2)
-    data = rows.data[layer]
-    slots = rows.all.gather(1, pos.clamp(max=length - 1)).reshape(-1)
-    old = data.index_select(0, slots).view(*pos.shape, -1)
-    n = starts[:, None]
-    fresh = (base + pool <= n + t) & (base >= n // pool * pool)  # complete now, and not before
-    pool_write(rows.data, layer, slots, torch.where(fresh[..., None], chunk.to(data.dtype), old))
-    whole = length // pool * pool
-    return data.index_select(0, rows.all[:, :whole].reshape(-1)).view(b, length // pool, pool * data.shape[-1])
+def write_pools(rows: dict[str, CachedRows], layer: int, starts: torch.Tensor, t: int, ape: torch.Tensor
+                ) -> torch.Tensor:
+    """Store the pooled keys of pools completed by the t new rows (kernels/pool_keys.py; their raw
+    rows written); -> every pooled key [B, L//P, di]."""
+    pool, raw = rows["pool"], rows["raw"]
+    write_pool_keys(pool.data, raw.data, layer, pool.all, raw.all, starts, t, ape)
+    b, length = pool.all.shape
+    P = ape.shape[0]
+    whole = length // P * P
+    data = pool.data[layer]
+    return data.index_select(0, pool.all[:, :whole].reshape(-1)).view(b, length // P, P * data.shape[-1])
 
 
 def key_mask(sel: torch.Tensor, pos: torch.Tensor, length: int, pool: int, always_tail: bool) -> torch.Tensor:
@@ -100,8 +90,8 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
     q, wq_cq = attn.project_q(cq)
     q = q.view(b, t, attn.heads, attn.dn)
     latent = ctx.rows["mla"].write_read(layer, attn.kv_a_layernorm(kv_a)).to(a.dtype)
-    raw = ctx.rows["raw"].write_read(layer, attn.indexer.raw_keys(a, wk_a))
-    pooled = write_pools(ctx.rows["pool"], layer, raw, ctx.starts, t, P, attn.indexer.index_kpool_compress_ape)
+    ctx.rows["raw"].write(layer, attn.indexer.raw_keys(a, wk_a))
+    pooled = write_pools(ctx.rows, layer, ctx.starts, t, attn.indexer.index_kpool_compress_ape)
     pos = ctx.positions()
     visible = (pos + 1) // P
     ids = torch.arange(pooled.shape[1], device=a.device)
