@@ -19,7 +19,8 @@ from glm5next_reference import Mtp, Target, boundary_ties  # noqa: E402
 from proposer_calls import prefill_drafter  # noqa: E402
 
 from glm5mtp_cli.engine.config import EngineConfig
-from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, CachePools, table_slots, to_device  # noqa: E402
+from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, CachePools, to_device  # noqa: E402
+from kernels.table_slots import table_slots  # noqa: E402
 from glm5mtp_cli.errors import UserError  # noqa: E402
 from glm5mtp_cli.models import family_of  # noqa: E402
 from glm5mtp_cli.engine.sync_free import sync_free  # noqa: E402

@@ -32,6 +32,7 @@ from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_a
 from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
+from kernels.table_slots import table_slots, table_slots_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -439,6 +440,32 @@ def case_bitmask_draft_rows_bf16(device, big):
     return apply_bitmask(logits.clone(), mask, force_triton=True), apply_bitmask_ref(logits.clone(), mask)
 
 
+def _table_slots(device, *args, **kwargs):
+    """Slots are exact: compared here, returned as floats for check_close."""
+    got, want = table_slots(*args, **kwargs, force_triton=True), table_slots_ref(*args, **kwargs)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), "slots differ"
+    return tuple(g.float() for g in got), tuple(w.float() for w in want)
+
+
+def case_table_slots_captured(device, big):
+    # a captured verify's rows: table rows picked by idx (the last: all scratch), new rows past a
+    # table's capacity to the scratch block, the table's rows over more than one program
+    slots, nb, bs, t = (65, 40, 64, 4) if big else (5, 9, 32, 4)
+    table = torch.randint(0, 1000, (slots + 1, nb), device=device)
+    table[-1] = 999
+    idx = torch.tensor([3, 0, slots, 1, 2], device=device)
+    starts = torch.tensor([0, nb * bs - 2, 17, nb * bs, 5], device=device)
+    return _table_slots(device, table, bs, starts, t, 999, idx)
+
+
+def case_table_slots_prefill(device, big):
+    # an eager prefill: the tables as they are, more new rows than a program's block
+    b, nb, bs, t = (8, 33, 64, 700) if big else (3, 12, 32, 300)
+    table = torch.randint(0, 5000, (b, nb), device=device)
+    starts = torch.tensor([0, 1, 50, 3, 0, 9, 64, 2][:b], device=device)
+    return _table_slots(device, table, bs, starts, t)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -527,13 +554,15 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     import kernels.paged as pg
     import kernels.rmsnorm as r
     import kernels.rope as p
+    import kernels.table_slots as ts
 
     def boom(*args, **kwargs):
         raise AssertionError("Triton path taken for CPU tensors")
 
     for mod, name in [(r, "rmsnorm_triton"), (p, "rope_interleaved_triton"), (f, "fp8_block_dequant_triton"),
                       (f, "fp8_block_matmul_triton"), (e, "moe_experts_triton"),
-                      (pg, "indexer_scores_paged_triton"), (pg, "mla_attention_paged_triton")]:
+                      (pg, "indexer_scores_paged_triton"), (pg, "mla_attention_paged_triton"),
+                      (ts, "table_slots_triton")]:
         monkeypatch.setattr(mod, name, boom)
     x, w = torch.randn(3, 16), torch.randn(16)
     assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
@@ -553,6 +582,9 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
                        indexer_scores_paged_ref(pq, pool, slots, st, pw, 0.5))
     assert torch.equal(mla_attention_paged(qn[None, :2], qr[None, :2], kv, slots, st, None, 0.3),
                        mla_attention_paged_ref(qn[None, :2], qr[None, :2], kv, slots, st, None, 0.3))
+    table = torch.tensor([[2, 0], [1, 3]])
+    assert all(torch.equal(a, b) for a, b in zip(table_slots(table, 4, torch.tensor([1, 6]), 2, 9, torch.tensor([1, 0])),
+                                                  table_slots_ref(table, 4, torch.tensor([1, 6]), 2, 9, torch.tensor([1, 0]))))
 
 
 def test_force_triton_without_interpreter_raises(monkeypatch):

@@ -17,6 +17,7 @@ import torch
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.family import SLOT
+from kernels.table_slots import table_slots
 
 class PoolExhausted(UserError):
     """A request needs more cache blocks than the pool has free."""
@@ -112,24 +113,6 @@ def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def table_slots(table: torch.Tensor, block_size: int, starts: torch.Tensor, num_new: int,
-                scratch_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots of a batch's rows from its block tables [B, NB] and cached lengths [B], on the device.
-
-    Returns (slots of the num_new rows each sequence appends at starts[b].. [B * num_new],
-    slots of rows 0..NB*block_size-1 of each sequence [B, NB * block_size]). A new row past the
-    table's capacity (padding rows of a captured forward) goes to `scratch_block` when given.
-    """
-    pos = starts[:, None] + torch.arange(num_new, device=table.device)
-    nb = table.shape[1]
-    block = pos // block_size
-    new = table.gather(1, block.clamp(max=nb - 1)) * block_size + pos % block_size
-    if scratch_block is not None:
-        new = torch.where(block < nb, new, scratch_block * block_size + pos % block_size)
-    rows = table[:, :, None] * block_size + torch.arange(block_size, device=table.device)  # [B, NB, bs]
-    return new.reshape(-1), rows.reshape(table.shape[0], -1)
 
 
 class SlotPool:

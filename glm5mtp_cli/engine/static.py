@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import BlockPool, CachedRows, CachedSlots, SlotPool, table_slots, to_device
+from glm5mtp_cli.engine.cache import BlockPool, CachedRows, CachedSlots, SlotPool, to_device
 from glm5mtp_cli.engine.compiled import PATH_OF, compile_forward
 from glm5mtp_cli.engine.sync_free import sync_free
 from kernels._triton import kernel_path
+from kernels.table_slots import table_slots
 
 _WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -38,7 +39,7 @@ class Table:
     scratch: int
 
     def rows(self, idx: torch.Tensor, starts: torch.Tensor, t: int) -> CachedRows:
-        new, all_ = table_slots(self.table.index_select(0, idx), self.pool.block_size, starts, t, self.scratch)
+        new, all_ = table_slots(self.table, self.pool.block_size, starts, t, self.scratch, idx)
         return CachedRows(self.pool.data, new, all_)
 
     def name_blocks(self, row: int, blocks: list[int], what: str) -> None:
