@@ -57,19 +57,32 @@ def twin32(runs):
 @contextlib.contextmanager
 def _routing(rt, pinned: list | None, record: list):
     """Inside: the target's routers append their expert choices to `record`, or (pinned: one [N, k]
-    per router, in module order) return those instead of their own."""
+    per router, in module order) return those, weighted by their own scores, instead of their own."""
+    import torch.nn.functional as F
+
     from glm5mtp_cli.models.glm5.layers import Router
+    from kernels.router import route_weights_ref
+
+    def recorded(x, own):
+        weights, ids = own(x)
+        record.append(ids)
+        return weights, ids
+
+    def chosen(x, r, ids):
+        record.append(ids)
+        scores = F.linear(x.float(), r.weight.float()).sigmoid()
+        return route_weights_ref(scores, ids, r.norm_topk_prob, r.scale), ids
 
     routers = [m for m in rt.target.modules() if isinstance(m, Router)]
     for i, r in enumerate(routers):
-        own = r.choose
-        r.choose = (lambda s, own=own: record.append(own(s)) or record[-1]) if pinned is None else \
-            (lambda s, i=i: record.append(pinned[i]) or pinned[i])
+        own = r.forward
+        r.forward = (lambda x, own=own: recorded(x, own)) if pinned is None else \
+            (lambda x, r=r, i=i: chosen(x, r, pinned[i]))
     try:
         yield
     finally:
         for r in routers:
-            del r.choose
+            del r.forward
 
 
 def _logits(rt, ids, pinned=None):

@@ -32,6 +32,7 @@ from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_a
 from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
+from kernels.router import route, route_ref  # noqa: E402
 from kernels.table_slots import table_slots, table_slots_ref  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -440,6 +441,32 @@ def case_bitmask_draft_rows_bf16(device, big):
     return apply_bitmask(logits.clone(), mask, force_triton=True), apply_bitmask_ref(logits.clone(), mask)
 
 
+def _route(device, n, e, k, groups, topk_group):
+    """The router's choice is a set: both sides' ids sorted, their weights in that order."""
+    logits, bias = _rand(n, e, device=device, scale=3.0), _rand(e, device=device, scale=0.5)
+    out = []
+    for w, ids in (route(logits, bias, k, groups, topk_group, True, 2.5, force_triton=True),
+                   route_ref(logits, bias, k, groups, topk_group, True, 2.5)):
+        order = ids.argsort(-1)
+        out.append((w.gather(1, order), ids.gather(1, order).float()))
+    return tuple(out)
+
+
+def case_route(device, big):
+    # GLM-5's and GLM-5-Next's routers: no groups, E not a power of two in the small case
+    return _route(device, 64 if big else 5, 256 if big else 12, 8 if big else 3, 1, 1)
+
+
+def case_route_groups(device, big):
+    # glm5-nano's: 2 groups, the best one kept
+    return _route(device, 64 if big else 5, 16, 2, 2, 1)
+
+
+def case_route_groups_many(device, big):
+    # more groups than kept, several kept: DeepSeek-V3's 8 groups, 4 kept
+    return _route(device, 64 if big else 4, 256 if big else 32, 8 if big else 4, 8, 4)
+
+
 def _table_slots(device, *args, **kwargs):
     """Slots are exact: compared here, returned as floats for check_close."""
     got, want = table_slots(*args, **kwargs, force_triton=True), table_slots_ref(*args, **kwargs)
@@ -554,6 +581,7 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     import kernels.paged as pg
     import kernels.rmsnorm as r
     import kernels.rope as p
+    import kernels.router as rr
     import kernels.table_slots as ts
 
     def boom(*args, **kwargs):
@@ -562,7 +590,7 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     for mod, name in [(r, "rmsnorm_triton"), (p, "rope_interleaved_triton"), (f, "fp8_block_dequant_triton"),
                       (f, "fp8_block_matmul_triton"), (e, "moe_experts_triton"),
                       (pg, "indexer_scores_paged_triton"), (pg, "mla_attention_paged_triton"),
-                      (ts, "table_slots_triton")]:
+                      (ts, "table_slots_triton"), (rr, "route_triton")]:
         monkeypatch.setattr(mod, name, boom)
     x, w = torch.randn(3, 16), torch.randn(16)
     assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
@@ -582,6 +610,9 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
                        indexer_scores_paged_ref(pq, pool, slots, st, pw, 0.5))
     assert torch.equal(mla_attention_paged(qn[None, :2], qr[None, :2], kv, slots, st, None, 0.3),
                        mla_attention_paged_ref(qn[None, :2], qr[None, :2], kv, slots, st, None, 0.3))
+    logits, bias = torch.randn(3, 16), torch.randn(16)
+    assert all(torch.equal(a, b) for a, b in zip(route(logits, bias, 2, 2, 1, True, 2.5),
+                                                  route_ref(logits, bias, 2, 2, 1, True, 2.5)))
     table = torch.tensor([[2, 0], [1, 3]])
     assert all(torch.equal(a, b) for a, b in zip(table_slots(table, 4, torch.tensor([1, 6]), 2, 9, torch.tensor([1, 0])),
                                                   table_slots_ref(table, 4, torch.tensor([1, 6]), 2, 9, torch.tensor([1, 0]))))

@@ -17,6 +17,7 @@ from kernels.fp8_block import fp8_block_dequant_ref
 from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
 from kernels.rmsnorm import rmsnorm
+from kernels.router import route
 
 from glm5mtp_cli.engine import sync_free
 from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, joined, scale_grid
@@ -93,26 +94,9 @@ class Router(nn.Module):
         self.scale = cfg.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        ids = self.choose(scores)
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
-
-    def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """The experts each token picks [N, k] from its sigmoid scores [N, E] (a test pins them here to
-        compare two runs' arithmetic without near-tie routing flips: tests/test_fp8_cuda.py)."""
-        choice = scores + self.e_score_correction_bias
-        n, e = choice.shape
-        if self.n_group > 1:
-            group_scores = choice.view(n, self.n_group, e // self.n_group).topk(2, dim=-1)[0].sum(-1)
-            keep_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, keep_groups, 1.0)
-            expert_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, e // self.n_group).reshape(n, e)
-            choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-        return choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        """x: [N, H] -> (weights [N, k] fp32, expert ids [N, k]; kernels/router.py)."""
+        return route(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias, self.top_k,
+                     self.n_group, self.topk_group, self.norm_topk_prob, self.scale)
 
 
 class Experts(nn.Module):
