@@ -11,14 +11,27 @@ keys l <= starts[g] + s.
 - :func:`mla_attention_paged`: softmax attention of the absorbed queries over the latent rows,
   restricted to the indexer's picks ``index`` [G, T, K] (positions, -1 or masked ones ignored),
   or over every visible row without an index (softmax in fp32; a query that sees no row gets
-  zeros). Output [G, T, H, Lkv], still latent.
+  zeros). Output [G, T, H, Lkv], still latent. GLM-5-Next's NoPE layers (R = 0) pass their pooled
+  indexer's choice instead, ``pools`` (:class:`Pools`): the rows of the chosen pools of P, plus the
+  query's incomplete tail pool.
 
 Both read the pool rows in place: no gathered copy of the cache, no [G, T, H, NL] score tensor.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from ._triton import alloc, as_op, interpreting, jit, next_pow2, tl, triton, use_triton
+
+
+class Pools(NamedTuple):
+    """A pooled indexer's choice: chosen [G, T, Np] bool (pool p holds rows pP..pP+P-1), the pool
+    size P, and whether each query also sees its incomplete tail pool, rows P floor((s+1)/P)..s."""
+
+    chosen: torch.Tensor
+    size: int
+    tail: bool
 
 
 def _indexer_scores_one(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, causal_offset: int,
@@ -34,9 +47,10 @@ def _indexer_scores_one(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, causa
 
 
 def _mla_attention_one(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                       index: torch.Tensor | None, causal_offset: int, scale: float) -> torch.Tensor:
+                       index: torch.Tensor | None, causal_offset: int, scale: float,
+                       pools: Pools | None = None) -> torch.Tensor:
     """One sequence's attention over its rows kv_cache [T, Lkv + R] (fp32 math): [S, H, Lkv] in
-    q_nope_absorbed.dtype; a query that sees no key gets zeros."""
+    q_nope_absorbed.dtype; a query that sees no key gets zeros. pools: this sequence's [S, Np]."""
     s_len, _, lkv = q_nope_absorbed.shape
     r = q_rope.shape[-1]
     t_len = kv_cache.shape[0]
@@ -53,6 +67,13 @@ def _mla_attention_one(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, kv_c
         c, kr = c[safe], kr[safe]  # [S, K, Lkv], [S, K, R]
         scores = torch.einsum("shl,skl->shk", qn, c) + torch.einsum("shr,skr->shk", qr, kr)
     valid = (pos >= 0) & (pos <= limit) & (pos < t_len)  # [S, T] or [S, K]
+    if pools is not None:
+        n_pools = pools.chosen.shape[-1]
+        chosen = pools.chosen[:, (pos[0] // pools.size).clamp(max=max(n_pools - 1, 0))] if n_pools else valid & False
+        keep = chosen & (pos < n_pools * pools.size)
+        if pools.tail:
+            keep = keep | (pos >= (limit + 1) // pools.size * pools.size)
+        valid = valid & keep
     scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
     p = torch.where(valid.any(-1)[:, None, None], p, torch.zeros_like(p))  # no visible key -> zeros
@@ -69,10 +90,11 @@ def indexer_scores_paged_ref(q: torch.Tensor, pool: torch.Tensor, slots: torch.T
 
 def mla_attention_paged_ref(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
                             slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None,
-                            scale: float) -> torch.Tensor:
+                            scale: float, pools: Pools | None = None) -> torch.Tensor:
     """PyTorch reference: q_nope_absorbed [G, T, H, Lkv], q_rope [G, T, H, R], pool [N, Lkv + R]."""
     return torch.stack([_mla_attention_one(q_nope_absorbed[g], q_rope[g], pool[slots[g]],
-                                           None if index is None else index[g], int(starts[g]), scale)
+                                           None if index is None else index[g], int(starts[g]), scale,
+                                           None if pools is None else pools._replace(chosen=pools.chosen[g]))
                         for g in range(q_nope_absorbed.shape[0])])
 
 
@@ -140,12 +162,12 @@ def indexer_scores_paged_triton(q: torch.Tensor, pool: torch.Tensor, slots: torc
 
 
 @jit
-def _paged_mla_kernel(qn_ptr, qr_ptr, kv_ptr, slots_ptr, starts_ptr, idx_ptr, out_ptr,
-                      T, H, L, R, NL, NKEYS, scale,
+def _paged_mla_kernel(qn_ptr, qr_ptr, kv_ptr, slots_ptr, starts_ptr, idx_ptr, chosen_ptr, out_ptr,
+                      T, H, L, R, NL, NKEYS, NP, scale,
                       stride_qng, stride_qns, stride_qnh, stride_qrg, stride_qrs, stride_qrh, stride_kv,
-                      stride_sg, stride_ig, stride_is,
-                      HAS_INDEX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_T: tl.constexpr, DOT_BF16: tl.constexpr):
+                      stride_sg, stride_ig, stride_is, stride_cg, stride_cs,
+                      HAS_INDEX: tl.constexpr, POOL: tl.constexpr, TAIL: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT_BF16: tl.constexpr):
     q_id = tl.program_id(0)
     g = (q_id // T).to(tl.int64)
     s = q_id % T
@@ -175,6 +197,13 @@ def _paged_mla_kernel(qn_ptr, qr_ptr, kv_ptr, slots_ptr, starts_ptr, idx_ptr, ou
         else:
             pos = offs_j
         valid = (pos >= 0) & (pos <= limit) & (pos < NL)
+        if POOL > 0:  # the chosen pools' rows, and the tail pool's
+            p_of = pos // POOL
+            keep = tl.load(chosen_ptr + g * stride_cg + s * stride_cs + tl.minimum(p_of, NP - 1),
+                           mask=valid & (p_of < NP), other=0) != 0
+            if TAIL:
+                keep = keep | (pos >= (limit + 1) // POOL * POOL)
+            valid = valid & keep
         slot = tl.load(slots_ptr + g * stride_sg + tl.where(valid, pos, 0), mask=valid, other=0)
         rows = kv_ptr + slot.to(tl.int64) * stride_kv
         c = tl.load(rows[:, None] + offs_l[None, :], mask=valid[:, None] & lmask[None, :], other=0.0)
@@ -203,7 +232,7 @@ def _paged_mla_kernel(qn_ptr, qr_ptr, kv_ptr, slots_ptr, starts_ptr, idx_ptr, ou
 
 def mla_attention_paged_triton(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
                                slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None,
-                               scale: float) -> torch.Tensor:
+                               scale: float, pools: Pools | None = None) -> torch.Tensor:
     """Triton version of :func:`mla_attention_paged_ref`; grid (G * T queries, head blocks of 16)."""
     assert q_nope_absorbed.dim() == 4 and q_rope.dim() == 4 and pool.dim() == 2 and slots.dim() == 2
     g, t, h, lkv = q_nope_absorbed.shape
@@ -222,14 +251,17 @@ def mla_attention_paged_triton(q_nope_absorbed: torch.Tensor, q_rope: torch.Tens
         block_h = 16
         dot_bf16 = (q_nope_absorbed.dtype == q_rope.dtype == pool.dtype == torch.bfloat16 and not interpreting())
         idx = index if index is not None else slots  # dummy pointer when there is no index
+        chosen = pools.chosen.view(torch.uint8) if pools is not None else slots  # likewise
         _paged_mla_kernel[(g * t, triton.cdiv(h, block_h))](
-            q_nope_absorbed, q_rope, pool, slots, starts, idx, out, t, h, lkv, r, nl,
-            index.shape[2] if index is not None else 0, scale,
+            q_nope_absorbed, q_rope, pool, slots, starts, idx, chosen, out, t, h, lkv, r, nl,
+            index.shape[2] if index is not None else 0, chosen.shape[-1] if pools is not None else 0, scale,
             q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_nope_absorbed.stride(2),
             q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), pool.stride(0), slots.stride(0),
             index.stride(0) if index is not None else 0, index.stride(1) if index is not None else 0,
-            HAS_INDEX=index is not None, BLOCK_H=block_h, BLOCK_L=next_pow2(lkv), BLOCK_R=next_pow2(r),
-            BLOCK_T=32, DOT_BF16=dot_bf16, num_warps=4, num_stages=2)
+            chosen.stride(0) if pools is not None else 0, chosen.stride(1) if pools is not None else 0,
+            HAS_INDEX=index is not None, POOL=pools.size if pools is not None else 0,
+            TAIL=pools is not None and pools.tail, BLOCK_H=block_h, BLOCK_L=next_pow2(lkv),
+            BLOCK_R=next_pow2(r), BLOCK_T=32, DOT_BF16=dot_bf16, num_warps=4, num_stages=2)
     return out
 
 
@@ -257,7 +289,7 @@ def indexer_scores_paged(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tenso
 
 def mla_attention_paged(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
                         slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None, scale: float,
-                        force_triton: bool = False) -> torch.Tensor:
+                        pools: Pools | None = None, force_triton: bool = False) -> torch.Tensor:
     """Absorbed-MLA attention of G sequences' T queries over their paged latent rows.
 
     Args:
@@ -268,16 +300,18 @@ def mla_attention_paged(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, poo
         starts: [G] each sequence's cached length before this forward.
         index: [G, T, K] positions each query may attend to (the indexer's top-k), or None for all.
         scale: softmax scale.
+        pools: GLM-5-Next's pooled choice (:class:`Pools`; no index): only its rows are attended.
         force_triton: run the Triton kernel in the interpreter (tests only).
     Returns:
         [G, T, H, Lkv] latent outputs in q_nope_absorbed.dtype.
     """
     if as_op():
-        return mla_attention_paged_op(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
+        chosen, size, tail = pools if pools is not None else (None, 0, False)
+        return mla_attention_paged_op(q_nope_absorbed, q_rope, pool, slots, starts, index, scale, chosen, size, tail)
     tensors = (q_nope_absorbed, q_rope, pool) + ((index,) if index is not None else ())
     if use_triton(*tensors, force=force_triton):
-        return mla_attention_paged_triton(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
-    return mla_attention_paged_ref(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
+        return mla_attention_paged_triton(q_nope_absorbed, q_rope, pool, slots, starts, index, scale, pools)
+    return mla_attention_paged_ref(q_nope_absorbed, q_rope, pool, slots, starts, index, scale, pools)
 
 
 # The dispatchers as custom ops for compiled forwards (kernels/_triton.py's docstring); they only
@@ -298,13 +332,14 @@ def _(q, pool, slots, starts, w, scale):
 @torch.library.custom_op("glm5mtp::mla_attention_paged", mutates_args=())
 def mla_attention_paged_op(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
                            slots: torch.Tensor, starts: torch.Tensor, index: torch.Tensor | None,
-                           scale: float) -> torch.Tensor:
+                           scale: float, chosen: torch.Tensor | None, pool_size: int, tail: bool) -> torch.Tensor:
+    pools = Pools(chosen, pool_size, tail) if chosen is not None else None
     tensors = (q_nope_absorbed, q_rope, pool) + ((index,) if index is not None else ())
     if use_triton(*tensors):
-        return mla_attention_paged_triton(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
-    return mla_attention_paged_ref(q_nope_absorbed, q_rope, pool, slots, starts, index, scale)
+        return mla_attention_paged_triton(q_nope_absorbed, q_rope, pool, slots, starts, index, scale, pools)
+    return mla_attention_paged_ref(q_nope_absorbed, q_rope, pool, slots, starts, index, scale, pools)
 
 
 @mla_attention_paged_op.register_fake
-def _(q_nope_absorbed, q_rope, pool, slots, starts, index, scale):
+def _(q_nope_absorbed, q_rope, pool, slots, starts, index, scale, chosen, pool_size, tail):
     return torch.empty_like(q_nope_absorbed, memory_format=torch.contiguous_format)

@@ -19,7 +19,7 @@ from glm5mtp_cli.engine.compiled import compile_forward
 from glm5mtp_cli.engine.static import sequences_forward
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
-from kernels import fp8_block, moe, moe_grouped, paged, rmsnorm, rope
+from kernels import fp8_block, moe, moe_grouped, paged, pool_keys, rmsnorm, rope, router
 from kernels._triton import kernel_path
 
 pytestmark = pytest.mark.compile  # inductor's C++ compiles: minutes cold, the second test command
@@ -145,9 +145,16 @@ def _op_cases():
                                                      torch.randn(g, t, 2), 0.3)),
         "mla_index": (paged.mla_attention_paged_op, (torch.randn(g, t, h, lat), torch.randn(g, t, h, r),
                                                      torch.randn(n, lat + r), slots, starts,
-                                                     torch.randint(-1, 8, (g, t, 5)), 0.3)),
+                                                     torch.randint(-1, 8, (g, t, 5)), 0.3, None, 0, False)),
         "mla_dense": (paged.mla_attention_paged_op, (torch.randn(g, t, h, lat), torch.randn(g, t, h, r),
-                                                     torch.randn(n, lat + r), slots, starts, None, 0.3)),
+                                                     torch.randn(n, lat + r), slots, starts, None, 0.3, None, 0, False)),
+        "mla_pools": (paged.mla_attention_paged_op, (torch.randn(g, t, h, lat), torch.randn(g, t, h, 0),
+                                                     torch.randn(n, lat), slots, starts, None, 0.3,
+                                                     torch.rand(g, t, nl // 4) < 0.5, 4, True)),
+        "route": (router.route_op, (torch.randn(3, 16), torch.randn(16), 2, 2, 1, True, 2.5)),
+        "pool_keys": (pool_keys.write_pool_keys_op, (torch.randn(2, n, 2), torch.randn(2, n, 16), 1,
+                                                     torch.randperm(n)[:nl].view(1, nl), torch.randperm(n)[:nl].view(1, nl),
+                                                     torch.tensor([5]), 3, torch.randn(4, 8))),
         "moe": (moe.moe_experts_op, (torch.randn(3, hid), torch.randn(e, inter, hid), torch.randn(e, inter, hid),
                                      torch.randn(e, hid, inter), weights, ids, None)),
         "moe_fp8": (moe.moe_experts_fp8_op, (torch.randn(3, hid), gate, gate_s, gate, gate_s, down, down_s,

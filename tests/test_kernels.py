@@ -27,7 +27,7 @@ from kernels import _triton  # noqa: E402
 from kernels.bitmask import apply_bitmask, apply_bitmask_ref  # noqa: E402
 from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_block_matmul,  # noqa: E402
                                fp8_block_matmul_ref, fp8_block_matmul_triton, fp8_heads_matmul, fp8_heads_matmul_ref)
-from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
+from kernels.paged import (Pools, indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
                            mla_attention_paged_ref)
 from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
@@ -406,6 +406,35 @@ def case_mla_paged_indexed(device, big):
     idx[1, 0, 0] = nl // 2 + 3  # a future position for query 0 of sequence 1 (masked)
     return (mla_attention_paged(qn, qr, pool, slots, starts, idx, scale, force_triton=True),
             mla_attention_paged_ref(qn, qr, pool, slots, starts, idx, scale))
+
+
+def _mla_paged_pools(device, big, dtype, tail):
+    """GLM-5-Next's NoPE layer (R = 0): the chosen pools' rows and the tail, a verify's 4 queries;
+    sequence 0 chooses no pool for its first query (the tail alone, or nothing: zeros)."""
+    g, t, p = 2, 4, 4
+    h, lkv, nl = (64, 512, 2048) if big else (6, 40, 48)
+    pool, slots = _paged(device, g, nl, lkv, dtype)
+    qn = _rand(g, t, h, lkv, device=device, dtype=dtype, scale=0.5)
+    starts = torch.tensor([nl - t, 13], device=device)
+    n_pools = nl // p
+    visible = (starts[:, None] + torch.arange(t, device=device) + 1) // p  # complete pools each query sees
+    chosen = (torch.rand(g, t, n_pools, device=device) < 0.4) & (torch.arange(n_pools, device=device) < visible[..., None])
+    chosen[0, 0] = False
+    pools = Pools(chosen, p, tail)
+    args = (qn, qn[..., :0], pool, slots, starts, None, lkv ** -0.5)
+    return mla_attention_paged(*args, pools, force_triton=True), mla_attention_paged_ref(*args, pools)
+
+
+def case_mla_paged_pools(device, big):
+    return _mla_paged_pools(device, big, torch.float32, True)
+
+
+def case_mla_paged_pools_no_tail(device, big):
+    return _mla_paged_pools(device, big, torch.float32, False)
+
+
+def case_mla_paged_pools_bf16(device, big):
+    return _mla_paged_pools(device, big, BF16, True)
 
 
 def case_mla_paged_indexed_bf16(device, big):

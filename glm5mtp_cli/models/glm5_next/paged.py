@@ -3,13 +3,13 @@ static and CUDA-graph forwards run, and its eager forwards too (pooled.py).
 
 Every shape depends only on (B, T, the tables' width L): no sequence length is read on the host.
 Per indexed layer (NoPE MLA + pooled indexer, REFERENCE-glm5next section 6):
-- the new rows' latent and raw indexer rows are written through the tables, then every sequence's
-  latent rows 0..L-1 are read back (past a sequence's length they are masked like future ones);
+- the new rows' latent and raw indexer rows are written through the tables;
 - pools: the pools the new rows complete get their keys (kernels/pool_keys.py: a key is split over
   its pool's P rows, read from the raw rows through the table), then every complete pool's key is
   read back;
 - scores over all L // P pools, -inf past each query's complete ones, top-min(k, L // P) of them;
-- attention over the L latent rows masked to the selected pools and the query's own tail pool.
+- attention over the latent rows of the selected pools and the query's own tail pool (on the
+  kernels' path read in place by kernels/paged.py's attention, else all L rows read back and masked).
 Per KDA layer: each sequence's S and conv window are read through its slot index (CachedSlots;
 a decode or verify on the kernel path reads S in place, kernels/kda.py's kda_slots), the
 recurrence runs for all B sequences at once (heads folded), and a KdaBatchPending is left for the
@@ -27,6 +27,8 @@ from glm5mtp_cli.models.glm5_next.attention import MlaLayer
 from glm5mtp_cli.models.glm5_next.indexer import pool_scores, select_pools
 from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
 from glm5mtp_cli.models.glm5_next.mhc import contract_streams, expand_streams
+from kernels._triton import use_kernels
+from kernels.paged import Pools, mla_attention_paged
 from kernels.pool_keys import write_pool_keys
 
 
@@ -77,6 +79,22 @@ def key_mask(sel: torch.Tensor, pos: torch.Tensor, length: int, pool: int, alway
     return mask
 
 
+def attend(attn: MlaLayer, q_lat: torch.Tensor, pools: Pools, ctx: PagedContext, layer: int) -> torch.Tensor:
+    """Latent outputs [B, T, H, R] of the absorbed queries q_lat over the chosen pools' latent rows
+    and each query's tail: on the kernels' path kernels/paged.py's attention, reading the pool in
+    place; else every row 0..L-1 read back, masked (key_mask) and attended."""
+    mla = ctx.rows["mla"]
+    data = mla.data[layer]
+    if use_kernels(q_lat):
+        return mla_attention_paged(q_lat.contiguous(), q_lat[..., :0], data, mla.all, ctx.starts, None, attn.scale,
+                                   pools)
+    latent = data.index_select(0, mla.all.reshape(-1)).view(*mla.all.shape, -1).to(q_lat.dtype)
+    mask = key_mask(pools.chosen, ctx.positions(), latent.shape[1], pools.size, pools.tail)
+    att = torch.einsum("bthr,blr->bthl", q_lat, latent).float() * attn.scale
+    att = att.masked_fill(~mask[:, :, None, :], float("-inf")).softmax(-1).to(latent.dtype)
+    return torch.einsum("bthl,blr->bthr", att, latent)
+
+
 def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
               reuse: tuple[torch.Tensor, torch.Tensor] | None = None):
     """An indexed layer over the pools: a [B, T, D] normed rows -> (out [B, T, D], pool selection
@@ -89,7 +107,7 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
     cq = attn.q_a_layernorm(q_a)
     q, wq_cq = attn.project_q(cq)
     q = q.view(b, t, attn.heads, attn.dn)
-    latent = ctx.rows["mla"].write_read(layer, attn.kv_a_layernorm(kv_a)).to(a.dtype)
+    ctx.rows["mla"].write(layer, attn.kv_a_layernorm(kv_a))
     ctx.rows["raw"].write(layer, attn.indexer.raw_keys(a, wk_a))
     pooled = write_pools(ctx.rows, layer, ctx.starts, t, attn.indexer.index_kpool_compress_ape)
     pos = ctx.positions()
@@ -104,13 +122,9 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
         padded = torch.zeros(b, ids.shape[0], dtype=torch.bool, device=a.device)
         padded[:, :n] = step0[:, :n]
         sel = torch.where(ids < width[:, None], padded, True)[:, None, :] & (ids < visible[..., None])
-    mask = key_mask(sel, pos, latent.shape[1], P, attn.indexer.always_tail)
-
     wkv = attn.kv_b_proj.weight.view(attn.heads, attn.dn + attn.dv, attn.rank)
     q_lat = torch.einsum("bthd,hdr->bthr", q, wkv[:, : attn.dn])
-    att = torch.einsum("bthr,blr->bthl", q_lat, latent).float() * attn.scale
-    att = att.masked_fill(~mask[:, :, None, :], float("-inf")).softmax(-1).to(latent.dtype)
-    o_lat = torch.einsum("bthl,blr->bthr", att, latent)
+    o_lat = attend(attn, q_lat, Pools(sel, P, attn.indexer.always_tail), ctx, layer)
     o = torch.einsum("bthr,hvr->bthv", o_lat, wkv[:, attn.dn:]).reshape(b, t, attn.heads * attn.dv)
     out = attn.o_proj(o)
     return (out if attn.comm is None else attn.comm.all_reduce_sum(out)), sel, visible
