@@ -25,6 +25,12 @@ import torch
 from ._triton import alloc, as_op, interpreting, jit, next_pow2, tl, triton, use_triton
 
 
+# One program per (query, 16 heads) streams the query's keys. On the H200 that won with 128 keys per
+# query (glm5-nano decode 0.96 -> 0.68 ms) and lost with GLM-5's 2048 (4 programs at batch 1: draft
+# step 1.24 -> 1.37 ms), so the models use it for selections up to this many keys.
+MAX_SELECTED = 512
+
+
 class Pools(NamedTuple):
     """A pooled indexer's choice: chosen [G, T, Np] bool (pool p holds rows pP..pP+P-1), the pool
     size P, and whether each query also sees its incomplete tail pool, rows P floor((s+1)/P)..s."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from kernels._triton import use_kernels
 from kernels.fp8_block import fp8_heads_matmul, heads_tile
-from kernels.paged import indexer_scores_paged, mla_attention_paged
+from kernels.paged import MAX_SELECTED, indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
 
 from glm5mtp_cli.engine.cache import CachedRows
@@ -223,10 +223,7 @@ class MLAttention(nn.Module):
             indexer_losses.append(_indexer_kl(probs_dense, index_scores, keep))
         return values(out), topk
 
-    # kernels/paged.py runs one program per (query, 16 heads), each streaming its selected keys. On
-    # the H200 that won with 128 keys per query (glm5-nano decode 0.96 -> 0.68 ms) and lost with
-    # GLM-5's 2048 (4 programs at batch 1: draft step 1.24 -> 1.37 ms), so it is used up to this.
-    PAGED_MAX_TOPK = 512
+    PAGED_MAX_TOPK = MAX_SELECTED  # kernels/paged.py says why
 
     def use_paged_kernels(self, x: torch.Tensor) -> bool:
         """Cached inference on CUDA reads the pools through kernels/paged.py (small selections)."""

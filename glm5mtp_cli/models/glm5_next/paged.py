@@ -9,7 +9,8 @@ Per indexed layer (NoPE MLA + pooled indexer, REFERENCE-glm5next section 6):
   read back;
 - scores over all L // P pools, -inf past each query's complete ones, top-min(k, L // P) of them;
 - attention over the latent rows of the selected pools and the query's own tail pool (on the
-  kernels' path read in place by kernels/paged.py's attention, else all L rows read back and masked).
+  kernels' path, for small selections and decode or verify widths, read in place by kernels/paged.py's
+  attention; else all L rows read back and masked).
 Per KDA layer: each sequence's S and conv window are read through its slot index (CachedSlots;
 a decode or verify on the kernel path reads S in place, kernels/kda.py's kda_slots), the
 recurrence runs for all B sequences at once (heads folded), and a KdaBatchPending is left for the
@@ -25,10 +26,10 @@ import torch
 from glm5mtp_cli.engine.cache import CachedRows, CachedSlots
 from glm5mtp_cli.models.glm5_next.attention import MlaLayer
 from glm5mtp_cli.models.glm5_next.indexer import pool_scores, select_pools
-from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
+from glm5mtp_cli.models.glm5_next.kda import KERNEL_ROWS, KdaBatchPending
 from glm5mtp_cli.models.glm5_next.mhc import contract_streams, expand_streams
 from kernels._triton import use_kernels
-from kernels.paged import Pools, mla_attention_paged
+from kernels.paged import MAX_SELECTED, Pools, mla_attention_paged
 from kernels.pool_keys import write_pool_keys
 
 
@@ -81,11 +82,13 @@ def key_mask(sel: torch.Tensor, pos: torch.Tensor, length: int, pool: int, alway
 
 def attend(attn: MlaLayer, q_lat: torch.Tensor, pools: Pools, ctx: PagedContext, layer: int) -> torch.Tensor:
     """Latent outputs [B, T, H, R] of the absorbed queries q_lat over the chosen pools' latent rows
-    and each query's tail: on the kernels' path kernels/paged.py's attention, reading the pool in
-    place; else every row 0..L-1 read back, masked (key_mask) and attended."""
+    and each query's tail: on the kernels' path, for selections GLM-5's measurement says it pays
+    (kernels/paged.MAX_SELECTED; its decode and verify widths), kernels/paged.py's attention,
+    reading the pool in place; else every row 0..L-1 read back, masked (key_mask) and attended."""
     mla = ctx.rows["mla"]
     data = mla.data[layer]
-    if use_kernels(q_lat):
+    selected = attn.indexer.n_select * pools.size + pools.size - 1  # the chosen pools' rows and a tail
+    if use_kernels(q_lat) and selected <= MAX_SELECTED and q_lat.shape[1] <= KERNEL_ROWS:
         return mla_attention_paged(q_lat.contiguous(), q_lat[..., :0], data, mla.all, ctx.starts, None, attn.scale,
                                    pools)
     latent = data.index_select(0, mla.all.reshape(-1)).view(*mla.all.shape, -1).to(q_lat.dtype)
