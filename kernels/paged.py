@@ -7,7 +7,9 @@ graph replays with new lengths); query s of sequence g sits at position ``starts
 keys l <= starts[g] + s.
 
 - :func:`indexer_scores_paged`: ``scale * sum_h w[g, s, h] * relu(q[g, s, h] . k[l])`` [G, T, NL]
-  in fp32, -inf past the causal limit.
+  in fp32, -inf past the causal limit. With ``pool_size`` P (GLM-5-Next's pooled indexer) the keys
+  are pooled ones, key p split over rows pP..pP+P-1 of the pool (D/P columns each): [G, T, NL // P],
+  -inf from each query's first incomplete pool on.
 - :func:`mla_attention_paged`: softmax attention of the absorbed queries over the latent rows,
   restricted to the indexer's picks ``index`` [G, T, K] (positions, -1 or masked ones ignored),
   or over every visible row without an index (softmax in fp32; a query that sees no row gets
@@ -41,14 +43,17 @@ class Pools(NamedTuple):
 
 
 def _indexer_scores_one(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, causal_offset: int,
-                         scale: float) -> torch.Tensor:
+                         scale: float, pool_size: int = 0) -> torch.Tensor:
     """One sequence's scores: q [S, Hi, D], k [T, D] (its keys 0..T-1), w [S, Hi] -> fp32 [S, T];
-    query s sits at position causal_offset + s."""
+    query s sits at position causal_offset + s. pool_size P: key p is pool p, which query s sees
+    once complete (p < (causal_offset + s + 1) // P)."""
     logits = torch.einsum("shd,td->sht", q.float(), k.float()).relu()
     scores = (logits * w.float()[:, :, None]).sum(1) * scale
     s, t = scores.shape
     pos = torch.arange(t, device=q.device)[None, :]
     limit = causal_offset + torch.arange(s, device=q.device)[:, None]
+    if pool_size:
+        limit = (limit + 1) // pool_size - 1
     return scores.masked_fill(pos > limit, float("-inf"))
 
 
@@ -88,9 +93,12 @@ def _mla_attention_one(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, kv_c
 
 
 def indexer_scores_paged_ref(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                             w: torch.Tensor, scale: float) -> torch.Tensor:
-    """PyTorch reference: q [G, T, Hi, D], pool [N, D], slots [G, NL], starts [G], w [G, T, Hi]."""
-    return torch.stack([_indexer_scores_one(q[g], pool[slots[g]], w[g], int(starts[g]), scale)
+                             w: torch.Tensor, scale: float, pool_size: int = 0) -> torch.Tensor:
+    """PyTorch reference: q [G, T, Hi, D], pool [N, D] ([N, D / P] pooled), slots [G, NL], starts [G],
+    w [G, T, Hi]."""
+    n_keys = slots.shape[1] // pool_size * pool_size if pool_size else slots.shape[1]
+    return torch.stack([_indexer_scores_one(q[g], pool[slots[g, :n_keys]].reshape(-1, q.shape[-1]), w[g],
+                                            int(starts[g]), scale, pool_size)
                         for g in range(q.shape[0])])
 
 
@@ -108,24 +116,34 @@ def mla_attention_paged_ref(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor,
 def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T, HI, D, NL, scale,
                          stride_qg, stride_qs, stride_qh, stride_kt, stride_wg, stride_ws, stride_sg,
                          BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DOT_BF16: tl.constexpr):
+                         DOT_BF16: tl.constexpr, POOL: tl.constexpr):
     # Grid (key blocks, sequences): a program reads its block of keys once (through the slot
     # table), then loops over the sequence's T queries and over head blocks. A block wholly past
     # the sequence's last query (the engine's tables span its longest sequence) reads nothing.
+    # POOL > 0: key l is pool l, its column d in row l * POOL + d // (D / POOL) of the pool.
     pid_l = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
     start = tl.load(starts_ptr + g)
-    lmask = (offs_l < NL) & (offs_l < start + T)
+    if POOL > 0:  # keys some query of this forward sees
+        seen = (start + T) // POOL
+    else:
+        seen = start + T
+    lmask = (offs_l < NL) & (offs_l < seen)
     dmask = offs_d < D
-    slot = tl.load(slots_ptr + g * stride_sg + offs_l, mask=lmask, other=0).to(tl.int64)
-    kt = tl.load(k_ptr + offs_d[:, None] + slot[None, :] * stride_kt,
-                 mask=dmask[:, None] & lmask[None, :], other=0.0)  # [BLOCK_D, BLOCK_L] = k^T
+    kmask = dmask[:, None] & lmask[None, :]
+    if POOL > 0:
+        rows = offs_l[None, :] * POOL + (offs_d // (D // POOL))[:, None]
+        slot = tl.load(slots_ptr + g * stride_sg + rows, mask=kmask, other=0).to(tl.int64)
+        kt = tl.load(k_ptr + (offs_d % (D // POOL))[:, None] + slot * stride_kt, mask=kmask, other=0.0)
+    else:
+        slot = tl.load(slots_ptr + g * stride_sg + offs_l, mask=lmask, other=0).to(tl.int64)
+        kt = tl.load(k_ptr + offs_d[:, None] + slot[None, :] * stride_kt, mask=kmask, other=0.0)  # k^T
     if not DOT_BF16:
         kt = kt.to(tl.float32)
-    n_q = tl.where(pid_l * BLOCK_L < start + T, T, 0)  # no query of this sequence sees the block: none
+    n_q = tl.where(pid_l * BLOCK_L < seen, T, 0)  # no query of this sequence sees the block: none
     for s in range(0, n_q):
         q_row = q_ptr + g * stride_qg + s * stride_qs
         w_row = w_ptr + g * stride_wg + s * stride_ws
@@ -140,7 +158,11 @@ def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T,
                 logits = tl.dot(qb.to(tl.float32), kt, input_precision="ieee")
             wv = tl.load(w_row + h0 + offs_h, mask=hmask, other=0.0).to(tl.float32)
             acc += tl.sum(tl.maximum(logits, 0.0) * wv[:, None], axis=0)
-        res = tl.where(offs_l <= start + s, acc * scale, float("-inf"))
+        if POOL > 0:
+            limit = (start + s + 1) // POOL - 1
+        else:
+            limit = start + s
+        res = tl.where(offs_l <= limit, acc * scale, float("-inf"))
         tl.store(out_ptr + (g * T + s) * NL + offs_l, res, mask=offs_l < NL)
     for s in range(n_q, T):
         tl.store(out_ptr + (g * T + s) * NL + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32),
@@ -148,12 +170,13 @@ def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T,
 
 
 def indexer_scores_paged_triton(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                                w: torch.Tensor, scale: float) -> torch.Tensor:
+                                w: torch.Tensor, scale: float, pool_size: int = 0) -> torch.Tensor:
     """Triton version of :func:`indexer_scores_paged_ref`; grid (key blocks of 64, sequences)."""
     assert q.dim() == 4 and pool.dim() == 2 and slots.dim() == 2 and w.dim() == 3
     g, t, hi, d = q.shape
-    nl = slots.shape[1]
-    assert pool.shape[1] == d and w.shape == (g, t, hi) and slots.shape[0] == g and starts.shape == (g,)
+    nl = slots.shape[1] // pool_size if pool_size else slots.shape[1]
+    assert pool.shape[1] * max(pool_size, 1) == d, f"pool width {pool.shape[1]} does not hold D = {d}"
+    assert w.shape == (g, t, hi) and slots.shape[0] == g and starts.shape == (g,)
     assert q.stride(-1) == 1 and pool.stride(-1) == 1 and w.stride(-1) == 1 and slots.stride(-1) == 1
     out = alloc((g, t, nl), dtype=torch.float32, device=q.device)
     if g and t and nl:
@@ -163,7 +186,7 @@ def indexer_scores_paged_triton(q: torch.Tensor, pool: torch.Tensor, slots: torc
             q, pool, w, slots, starts, out, t, hi, d, nl, scale,
             q.stride(0), q.stride(1), q.stride(2), pool.stride(0), w.stride(0), w.stride(1), slots.stride(0),
             BLOCK_L=block_l, BLOCK_H=min(32, next_pow2(hi)), BLOCK_D=next_pow2(d), DOT_BF16=dot_bf16,
-            num_warps=4)
+            POOL=pool_size, num_warps=4)
     return out
 
 
@@ -272,7 +295,7 @@ def mla_attention_paged_triton(q_nope_absorbed: torch.Tensor, q_rope: torch.Tens
 
 
 def indexer_scores_paged(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                         w: torch.Tensor, scale: float, force_triton: bool = False) -> torch.Tensor:
+                         w: torch.Tensor, scale: float, pool_size: int = 0, force_triton: bool = False) -> torch.Tensor:
     """Indexer scores of G sequences' T queries over their paged keys (see the module docstring).
 
     Args:
@@ -282,15 +305,16 @@ def indexer_scores_paged(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tenso
         starts: [G] each sequence's cached length before this forward (query s at starts + s).
         w: [G, T, Hi] per-head weights (fp32).
         scale: multiplies every score.
+        pool_size: P > 0 for pooled keys (the module docstring); pool then [N, D / P].
         force_triton: run the Triton kernel in the interpreter (tests only).
     Returns:
-        fp32 [G, T, NL], -inf past each query's causal limit.
+        fp32 [G, T, NL] ([G, T, NL // P] pooled), -inf past each query's causal limit.
     """
     if as_op():
-        return indexer_scores_paged_op(q, pool, slots, starts, w, scale)
+        return indexer_scores_paged_op(q, pool, slots, starts, w, scale, pool_size)
     if use_triton(q, pool, w, force=force_triton):
-        return indexer_scores_paged_triton(q, pool, slots, starts, w, scale)
-    return indexer_scores_paged_ref(q, pool, slots, starts, w, scale)
+        return indexer_scores_paged_triton(q, pool, slots, starts, w, scale, pool_size)
+    return indexer_scores_paged_ref(q, pool, slots, starts, w, scale, pool_size)
 
 
 def mla_attention_paged(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
@@ -324,15 +348,16 @@ def mla_attention_paged(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, poo
 # read the pools (the models write the new rows before).
 @torch.library.custom_op("glm5mtp::indexer_scores_paged", mutates_args=())
 def indexer_scores_paged_op(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                            w: torch.Tensor, scale: float) -> torch.Tensor:
+                            w: torch.Tensor, scale: float, pool_size: int) -> torch.Tensor:
     if use_triton(q, pool, w):
-        return indexer_scores_paged_triton(q, pool, slots, starts, w, scale)
-    return indexer_scores_paged_ref(q, pool, slots, starts, w, scale)
+        return indexer_scores_paged_triton(q, pool, slots, starts, w, scale, pool_size)
+    return indexer_scores_paged_ref(q, pool, slots, starts, w, scale, pool_size)
 
 
 @indexer_scores_paged_op.register_fake
-def _(q, pool, slots, starts, w, scale):
-    return q.new_empty((q.shape[0], q.shape[1], slots.shape[1]), dtype=torch.float32)
+def _(q, pool, slots, starts, w, scale, pool_size):
+    keys = slots.shape[1] // pool_size if pool_size else slots.shape[1]
+    return q.new_empty((q.shape[0], q.shape[1], keys), dtype=torch.float32)
 
 
 @torch.library.custom_op("glm5mtp::mla_attention_paged", mutates_args=())

@@ -95,7 +95,8 @@ def write_pool_keys_triton(pool, raw, layer, pool_slots, raw_slots, starts, t, a
                                           P=P, DI=di, BLOCK=next_pow2(cw))
 
 
-def write_pool_keys(pool, raw, layer: int, pool_slots, raw_slots, starts, t: int, ape, force_triton: bool = False) -> None:
+def write_pool_keys(pool, raw, layer: int, pool_slots, raw_slots, starts, t: int, ape,
+                    force_triton: bool = False) -> None:
     """write_pool_keys_ref's writes; the Triton kernel for CUDA tensors (or `force_triton` in the
     interpreter). Compiled forwards call the op on every path: traced, the reference's in-place write
     into a view of the pool made inductor copy the whole pool layer (engine/cache.pool_write)."""

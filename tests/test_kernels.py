@@ -355,6 +355,25 @@ def case_indexer_paged(device, big):
             indexer_scores_paged_ref(q, pool, slots, starts, w, d ** -0.5))
 
 
+def _indexer_pooled(device, big, dtype):
+    """GLM-5-Next's pooled keys (P = 4), each split over its pool's 4 rows, read in place: sequences
+    with no complete pool yet, some, and every pool complete; a verify's 4 queries complete more."""
+    g, t, hi, d, nl, p = (3, 4, 32, 128, 4096, 4) if big else (3, 4, 16, 32, 200, 4)
+    pool, slots = _paged(device, g, nl, d // p, dtype)
+    starts = torch.tensor([nl - t, 9, 1], device=device)
+    q, w = _rand(g, t, hi, d, device=device, dtype=dtype), _rand(g, t, hi, device=device)
+    return (indexer_scores_paged(q, pool, slots, starts, w, d ** -0.5, p, force_triton=True),
+            indexer_scores_paged_ref(q, pool, slots, starts, w, d ** -0.5, p))
+
+
+def case_indexer_paged_pooled(device, big):
+    return _indexer_pooled(device, big, torch.float32)
+
+
+def case_indexer_paged_pooled_bf16(device, big):
+    return _indexer_pooled(device, big, BF16)
+
+
 def case_indexer_paged_wide_table(device, big):
     """Tables far wider than the lengths (the engine's --max-seq-len ceiling): slots past each
     sequence's last query name rows far outside the pool, so a kernel that read them would fault

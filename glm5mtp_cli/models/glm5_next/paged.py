@@ -5,9 +5,9 @@ Every shape depends only on (B, T, the tables' width L): no sequence length is r
 Per indexed layer (NoPE MLA + pooled indexer, REFERENCE-glm5next section 6):
 - the new rows' latent and raw indexer rows are written through the tables;
 - pools: the pools the new rows complete get their keys (kernels/pool_keys.py: a key is split over
-  its pool's P rows, read from the raw rows through the table), then every complete pool's key is
-  read back;
-- scores over all L // P pools, -inf past each query's complete ones, top-min(k, L // P) of them;
+  its pool's P rows, read from the raw rows through the table);
+- scores over all L // P pools (on the kernels' path read in place by kernels/paged.py's scores,
+  else every complete pool's key read back), top-min(k, L // P) of each query's complete ones;
 - attention over the latent rows of the selected pools and the query's own tail pool (on the
   kernels' path, for small selections and decode or verify widths, read in place by kernels/paged.py's
   attention; else all L rows read back and masked).
@@ -29,7 +29,7 @@ from glm5mtp_cli.models.glm5_next.indexer import pool_scores, select_pools
 from glm5mtp_cli.models.glm5_next.kda import KERNEL_ROWS, KdaBatchPending
 from glm5mtp_cli.models.glm5_next.mhc import contract_streams, expand_streams
 from kernels._triton import use_kernels
-from kernels.paged import MAX_SELECTED, Pools, mla_attention_paged
+from kernels.paged import MAX_SELECTED, Pools, indexer_scores_paged, mla_attention_paged
 from kernels.pool_keys import write_pool_keys
 
 
@@ -54,17 +54,18 @@ class PagedContext:
         return self.starts[:, None] + torch.arange(self.t, device=self.starts.device)
 
 
-def write_pools(rows: dict[str, CachedRows], layer: int, starts: torch.Tensor, t: int, ape: torch.Tensor
-                ) -> torch.Tensor:
-    """Store the pooled keys of pools completed by the t new rows (kernels/pool_keys.py; their raw
-    rows written); -> every pooled key [B, L//P, di]."""
-    pool, raw = rows["pool"], rows["raw"]
-    write_pool_keys(pool.data, raw.data, layer, pool.all, raw.all, starts, t, ape)
-    b, length = pool.all.shape
-    P = ape.shape[0]
-    whole = length // P * P
-    data = pool.data[layer]
-    return data.index_select(0, pool.all[:, :whole].reshape(-1)).view(b, length // P, P * data.shape[-1])
+def scores(qi: torch.Tensor, w: torch.Tensor, ctx: PagedContext, layer: int, pool: int) -> torch.Tensor:
+    """The pooled indexer's scores [B, T, L//P] of queries qi [B, T, Hi, di] (head weights w): on the
+    kernels' path kernels/paged.py's scores, reading the pooled keys in place (-inf past each
+    query's complete pools, which select_pools masks anyway); else every complete pool's key read
+    back and scored."""
+    rows = ctx.rows["pool"]
+    data = rows.data[layer]
+    if use_kernels(qi):
+        return indexer_scores_paged(qi, data, rows.all, ctx.starts, w, qi.shape[-1] ** -0.5, pool)
+    b, length = rows.all.shape
+    keys = data.index_select(0, rows.all[:, : length // pool * pool].reshape(-1))
+    return pool_scores(qi, w, keys.view(b, length // pool, pool * data.shape[-1]))
 
 
 def key_mask(sel: torch.Tensor, pos: torch.Tensor, length: int, pool: int, always_tail: bool) -> torch.Tensor:
@@ -112,13 +113,15 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
     q = q.view(b, t, attn.heads, attn.dn)
     ctx.rows["mla"].write(layer, attn.kv_a_layernorm(kv_a))
     ctx.rows["raw"].write(layer, attn.indexer.raw_keys(a, wk_a))
-    pooled = write_pools(ctx.rows, layer, ctx.starts, t, attn.indexer.index_kpool_compress_ape)
+    pool, raw = ctx.rows["pool"], ctx.rows["raw"]
+    ape = attn.indexer.index_kpool_compress_ape
+    write_pool_keys(pool.data, raw.data, layer, pool.all, raw.all, ctx.starts, t, ape)
     pos = ctx.positions()
     visible = (pos + 1) // P
-    ids = torch.arange(pooled.shape[1], device=a.device)
+    ids = torch.arange(pool.all.shape[1] // P, device=a.device)
     if reuse is None:
         qi, w = attn.indexer.queries(a, cq, wq_cq)
-        sel = select_pools(pool_scores(qi, w, pooled), visible, attn.indexer.n_select)
+        sel = select_pools(scores(qi, w, ctx, layer, P), visible, attn.indexer.n_select)
     else:
         step0, width = reuse
         n = min(step0.shape[1], ids.shape[0])
