@@ -54,7 +54,7 @@ class PagedContext:
         return self.starts[:, None] + torch.arange(self.t, device=self.starts.device)
 
 
-def scores(qi: torch.Tensor, w: torch.Tensor, ctx: PagedContext, layer: int, pool: int) -> torch.Tensor:
+def indexer_scores(qi: torch.Tensor, w: torch.Tensor, ctx: PagedContext, layer: int, pool: int) -> torch.Tensor:
     """The pooled indexer's scores [B, T, L//P] of queries qi [B, T, Hi, di] (head weights w): on the
     kernels' path kernels/paged.py's scores, reading the pooled keys in place (-inf past each
     query's complete pools, which select_pools masks anyway); else every complete pool's key read
@@ -121,7 +121,7 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
     ids = torch.arange(pool.all.shape[1] // P, device=a.device)
     if reuse is None:
         qi, w = attn.indexer.queries(a, cq, wq_cq)
-        sel = select_pools(scores(qi, w, ctx, layer, P), visible, attn.indexer.n_select)
+        sel = select_pools(indexer_scores(qi, w, ctx, layer, P), visible, attn.indexer.n_select)
     else:
         step0, width = reuse
         n = min(step0.shape[1], ids.shape[0])
