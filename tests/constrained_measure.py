@@ -4,7 +4,8 @@ masked (the drafter masked too) and unmasked (--no-draft-mask: only the verify m
 complete output checked. Prints one JSON document (profiles/constrained/RESULTS.md reads it).
 
 Step time: each engine step's wall time (SpecEngine.step, which ends in the step's host read, so
-the device has finished it), the median over the steps that ran with every slot full. Constrained
+the device has finished it) less the admission it ran (prefill, graph capture), the median over the
+steps that ran with every slot full. Constrained
 replies are shorter than free ones, so a run's mean step (decode time / steps) mixes in more
 half-empty steps of admission and tails; full steps compare like with like. Grammar host time:
 the wall time of the step's grammar work (masks filled, copied and applied, matchers walked and
@@ -46,12 +47,16 @@ ACTIVE = [0]  # the sequences the current step runs (its schedule's)
 
 
 def _timed_step(step):
+    """The step's wall time less its admission (prefill and graph capture): a step that seats a
+    prompt would otherwise count that prompt's prefill as decode, and constrained replies, being
+    short, turn slots over in more of the full steps."""
     def timed(self, run):
         ACTIVE[0] = 0
+        admission = run.prefill_s + run.capture_s
         t0 = time.perf_counter()
         step(self, run)
         if ACTIVE[0]:
-            STEPS.append((ACTIVE[0], time.perf_counter() - t0))
+            STEPS.append((ACTIVE[0], time.perf_counter() - t0 - (run.prefill_s + run.capture_s - admission)))
     return timed
 
 
