@@ -1,0 +1,105 @@
+"""mHC's kernels (kernels/mhc.py) at glm5next-nano's width (4 streams of 256) and GLM-5.3-Flash's
+(4 of 4096), 1 to 1024 rows, under several launch shapes, in CUDA graphs.
+
+    python -m kernels.bench_mhc --out mhc.json
+
+Per (width, rows): the site's mixing weights as shipped (`weights`: the logits and the mix), the
+collapse with the block's norm and the expand as shipped, and each kernel launched directly under
+other shapes: the mix with 16, 4 or 1 rows a program and 4 or 1 warps, the expand with 256-, 128- or
+64-wide tiles (1024 at Flash's width) and 4 or 1 warps, the collapse-norm with 4 or 1 warps. The
+mix's partials come from the shipped split of the logits. Microseconds a call: the median of 5
+replays of a graph of 50 calls. Timing only: the CUDA cases of tests/test_kernels_next.py check
+the kernels' values. The last line of stdout is one JSON object, also written to ``--out``.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+from . import mhc
+
+STREAMS, ITERS, EPS = 4, 20, 1e-6
+
+
+def _graph_us(fn, calls: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _site(d: int, t: int, dev):
+    n = STREAMS
+    x = torch.randn(t, n, d, device=dev, dtype=torch.bfloat16)
+    fn = torch.randn((2 + n) * n, n * d, device=dev) * 0.02
+    base, scale = torch.randn((2 + n) * n, device=dev), torch.rand(3, device=dev)
+    y = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(d, device=dev, dtype=torch.bfloat16)
+    return x, fn, base, scale, y, w
+
+
+def _one(d: int, t: int, dev) -> dict:
+    n, cdiv = STREAMS, mhc._cdiv
+    x, fn, base, scale, y, w = _site(d, t, dev)
+    pre, post, comb = mhc.hc_weights_triton(x, fn, base, scale, EPS, EPS, ITERS)
+    r = {"weights": _graph_us(lambda: mhc.hc_weights_triton(x, fn, base, scale, EPS, EPS, ITERS)),
+         "collapse_norm": _graph_us(lambda: mhc.hc_collapse_norm_triton(x, pre, w, EPS)),
+         "expand": _graph_us(lambda: mhc.hc_expand_triton(x, y, post, comb))}
+    k, width = n * d, (2 + n) * n
+    splits = mhc._logit_splits(t, k, dev)
+    splits = cdiv(k, cdiv(cdiv(k, splits), mhc.LOGITS_BLOCK_K) * mhc.LOGITS_BLOCK_K)
+    part, sq = torch.randn(splits, t, width, device=dev), torch.rand(splits, t, device=dev) + 1
+    outs = torch.empty(t, n, device=dev), torch.empty(t, n, device=dev), torch.empty(t, n, n, device=dev)
+    for rows in (16, 4, 1):
+        for warps in (4, 1):
+            r[f"mix rows{rows} warps{warps}"] = _graph_us(lambda: mhc._hc_mix_kernel[(cdiv(t, rows),)](
+                part, sq, base, scale, *outs, t, splits, k, EPS, EPS, ITERS, N=n, BLOCK_T=rows, num_warps=warps))
+    streams, normed = torch.empty_like(x), torch.empty_like(y)
+    for block in (mhc._block_d(d), 128, 64):
+        for warps in (4, 1):
+            r[f"expand block{block} warps{warps}"] = _graph_us(lambda: mhc._hc_expand_kernel[(t, cdiv(d, block))](
+                x, y, post, comb, streams, d, N=n, BLOCK_D=block, num_warps=warps))
+    for warps in (4, 1):
+        r[f"collapse_norm warps{warps}"] = _graph_us(lambda: mhc._hc_collapse_norm_kernel[(t,)](
+            x, pre, w, normed, d, EPS, N=n, BLOCK_D=mhc._block_d(d), num_warps=warps))
+    return {"width": d, "rows": t, "logit_splits": splits, "us": {a: round(b, 2) for a, b in r.items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.bench_mhc needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    rows = []
+    for d in (256, 4096):
+        for t in (1, 8, 64, 256, 1024):
+            rows.append(_one(d, t, dev))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    doc = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
