@@ -243,7 +243,7 @@ def _block_d(d: int) -> int:
 
 def _row_warps(block: int) -> int:
     """Warps for a [n, block] row tile: one per 256 columns. Four warps on a 256-wide tile (glm5next-nano)
-    took 4-20x one warp's time in collapse-norm and expand (H100, 1 to 1024 rows); at 1024 wide four
+    took 2-18x one warp's time in collapse-norm and expand (H100, 1 to 1024 rows); at 1024 wide four
     warps are the faster."""
     return max(1, min(4, block // 256))
 

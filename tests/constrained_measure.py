@@ -5,9 +5,9 @@ complete output checked. Prints one JSON document (profiles/constrained/RESULTS.
 
 Step time: each engine step's wall time (SpecEngine.step, which ends in the step's host read, so
 the device has finished it) less the admission it ran (prefill, graph capture), the median over the
-steps that ran with every slot full. Constrained
-replies are shorter than free ones, so a run's mean step (decode time / steps) mixes in more
-half-empty steps of admission and tails; full steps compare like with like. Grammar host time:
+steps that ran with every slot full. Constrained replies are shorter than free ones, so a run's mean
+step (decode time / steps) mixes in more half-empty steps of admission and tails; full steps compare
+like with like. Grammar host time:
 the wall time of the step's grammar work (masks filled, copied and applied, matchers walked and
 committed) per step; on the CPU the masks' application is host work too, on CUDA the drafts'
 host read inside it also waits for the device.
