@@ -262,7 +262,8 @@ def _calibrate(files: list[str], check: list[str], hw, out: Path | None, json_ou
     checked = []
     if check:
         held_out = [m for f in check for m in cal_mod.read_measurements(Path(f))]
-        # kernel counts are inputs (counted, like bytes), not fitted: the held-out files' own counts count
+        # kernel counts are inputs (counted, like bytes), not fitted: a family the fit counted keeps the
+        # fit's counts (its per-kernel cost was fitted with them); the held-out files' count the others
         counts = cal_mod.kernel_counts(held_out, plan_fit.family_of_measurement)
         with_counts = dataclasses.replace(cal, kernels={**counts, **cal.kernels})
         checked = plan_fit.compare(held_out, hw, with_counts)
