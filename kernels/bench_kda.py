@@ -46,7 +46,9 @@ def _model_inputs(q, k, v, f, b, a_log):
     return [fold(t) for t in x]
 
 
-def _graph_us(fn, replays: int = 200) -> float:
+def graph_us(fn, replays: int = 200, calls: int = 1) -> float:
+    """Microseconds a call of fn: the median over `replays` of a CUDA graph of `calls` calls (more
+    than one spreads the graph's own launch over them; kernels/bench_mhc.py's few-us kernels)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -55,7 +57,8 @@ def _graph_us(fn, replays: int = 200) -> float:
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     times = []
     for _ in range(replays):
         a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -63,7 +66,7 @@ def _graph_us(fn, replays: int = 200) -> float:
         graph.replay()
         e.record()
         e.synchronize()
-        times.append(a.elapsed_time(e) * 1e3)
+        times.append(a.elapsed_time(e) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -94,14 +97,14 @@ def case(batch: int, rows: int, fla) -> dict:
         x = _model_inputs(q, k, v, f, b, a_log)
         s = pool.index_select(0, slots).reshape(batch * H, D, D)
         return kda_rows(*x, s)[0]
-    out["gathered_us"] = _graph_us(model)
+    out["gathered_us"] = graph_us(model)
     out["gathered_err"] = _err(model(), ref)
     raw = (q[None], k[None], v[None], f[None], torch.zeros(1, H * D, device=dev), a_log[None], b[None], LOWER)
-    out["kda_slots_us"] = _graph_us(lambda: kda_slots(*raw, pool[None], slots))
+    out["kda_slots_us"] = graph_us(lambda: kda_slots(*raw, pool[None], slots))
     out["kda_slots_err"] = _err(kda_slots(*raw, pool[None], slots)[0], ref_btd)
     scratch = pool[None].clone()
-    out["kda_slots_commit_us"] = _graph_us(lambda: kda_slots(*raw, scratch, slots, commit=True))
-    out["kda_rows_us"] = _graph_us(lambda: kda_rows(*prepared, state))
+    out["kda_slots_commit_us"] = graph_us(lambda: kda_slots(*raw, scratch, slots, commit=True))
+    out["kda_rows_us"] = graph_us(lambda: kda_rows(*prepared, state))
     # the state floor: every sequence's state read once (and written once by a commit)
     out["state_read_floor_us"] = batch * H * D * D * 4 / 4.2e12 * 1e6
     if fla is None:
@@ -112,7 +115,7 @@ def case(batch: int, rows: int, fla) -> dict:
         return fla(q, k, v, f, b, A_log=a_log, initial_state=gathered, inplace_final_state=False,
                    output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                    use_beta_sigmoid_in_kernel=True, lower_bound=LOWER)[0]
-    out["fla_us"] = _graph_us(lambda: (pool.index_select(0, slots), fla_ro()))
+    out["fla_us"] = graph_us(lambda: (pool.index_select(0, slots), fla_ro()))
     out["fla_err"] = _err(fla_ro(), ref_btd)
     if rows == 1:
         work = pool.clone()
@@ -121,7 +124,7 @@ def case(batch: int, rows: int, fla) -> dict:
             return fla(q, k, v, f, b, A_log=a_log, initial_state=work, inplace_final_state=True,
                        ssm_state_indices=slots.to(torch.int32), use_qk_l2norm_in_kernel=True,
                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER)[0]
-        out["fla_slots_us"] = _graph_us(fla_slots)
+        out["fla_slots_us"] = graph_us(fla_slots)
         work.copy_(pool)
         out["fla_slots_err"] = _err(fla_slots(), ref_btd)
     return out
@@ -155,7 +158,7 @@ def prefill_case(heads: int, dim: int, batch: int, rows: int) -> dict:
     c_o, c_s = chunked()
     c_o = c_o.view(rows, batch, heads, dim).transpose(0, 1)[None]
     return {"heads": heads, "dim": dim, "batch": batch, "rows": rows, "real_rows": int(real.sum()),
-            "chunked_us": _graph_us(chunked, 20), "kda_slots_final_us": _graph_us(lambda: kda_slots(*raw, final=True), 20),
+            "chunked_us": graph_us(chunked, 20), "kda_slots_final_us": graph_us(lambda: kda_slots(*raw, final=True), 20),
             "chunked_err": max(_err(c_o * live, want_o), _err(c_s.view(want_s.shape), want_s)),
             "kda_slots_final_err": max(_err(o, want_o), _err(s_after, want_s))}
 

@@ -7,8 +7,8 @@ Per (width, rows): the site's mixing weights as shipped (`weights`: the logits a
 collapse with the block's norm and the expand as shipped, and each kernel launched directly under
 other shapes: the mix with 16, 4 or 1 rows a program and 4 or 1 warps, the expand with 256-, 128- or
 64-wide tiles (1024 at Flash's width) and 4 or 1 warps, the collapse-norm with 4 or 1 warps. The
-mix's partials come from the shipped split of the logits. Microseconds a call: the median of 5
-replays of a graph of 50 calls. Timing only: the CUDA cases of tests/test_kernels_next.py check
+mix's partials come from the shipped split of the logits. Microseconds a call: the median of 20
+replays of a graph of 50 calls (kernels/bench_kda.graph_us). Timing only: the CUDA cases of tests/test_kernels_next.py check
 the kernels' values. The last line of stdout is one JSON object, also written to ``--out``.
 """
 
@@ -19,28 +19,14 @@ import sys
 import torch
 
 from . import mhc
+from .bench_kda import graph_us
 
 STREAMS, ITERS, EPS = 4, 20, 1e-6
+CALLS, REPLAYS = 50, 20  # a graph of 50 calls, its median replay
 
 
-def _graph_us(fn, calls: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls * 1e3)
-    return sorted(times)[len(times) // 2]
+def _graph_us(fn) -> float:
+    return graph_us(fn, REPLAYS, CALLS)
 
 
 def _site(d: int, t: int, dev):
@@ -61,8 +47,7 @@ def _one(d: int, t: int, dev) -> dict:
          "collapse_norm": _graph_us(lambda: mhc.hc_collapse_norm_triton(x, pre, w, EPS)),
          "expand": _graph_us(lambda: mhc.hc_expand_triton(x, y, post, comb))}
     k, width = n * d, (2 + n) * n
-    splits = mhc._logit_splits(t, k, dev)
-    splits = cdiv(k, cdiv(cdiv(k, splits), mhc.LOGITS_BLOCK_K) * mhc.LOGITS_BLOCK_K)
+    splits, _ = mhc._logit_splits(t, k, dev)
     part, sq = torch.randn(splits, t, width, device=dev), torch.rand(splits, t, device=dev) + 1
     outs = torch.empty(t, n, device=dev), torch.empty(t, n, device=dev), torch.empty(t, n, n, device=dev)
     for rows in (16, 4, 1):

@@ -203,10 +203,13 @@ LOGITS_BLOCK_T, LOGITS_BLOCK_K = 16, 64
 MIX_BLOCK_T = 4
 
 
-def _logit_splits(t: int, k: int, device) -> int:
-    """Column splits of the logits: about two programs per SM, at least one block of columns each."""
+def _logit_splits(t: int, k: int, device) -> tuple[int, int]:
+    """Column splits of the logits and the columns each takes: about two programs per SM, at least
+    one block of columns each, none empty."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(_cdiv(k, LOGITS_BLOCK_K), _cdiv(2 * sms, _cdiv(t, LOGITS_BLOCK_T))))
+    splits = max(1, min(_cdiv(k, LOGITS_BLOCK_K), _cdiv(2 * sms, _cdiv(t, LOGITS_BLOCK_T))))
+    per_split = _cdiv(_cdiv(k, splits), LOGITS_BLOCK_K) * LOGITS_BLOCK_K
+    return _cdiv(k, per_split), per_split
 
 
 def hc_weights_triton(streams, fn, base, scale, norm_eps: float, hc_eps: float, sinkhorn_iters: int):
@@ -218,9 +221,7 @@ def hc_weights_triton(streams, fn, base, scale, norm_eps: float, hc_eps: float, 
     post = alloc((*lead, n), torch.float32, streams.device)
     comb = alloc((*lead, n, n), torch.float32, streams.device)
     if t:
-        splits = _logit_splits(t, k, streams.device)
-        per_split = _cdiv(_cdiv(k, splits), LOGITS_BLOCK_K) * LOGITS_BLOCK_K
-        splits = _cdiv(k, per_split)
+        splits, per_split = _logit_splits(t, k, streams.device)
         part = torch.empty(splits, t, width, dtype=torch.float32, device=streams.device)
         sq = torch.empty(splits, t, dtype=torch.float32, device=streams.device)
         _hc_logits_kernel[(_cdiv(t, LOGITS_BLOCK_T), splits)](
