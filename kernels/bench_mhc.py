@@ -53,7 +53,8 @@ def _one(d: int, t: int, dev) -> dict:
     for rows in (16, 4, 1):
         for warps in (4, 1):
             r[f"mix rows{rows} warps{warps}"] = _graph_us(lambda: mhc._hc_mix_kernel[(cdiv(t, rows),)](
-                part, sq, base, scale, *outs, t, splits, k, EPS, EPS, ITERS, N=n, BLOCK_T=rows, num_warps=warps))
+                part, sq, base, scale, *outs, t, splits, k, EPS, EPS, ITERS, N=n, WP=mhc.next_pow2(width), BLOCK_T=rows,
+                BLOCK_S=mhc.MIX_BLOCK_S, num_warps=warps))
     streams, normed = torch.empty_like(x), torch.empty_like(y)
     for block in (mhc._block_d(d), 128, 64):
         for warps in (4, 1):

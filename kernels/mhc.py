@@ -106,45 +106,56 @@ def _hc_logits_kernel(x_ptr, w_ptr, part_ptr, sq_ptr, T, K, SPLIT_K, W: tl.const
 
 
 @jit
-def _summed(ptr, offs, mask, splits, stride):
-    """sum over s < splits of ptr[s stride + offs] (fp32)."""
-    acc = tl.load(ptr + offs, mask=mask, other=0.0)
-    for s in range(1, splits):
-        acc += tl.load(ptr + s * stride + offs, mask=mask, other=0.0)
-    return acc
-
-
-@jit
 def _hc_mix_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, splits, K, norm_eps,
-                   hc_eps, iters, N: tl.constexpr, BLOCK_T: tl.constexpr):
+                   hc_eps, iters, N: tl.constexpr, WP: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
     """hc_mix_ref of the logits _hc_logits_kernel left in parts, each row scaled by its RMS norm."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = rows < T
     W: tl.constexpr = (2 + N) * N
+    # the column splits' partials, BLOCK_S splits a load: a decode row of Flash's width has 256 of
+    # them, and one load after another took 37 us a site (H100)
+    j = tl.arange(0, WP)
+    s_in = tl.arange(0, BLOCK_S)
+    m = tl.zeros((BLOCK_T, WP), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        s = s0 + s_in
+        at = s[:, None] * T + rows[None, :]                                  # [BLOCK_S, BLOCK_T]
+        ok = (s < splits)[:, None] & live[None, :]
+        sq += tl.sum(tl.load(sq_ptr + at, mask=ok, other=0.0), axis=0)
+        m += tl.sum(tl.load(part_ptr + at.to(tl.int64)[:, :, None] * W + j[None, None, :],
+                            mask=ok[:, :, None] & (j < W)[None, None, :], other=0.0), axis=0)
+    m = m * tl.rsqrt(sq / K + norm_eps)[:, None]
+
     i = tl.arange(0, N)
     s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    rnorm = tl.rsqrt(_summed(sq_ptr, rows, live, splits, T) / K + norm_eps)
-    row = rows.to(tl.int64)[:, None] * W
-    m_pre = _summed(part_ptr, row + i[None, :], live[:, None], splits, T * W) * rnorm[:, None]
+    m_pre = _columns(m, j, i)
     pre = tl.sigmoid(m_pre * s_pre + tl.load(base_ptr + i)[None, :]) + hc_eps
-    m_post = _summed(part_ptr, row + N + i[None, :], live[:, None], splits, T * W) * rnorm[:, None]
+    m_post = _columns(m, j, N + i)
     post = 2 * tl.sigmoid(m_post * s_post + tl.load(base_ptr + N + i)[None, :])
     out = rows.to(tl.int64)[:, None] * N + i[None, :]
     tl.store(pre_ptr + out, pre, mask=live[:, None])
     tl.store(post_ptr + out, post, mask=live[:, None])
 
-    jk = 2 * N + i[:, None] * N + i[None, :]                                  # [N, N]: m's comb entries
+    nn = tl.arange(0, N * N)                                                  # comb[j, k] at j N + k
+    z = tl.reshape(_columns(m, j, 2 * N + nn), (BLOCK_T, N, N))
+    z = z * s_comb + tl.reshape(tl.load(base_ptr + 2 * N + nn), (N, N))[None, :, :]
     live3 = live[:, None, None]
-    z = _summed(part_ptr, rows.to(tl.int64)[:, None, None] * W + jk[None, :, :], live3, splits, T * W)
-    z = z * rnorm[:, None, None] * s_comb + tl.load(base_ptr + jk)[None, :, :]
     z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
     c = z / tl.sum(z, axis=2)[:, :, None] + hc_eps
     c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
     for _ in range(iters - 1):
         c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
         c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-    nn = i[:, None] * N + i[None, :]
-    tl.store(comb_ptr + rows.to(tl.int64)[:, None, None] * (N * N) + nn[None, :, :], c, mask=live3)
+    tl.store(comb_ptr + rows.to(tl.int64)[:, None, None] * (N * N) + tl.reshape(nn, (N, N))[None, :, :], c,
+             mask=live3)
+
+
+@jit
+def _columns(m, j, cols):
+    """m[:, cols] of a register tile m [BLOCK_T, WP] whose columns are j: each picked entry plus zeros."""
+    return tl.sum(tl.where(j[None, None, :] == cols[None, :, None], m[:, None, :], 0.0), axis=2)
 
 
 @jit
@@ -200,7 +211,7 @@ def _hc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.conste
 
 
 LOGITS_BLOCK_T, LOGITS_BLOCK_K = 16, 64
-MIX_BLOCK_T = 4
+MIX_BLOCK_T, MIX_BLOCK_S = 4, 8
 
 
 def _logit_splits(t: int, k: int, device) -> tuple[int, int]:
@@ -230,7 +241,8 @@ def hc_weights_triton(streams, fn, base, scale, norm_eps: float, hc_eps: float, 
         # one warp: the Sinkhorn iterations' reductions stay inside it (7 us a launch against 9 us, H100)
         _hc_mix_kernel[(_cdiv(t, MIX_BLOCK_T),)](part, sq, base.float().contiguous(), scale.float().contiguous(),
                                                  pre, post, comb, t, splits, k, norm_eps, hc_eps, sinkhorn_iters,
-                                                 N=n, BLOCK_T=MIX_BLOCK_T, num_warps=1)
+                                                 N=n, WP=next_pow2(width), BLOCK_T=MIX_BLOCK_T, BLOCK_S=MIX_BLOCK_S,
+                                                 num_warps=1)
     return pre, post, comb
 
 
