@@ -54,7 +54,7 @@ def _one(d: int, t: int, dev) -> dict:
         for warps in (4, 1):
             r[f"mix rows{rows} warps{warps}"] = _graph_us(lambda: mhc._hc_mix_kernel[(cdiv(t, rows),)](
                 part, sq, base, scale, *outs, t, splits, k, EPS, EPS, ITERS, N=n, WP=mhc.next_pow2(width), BLOCK_T=rows,
-                BLOCK_S=mhc.MIX_BLOCK_S, num_warps=warps))
+                BLOCK_S=mhc.MIX_BLOCK_T * mhc.MIX_BLOCK_S // rows, num_warps=warps))
     streams, normed = torch.empty_like(x), torch.empty_like(y)
     for block in (mhc._block_d(d), 128, 64):
         for warps in (4, 1):

@@ -211,7 +211,7 @@ def _hc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.conste
 
 
 LOGITS_BLOCK_T, LOGITS_BLOCK_K = 16, 64
-MIX_BLOCK_T, MIX_BLOCK_S = 4, 8
+MIX_BLOCK_T, MIX_BLOCK_S = 1, 32
 
 
 def _logit_splits(t: int, k: int, device) -> tuple[int, int]:
