@@ -238,7 +238,9 @@ def hc_weights_triton(streams, fn, base, scale, norm_eps: float, hc_eps: float, 
         _hc_logits_kernel[(_cdiv(t, LOGITS_BLOCK_T), splits)](
             x, fn.float().contiguous(), part, sq, t, k, per_split, W=width, WP=next_pow2(width),
             BLOCK_T=LOGITS_BLOCK_T, BLOCK_K=LOGITS_BLOCK_K)
-        # one warp: the Sinkhorn iterations' reductions stay inside it (7 us a launch against 9 us, H100)
+        # one row a program on one warp: the Sinkhorn iterations' reductions stay inside it, and a row
+        # sums its 32-split blocks alone (a decode row of Flash's width: 6.5 us against 8.4 us on four
+        # warps and 17 us at 4 rows a program, H100; kernels/RESULTS.md)
         _hc_mix_kernel[(_cdiv(t, MIX_BLOCK_T),)](part, sq, base.float().contiguous(), scale.float().contiguous(),
                                                  pre, post, comb, t, splits, k, norm_eps, hc_eps, sinkhorn_iters,
                                                  N=n, WP=next_pow2(width), BLOCK_T=MIX_BLOCK_T, BLOCK_S=MIX_BLOCK_S,
