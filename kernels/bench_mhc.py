@@ -8,9 +8,9 @@ collapse with the block's norm and the expand as shipped, and each kernel launch
 other shapes: the mix with 16, 4 or 1 rows a program (each load 32 row-splits: 2, 8 or 32 splits)
 and 4 or 1 warps, the expand with 256-, 128- or 64-wide tiles (1024 at Flash's width) and 4 or 1
 warps, the collapse-norm with 4 or 1 warps. The mix's partials come from the shipped split of the
-logits. Microseconds a call: the median of 20
-replays of a graph of 50 calls (kernels/bench_kda.graph_us). Timing only: the CUDA cases of tests/test_kernels_next.py check
-the kernels' values. The last line of stdout is one JSON object, also written to ``--out``.
+logits. Microseconds a call: the median of 20 replays of a graph of 50 calls
+(kernels/bench_kda.graph_us). Timing only: the CUDA cases of tests/test_kernels_next.py check the
+kernels' values. The last line of stdout is one JSON object, also written to ``--out``.
 """
 
 import argparse

@@ -47,8 +47,8 @@ def case_hc_weights(device, big):
 
 def case_hc_weights_decode_bf16(device, big):
     # one row (a decode at batch 1): every program of the logits a column split of it, the mix summing
-    # them a block of splits a load, the last block part-filled (on the GPU 264 splits in blocks of 32;
-    # in the interpreter, with its 8 "SMs", 13 in blocks of 4)
+    # them a block of splits a load (on a 132-SM GPU 192 splits, six blocks of 32; in the interpreter,
+    # with its 8 "SMs", 13 in blocks of 4, the last part-filled, as case_hc_weights' 14 are on the GPU)
     args = _hc_site(device, 1, 6144 if big else 200, BF16)
     with mock.patch.object(mhc, "MIX_BLOCK_S", mhc.MIX_BLOCK_S if big else 4):
         return hc_weights(*args, 1e-5, 1e-6, 20, force_triton=True), hc_weights_ref(*args, 1e-5, 1e-6, 20)
