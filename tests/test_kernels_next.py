@@ -97,8 +97,9 @@ def case_short_conv_decode(device, big):
 
 
 def case_short_conv_rows(device, big):
-    # a verify's rows and a prefill's (more rows than the window), fp32: the window's zeros at a start
-    z, window, w = _conv_inputs(device, big, torch.float32, 37 if big else 6)
+    # a verify's rows and a prefill's (more rows than the window, and than a program's 16: the last
+    # row block part-filled), fp32: the window's zeros at a start
+    z, window, w = _conv_inputs(device, big, torch.float32, 37 if big else 21)
     window[0] = 0
     return short_conv(z, window, w, force_triton=True), short_conv_ref(z, window, w)
 
