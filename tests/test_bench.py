@@ -272,6 +272,27 @@ def test_host_time_diagnostic_runs():
     assert static.StaticForward.run is run
 
 
+def test_step_phases_diagnostic_times_each_phase_and_takes_its_wrappers_off(capsys, spec_ckpt):
+    """diagnostics/step_phases around bench: a row per gamma with each phase's microseconds a step,
+    the drafter's prefill only where there is a drafter, and the engine as it was after."""
+    from glm5mtp_cli.diagnostics import step_phases
+    from glm5mtp_cli.engine import speculate
+
+    folder, _ = spec_ckpt
+    step, prefill = speculate.SpecEngine.step, speculate.prefill_drafters
+    code = step_phases.main(["bench", "--model", str(folder), "--device", "cpu", "--batch-sizes", "2",
+                             "--gammas", "0,2", "--max-new-tokens", "5", "--num-prompts", "3", "--repeats", "1",
+                             "--no-transformers", "--json"])
+    assert code == 0
+    rows = {r["gamma"]: r for r in map(json.loads, capsys.readouterr().err.strip().splitlines()[-2:])}
+    assert set(rows) == {0, 2} and all(r["slots"] == 2 and r["steps"] > 0 for r in rows.values())
+    for r in rows.values():
+        assert r["step_us"] >= r["_accept_us"] + r["_commit_us"] + r["_finish_us"] > 0
+        assert r["prefill_targets_calls"] >= 1 and r["prefill_targets_s"] > 0
+    assert "draft_us" in rows[2] and rows[2]["prefill_drafters_calls"] >= 1 and "prefill_drafters_s" not in rows[0]
+    assert speculate.SpecEngine.step is step and speculate.prefill_drafters is prefill
+
+
 def _doc(rows, recs):
     return {"device": "cuda:0", "dtype": "bfloat16", "max_new_tokens": 256, "repeats": 3, "rows": rows,
             "recommendation": recs}
