@@ -3,9 +3,9 @@ then SiLU, as one kernel.
 
 PyTorch's form is seven launches per layer (the window joined to the rows, fp32 copies of both
 operands, the unfolded product, its sum, the SiLU, the cast back); here one program per sequence,
-block of channels and block of rows writes the extended window (window | new rows, what the commit keeps its next
-window from) and the conv's outputs, reading the rows in place (a strided slice of a joined
-projection).
+block of channels and block of rows writes the extended window (window | new rows, what the commit
+keeps its next window from) and the conv's outputs, reading the rows in place (a strided slice of a
+joined projection).
 """
 
 import torch
@@ -70,11 +70,12 @@ def short_conv_triton(z, window, weight):
     nb = z3.shape[0]
     out = alloc((*lead, t, c), z.dtype, z.device)
     ext = alloc((*lead, k - 1 + t, c), z.dtype, z.device)
-    if nb and c and t:
-        block, rows = min(next_pow2(c), 256), min(next_pow2(t), ROWS)
-        _short_conv_kernel[(nb, -(-c // block), -(-t // rows))](z3, win, weight.contiguous(), out, ext, t, c,
-                                                               z3.stride(0), z3.stride(1), win.stride(0), K=k,
-                                                               BLOCK_T=rows, BLOCK_C=block)
+    if nb and c:
+        block, rows = min(next_pow2(c), 256), min(next_pow2(t, 1), ROWS)
+        row_blocks = max(1, -(-t // rows))  # no rows: one block still copies the window
+        _short_conv_kernel[(nb, -(-c // block), row_blocks)](z3, win, weight.contiguous(), out, ext, t, c,
+                                                            z3.stride(0), z3.stride(1), win.stride(0), K=k,
+                                                            BLOCK_T=rows, BLOCK_C=block)
     return out, ext
 
 
