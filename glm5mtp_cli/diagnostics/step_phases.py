@@ -42,29 +42,22 @@ class Phases:
         self.key = None
         self.admitting = False  # inside an admission: its prefills are timed (not a catch-up's)
 
-    def timed(self, fn, name: str):
+    def timed(self, fn, name: str, sync=None):
         def run(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if sync is not None:
+                    sync()
                 self.seconds[self.key][name] += time.perf_counter() - t0
                 self.calls[self.key][name] += 1
         return run
 
     def timed_prefill(self, fn, name: str, sync):
         """An admission's prefill, synced after; a step's catch-up (same function) left untimed."""
-        def run(*args, **kwargs):
-            if not self.admitting:
-                return fn(*args, **kwargs)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sync()
-                self.seconds[self.key][name] += time.perf_counter() - t0
-                self.calls[self.key][name] += 1
-        return run
+        timed = self.timed(fn, name, sync)
+        return lambda *args, **kwargs: (timed if self.admitting else fn)(*args, **kwargs)
 
     def admission(self, fn):
         def run(*args, **kwargs):
@@ -96,12 +89,12 @@ def install(phases: Phases, device_sync) -> list[tuple[object, str, object]]:
         saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, wrapped)
 
-    step = speculate.SpecEngine.step
+    step = phases.timed(speculate.SpecEngine.step, "step")
 
     def keyed_step(engine, run):
         phases.key = (len(run.slots), engine.gamma)
         phases.steps[phases.key] += 1
-        return phases.timed(step, "step")(engine, run)
+        return step(engine, run)
 
     patch(speculate.SpecEngine, "step", keyed_step)
     for name in STEP_PHASES:
