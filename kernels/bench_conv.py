@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from .bench_kda import graph_us
+from .bench_kda import graph_us, report
 from .short_conv import short_conv_ref, short_conv_triton
 
 WIDTHS = {"glm5next-nano": 3 * 4 * 64, "flash": 3 * 64 * 128}
@@ -56,10 +56,7 @@ def main(argv=None) -> int:
             rows.append(_one(name, b, t, dev))
             print(json.dumps(rows[-1]), file=sys.stderr)
     doc = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    print(json.dumps(doc))
+    report(doc, args.out)
     return 0
 
 

@@ -46,6 +46,14 @@ def _model_inputs(q, k, v, f, b, a_log):
     return [fold(t) for t in x]
 
 
+def report(doc: dict, out: str | None) -> None:
+    """A bench's result: written to `out` when given, and printed as stdout's last line."""
+    if out:
+        with open(out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    print(json.dumps(doc))
+
+
 def graph_us(fn, replays: int = 200, calls: int = 1) -> float:
     """Microseconds a call of fn: the median over `replays` of a CUDA graph of `calls` calls (more
     than one spreads the graph's own launch over them; kernels/bench_mhc.py's few-us kernels)."""
@@ -179,10 +187,7 @@ def main() -> None:
             rows.append(prefill_case(*shape))
             print(json.dumps(rows[-1]), flush=True)
         doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prefill": rows}
-        if a.out:
-            with open(a.out, "w") as fh:
-                json.dump(doc, fh, indent=1)
-        print(json.dumps(doc))
+        report(doc, a.out)
         return
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla
@@ -193,10 +198,7 @@ def main() -> None:
     for r in rows:
         print(json.dumps(r), flush=True)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "fla": fla is not None, "cases": rows}
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(doc, fh, indent=1)
-    print(json.dumps(doc))
+    report(doc, a.out)
 
 
 if __name__ == "__main__":

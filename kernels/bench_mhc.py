@@ -20,7 +20,7 @@ import sys
 import torch
 
 from . import mhc
-from .bench_kda import graph_us
+from .bench_kda import graph_us, report
 
 STREAMS, ITERS, EPS = 4, 20, 1e-6
 CALLS, REPLAYS = 50, 20  # a graph of 50 calls, its median replay
@@ -81,10 +81,7 @@ def main(argv=None) -> int:
             rows.append(_one(d, t, dev))
             print(json.dumps(rows[-1]), file=sys.stderr)
     doc = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    print(json.dumps(doc))
+    report(doc, args.out)
     return 0
 
 
