@@ -116,21 +116,23 @@ def mla_attention_paged_ref(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor,
 def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T, HI, D, NL, scale,
                          stride_qg, stride_qs, stride_qh, stride_kt, stride_wg, stride_ws, stride_sg,
                          BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DOT_BF16: tl.constexpr, POOL: tl.constexpr):
-    # Grid (key blocks, sequences): a program reads its block of keys once (through the slot
-    # table), then loops over the sequence's T queries and over head blocks. A block wholly past
-    # the sequence's last query (the engine's tables span its longest sequence) reads nothing.
+                         BLOCK_S: tl.constexpr, DOT_BF16: tl.constexpr, POOL: tl.constexpr):
+    # Grid (key blocks, sequences, query blocks): a program reads its block of keys once (through
+    # the slot table), then loops over its BLOCK_S queries and over head blocks. A block wholly past
+    # the block's last query (the engine's tables span its longest sequence) reads nothing.
     # POOL > 0: key l is pool l, its column d in row l * POOL + d // (D / POOL) of the pool.
     pid_l = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
+    s_lo = tl.program_id(2) * BLOCK_S
+    s_hi = tl.minimum(s_lo + BLOCK_S, T)
     offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
     start = tl.load(starts_ptr + g)
-    if POOL > 0:  # keys some query of this forward sees
-        seen = (start + T) // POOL
+    if POOL > 0:  # keys some query of this block sees
+        seen = (start + s_hi) // POOL
     else:
-        seen = start + T
+        seen = start + s_hi
     lmask = (offs_l < NL) & (offs_l < seen)
     dmask = offs_d < D
     kmask = dmask[:, None] & lmask[None, :]
@@ -143,8 +145,8 @@ def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T,
         kt = tl.load(k_ptr + offs_d[:, None] + slot[None, :] * stride_kt, mask=kmask, other=0.0)  # k^T
     if not DOT_BF16:
         kt = kt.to(tl.float32)
-    n_q = tl.where(pid_l * BLOCK_L < seen, T, 0)  # no query of this sequence sees the block: none
-    for s in range(0, n_q):
+    n_q = tl.where(pid_l * BLOCK_L < seen, s_hi, s_lo)  # no query of this block sees the keys: none
+    for s in range(s_lo, n_q):
         q_row = q_ptr + g * stride_qg + s * stride_qs
         w_row = w_ptr + g * stride_wg + s * stride_ws
         acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
@@ -164,14 +166,21 @@ def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T,
             limit = start + s
         res = tl.where(offs_l <= limit, acc * scale, float("-inf"))
         tl.store(out_ptr + (g * T + s) * NL + offs_l, res, mask=offs_l < NL)
-    for s in range(n_q, T):
+    for s in range(n_q, s_hi):
         tl.store(out_ptr + (g * T + s) * NL + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32),
                  mask=offs_l < NL)
 
 
+# queries a scores program takes: a decode's or verify's fit one block, as before; a prefill's
+# hundreds were one program's loop per key block (~220 us a glm5-nano or glm5next-nano admission
+# forward on the H200), now spread over programs
+SCORES_BLOCK_S = 16
+
+
 def indexer_scores_paged_triton(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
                                 w: torch.Tensor, scale: float, pool_size: int = 0) -> torch.Tensor:
-    """Triton version of :func:`indexer_scores_paged_ref`; grid (key blocks of 64, sequences)."""
+    """Triton version of :func:`indexer_scores_paged_ref`; grid (key blocks of 64, sequences, query
+    blocks of SCORES_BLOCK_S)."""
     assert q.dim() == 4 and pool.dim() == 2 and slots.dim() == 2 and w.dim() == 3
     g, t, hi, d = q.shape
     nl = slots.shape[1] // pool_size if pool_size else slots.shape[1]
@@ -182,11 +191,11 @@ def indexer_scores_paged_triton(q: torch.Tensor, pool: torch.Tensor, slots: torc
     if g and t and nl:
         block_l = 64
         dot_bf16 = q.dtype == pool.dtype == torch.bfloat16 and not interpreting()
-        _paged_scores_kernel[(triton.cdiv(nl, block_l), g)](
+        _paged_scores_kernel[(triton.cdiv(nl, block_l), g, triton.cdiv(t, SCORES_BLOCK_S))](
             q, pool, w, slots, starts, out, t, hi, d, nl, scale,
             q.stride(0), q.stride(1), q.stride(2), pool.stride(0), w.stride(0), w.stride(1), slots.stride(0),
-            BLOCK_L=block_l, BLOCK_H=min(32, next_pow2(hi)), BLOCK_D=next_pow2(d), DOT_BF16=dot_bf16,
-            POOL=pool_size, num_warps=4)
+            BLOCK_L=block_l, BLOCK_H=min(32, next_pow2(hi)), BLOCK_D=next_pow2(d), BLOCK_S=SCORES_BLOCK_S,
+            DOT_BF16=dot_bf16, POOL=pool_size, num_warps=4)
     return out
 
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import zlib
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kernels import _triton  # noqa: E402
+from kernels import paged  # noqa: E402
 from kernels.bitmask import apply_bitmask, apply_bitmask_ref  # noqa: E402
 from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_block_matmul,  # noqa: E402
                                fp8_block_matmul_ref, fp8_block_matmul_triton, fp8_heads_matmul, fp8_heads_matmul_ref)
@@ -372,6 +374,22 @@ def case_indexer_paged_pooled(device, big):
 
 def case_indexer_paged_pooled_bf16(device, big):
     return _indexer_pooled(device, big, BF16)
+
+
+def case_indexer_paged_prefill(device, big):
+    """A prefill's queries over several query blocks (the last part-filled; 4 a block in the
+    interpreter), pooled (P = 4) and not: key blocks past a query block's last query are skipped
+    there and scored for the next block."""
+    g, t, hi, d, nl = (3, 300, 32, 128, 2048) if big else (3, 11, 16, 32, 136)
+    starts = torch.tensor([0, 70, 3], device=device)
+    q, w = _rand(g, t, hi, d, device=device, dtype=BF16), _rand(g, t, hi, device=device)
+    out = []
+    with mock.patch.object(paged, "SCORES_BLOCK_S", paged.SCORES_BLOCK_S if big else 4):
+        for p in (0, 4):
+            pool, slots = _paged(device, g, nl, d // max(p, 1), BF16)
+            out.append((indexer_scores_paged(q, pool, slots, starts, w, d ** -0.5, p, force_triton=True),
+                        indexer_scores_paged_ref(q, pool, slots, starts, w, d ** -0.5, p)))
+    return tuple(torch.cat([a.flatten(), b.flatten()]) for a, b in zip(*out))
 
 
 def case_indexer_paged_wide_table(device, big):
