@@ -83,9 +83,10 @@ def _streams(width: int) -> int:
 
 @jit
 def _hc_logits_kernel(x_ptr, w_ptr, part_ptr, sq_ptr, T, K, SPLIT_K, W: tl.constexpr, WP: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """Partial logits x @ w^T and sums of squares of x over columns [s SPLIT_K, (s+1) SPLIT_K):
-    part [splits, T, W], sq [splits, T] (fp32; x in the stream dtype, w fp32)."""
+    part [splits, T, W], sq [splits, T] (fp32; x in the stream dtype, w fp32; the product's
+    PRECISION as tl.dot's input_precision)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     s = tl.program_id(1)
     live = rows < T
@@ -98,7 +99,7 @@ def _hc_logits_kernel(x_ptr, w_ptr, part_ptr, sq_ptr, T, K, SPLIT_K, W: tl.const
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & km[None, :],
                     other=0.0).to(tl.float32)
         w = tl.load(w_ptr + j[:, None] * K + k[None, :], mask=(j < W)[:, None] & km[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         sq += tl.sum(x * x, axis=1)
     out = (s * T + rows).to(tl.int64)
     tl.store(part_ptr + out[:, None] * W + j[None, :], acc, mask=live[:, None] & (j < W)[None, :])
@@ -211,6 +212,10 @@ def _hc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.conste
 
 
 LOGITS_BLOCK_T, LOGITS_BLOCK_K = 16, 64
+# the logits' fp32 product on tensor cores as three TF32 products (a hi/lo split of each operand; a
+# bf16 x has no lo part): fp32's accuracy to about 2^-22 a term, where "ieee" runs it on the CUDA
+# cores, which a prefill's thousands of rows made the admission's largest kernel
+LOGITS_PRECISION = "tf32x3"
 MIX_BLOCK_T, MIX_BLOCK_S = 1, 32
 
 
@@ -237,7 +242,7 @@ def hc_weights_triton(streams, fn, base, scale, norm_eps: float, hc_eps: float, 
         sq = torch.empty(splits, t, dtype=torch.float32, device=streams.device)
         _hc_logits_kernel[(_cdiv(t, LOGITS_BLOCK_T), splits)](
             x, fn.float().contiguous(), part, sq, t, k, per_split, W=width, WP=next_pow2(width),
-            BLOCK_T=LOGITS_BLOCK_T, BLOCK_K=LOGITS_BLOCK_K)
+            BLOCK_T=LOGITS_BLOCK_T, BLOCK_K=LOGITS_BLOCK_K, PRECISION=LOGITS_PRECISION)
         # one row a program on one warp: the Sinkhorn iterations' reductions stay inside it, and a row
         # sums its 32-split blocks alone (a decode row of Flash's width: 6.5 us against 8.4 us on four
         # warps and 17 us at 4 rows a program, H100; kernels/RESULTS.md)
