@@ -66,6 +66,18 @@ def test_slot_reuse_is_clean_and_a_leak_is_still_caught(tiny):
     assert set(json.loads(r.stdout)["leaked_bytes_per_sequence"]) == {"target_indexer"}
 
 
+def test_every_slot_is_busy_before_the_baseline():
+    """--batch-size 8, more slots than lifecycles: the warm-up runs a round's worth of lives, so the
+    grammar masks' host buffers (as many rows as the most sequences a step met) are at full width
+    before the baseline; with one life per lifecycle their growth in the first counted round read
+    as a leak (960 B a sequence here)."""
+    r = _run("--model", "glm5-nano", "--device", "cpu", "--sequences", "8", "--batch-size", "8",
+             "--max-new-tokens", "4", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == "clean" and "grammar" in doc["lifecycles_seen"]
+
+
 def test_graphs_are_built_once_at_the_warm_up(tiny, monkeypatch):
     """The engine's graphs are built for the slots and the longest request they have met; the
     warm-up fills every slot with the longest prompt, so nothing after the baseline rebuilds them
