@@ -10,7 +10,7 @@ from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.graphs import EngineGraphs
+from glm5mtp_cli.engine.graphs import EngineGraphs, ForwardRunner
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.sequence import Request
@@ -175,6 +175,25 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         engine.close()
         engine.release(seq)
     assert not any(pools.blocks_held().values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_runner_pool_stays_open_when_its_graphs_are_rebuilt():
+    """A graph set rebuilt while a tensor its capture allocated is still held (leak-check's rounds
+    change the slots): with the runner's anchor, the next capture into its pool finds it open
+    (without, PyTorch's allocator asserts use_count > 0 at capture_begin)."""
+    runner = ForwardRunner("cuda", torch.device("cuda"))
+    x = torch.ones(4, device="cuda")
+    first = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first, pool=runner.mempool):
+        held = x * 2  # allocated from the pool
+    first.replay()
+    del first  # the pool's graph gone, `held` still alive
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second, pool=runner.mempool):
+        out = held + 1
+    second.replay()
+    assert torch.equal(out, torch.full_like(x, 3.0))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

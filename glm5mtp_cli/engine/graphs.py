@@ -38,7 +38,11 @@ prefill's buckets, bench's steps). Graphs sharing a pool may reuse each other's 
 intermediates, so a replay may overwrite what another graph left; that is safe because every
 replay's outputs are consumed before the next replay of any graph: copied out (the verify's
 hiddens, the fused chain's drafts, the prefill's logits and hiddens), read (logits by the accept,
-a catch-up's by the first draft) or committed (the KDA records) first.
+a catch-up's by the first draft) or committed (the KDA records) first. The pool lives as long as
+the runner: an anchor graph captured into it at the start and kept keeps it open, so rebuilding a
+graph set (more slots, wider tables: leak-check's rounds) never captures into a pool PyTorch has
+closed (with no graph of its own left alive and tensors it allocated still held, a capture into it
+trips the allocator's `use_count > 0` internal assert: leak-check at batch 8, glm5next-nano, H100).
 Compiled forwards (--compile, engine/compiled.py): `open` passes each static forward through
 torch.compile and runs it once (the compile, timed apart as `compile_s`), before any capture; the
 capture then records the compiled forward's kernels like any other.
@@ -230,6 +234,17 @@ class EngineGraphs:
         self.slot_index = {}
 
 
+def _anchor_graph(mempool, device: torch.device) -> tuple:
+    """A graph captured into `mempool` that allocates nothing, with the buffer it writes: held, it
+    keeps the pool open (the module docstring)."""
+    with torch.cuda.device(device):
+        buffer = torch.zeros(1, device=device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool):
+            buffer.add_(1)
+    return graph, buffer
+
+
 class ForwardRunner:
     """Runs the engine's decode forwards in one of three modes (module docstring). The engine opens
     it once (`open`), tells it when a slot is taken or left (`occupy`, `retire`) and each step's
@@ -249,8 +264,9 @@ class ForwardRunner:
         self.compile = compile
         self.compile_mode = compile_mode
         self.compile_s = 0.0  # compiling the static forwards (in open), apart from their capture
-        # every graph set's one pool (module docstring); None: nothing is captured
+        # every graph set's one pool, kept open by its anchor (module docstring); None: nothing is captured
         self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self._anchor = _anchor_graph(self.mempool, device) if mode == "cuda" else None
         self.graphs: EngineGraphs | None = None
         self.prefill: PrefillForwards | None = None  # --prefill-graphs: the admission prefill's graph set
         self.sequences: list[StaticForward] = []  # bench's steps (sequences_step)
