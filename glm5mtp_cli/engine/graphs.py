@@ -40,9 +40,10 @@ replay's outputs are consumed before the next replay of any graph: copied out (t
 hiddens, the fused chain's drafts, the prefill's logits and hiddens), read (logits by the accept,
 a catch-up's by the first draft) or committed (the KDA records) first. The pool lives as long as
 the runner: an anchor graph captured into it at the start and kept keeps it open, so rebuilding a
-graph set (more slots, wider tables: leak-check's rounds) never captures into a pool PyTorch has
-closed (with no graph of its own left alive and tensors it allocated still held, a capture into it
-trips the allocator's `use_count > 0` internal assert: leak-check at batch 8, glm5next-nano, H100).
+graph set (more slots, wider tables, stepwise drafting: leak-check's rounds) never captures into
+a pool PyTorch has closed (with no graph of its own left alive and tensors it allocated still
+held, a capture into it trips the allocator's `use_count > 0` internal assert: leak-check at
+batch 8, glm5next-nano, H100).
 Compiled forwards (--compile, engine/compiled.py): `open` passes each static forward through
 torch.compile and runs it once (the compile, timed apart as `compile_s`), before any capture; the
 capture then records the compiled forward's kernels like any other.
