@@ -26,7 +26,7 @@ from . import mhc
 from .bench_kda import graph_us, report
 
 STREAMS, ITERS, EPS = 4, 20, 1e-6
-STREAMS_NANO_D = 256  # glm5next-nano's width, whose admission prefills run 4096 to 16384 rows a forward
+NANO_WIDTH = 256  # glm5next-nano's, whose admission prefills run 4096 to 16384 rows a forward
 CALLS, REPLAYS = 50, 20  # a graph of 50 calls, its median replay
 
 
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     rows = []
     for d in (256, 4096):
-        for t in (1, 8, 64, 256, 1024) + ((4096, 16384) if d == STREAMS_NANO_D else ()):
+        for t in (1, 8, 64, 256, 1024) + ((4096, 16384) if d == NANO_WIDTH else ()):
             rows.append(_one(d, t, dev))
             print(json.dumps(rows[-1]), file=sys.stderr)
     doc = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}

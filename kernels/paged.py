@@ -172,8 +172,8 @@ def _paged_scores_kernel(q_ptr, k_ptr, w_ptr, slots_ptr, starts_ptr, out_ptr, T,
 
 
 # queries a scores program takes: a decode's or verify's fit one block, as before; a prefill's
-# hundreds were one program's loop per key block (~220 us a glm5-nano or glm5next-nano admission
-# forward on the H200), now spread over programs
+# hundreds were one program's loop per key block (~220 us a call in glm5-nano's and glm5next-nano's
+# HumanEval admissions on the H200), now spread over programs
 SCORES_BLOCK_S = 16
 
 

@@ -180,8 +180,8 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_runner_pool_stays_open_when_its_graphs_are_rebuilt():
     """A graph set rebuilt while a tensor its capture allocated is still held (leak-check's rounds
-    change the slots): with the runner's anchor, the next capture into its pool finds it open
-    (without, PyTorch's allocator asserts use_count > 0 at capture_begin)."""
+    rebuild for stepwise drafting): with the runner's anchor, the next capture into its pool finds
+    it open (without, PyTorch's allocator asserts use_count > 0 at capture_begin)."""
     runner = ForwardRunner("cuda", torch.device("cuda"))
     x = torch.ones(4, device="cuda")
     first = torch.cuda.CUDAGraph()
