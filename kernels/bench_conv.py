@@ -11,13 +11,11 @@ of 50 replays of a graph of 10 calls (kernels/bench_kda.graph_us). The last line
 JSON object, also written to ``--out``.
 """
 
-import argparse
-import json
 import sys
 
 import torch
 
-from .bench_kda import graph_us, report
+from .bench_kda import bench_rows, graph_us
 from .short_conv import short_conv_ref, short_conv_triton
 
 WIDTHS = {"glm5next-nano": 3 * 4 * 64, "flash": 3 * 64 * 128}
@@ -43,22 +41,7 @@ def _one(name: str, b: int, t: int, dev) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="also write the JSON here")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("kernels.bench_conv needs a CUDA device", file=sys.stderr)
-        return 2
-    dev = torch.device("cuda")
-    rows = []
-    for name in WIDTHS:
-        for b, t in CASES:
-            rows.append(_one(name, b, t, dev))
-            print(json.dumps(rows[-1]), file=sys.stderr)
-    doc = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}
-    report(doc, args.out)
-    return 0
-
+    return bench_rows("bench_conv", __doc__, [(name, b, t) for name in WIDTHS for b, t in CASES], _one, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

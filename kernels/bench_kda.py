@@ -54,6 +54,25 @@ def report(doc: dict, out: str | None) -> None:
     print(json.dumps(doc))
 
 
+def bench_rows(name: str, doc: str, cases, one, argv=None) -> int:
+    """A per-case bench's main (kernels.`name`, its module docstring `doc`): `one(*case, device)` for
+    each case (a JSON row each, on stderr as it comes), then the rows with the device and torch via
+    `report` (--out: also written there)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"kernels.{name} needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    rows = []
+    for case in cases:
+        rows.append(one(*case, dev))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    report({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}, args.out)
+    return 0
+
+
 def graph_us(fn, replays: int = 200, calls: int = 1) -> float:
     """Microseconds a call of fn: the median over `replays` of a CUDA graph of `calls` calls (more
     than one spreads the graph's own launch over them; kernels/bench_mhc.py's few-us kernels)."""

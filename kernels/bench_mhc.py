@@ -16,14 +16,12 @@ tests/test_kernels_next.py check the kernels' values. The last line of stdout is
 also written to ``--out``.
 """
 
-import argparse
-import json
 import sys
 
 import torch
 
 from . import mhc
-from .bench_kda import graph_us, report
+from .bench_kda import bench_rows, graph_us
 
 STREAMS, ITERS, EPS = 4, 20, 1e-6
 NANO_WIDTH = 256  # glm5next-nano's, whose admission prefills run 4096 to 16384 rows a forward
@@ -79,22 +77,8 @@ def _one(d: int, t: int, dev) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="also write the JSON here")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("kernels.bench_mhc needs a CUDA device", file=sys.stderr)
-        return 2
-    dev = torch.device("cuda")
-    rows = []
-    for d in (256, 4096):
-        for t in (1, 8, 64, 256, 1024) + ((4096, 16384) if d == NANO_WIDTH else ()):
-            rows.append(_one(d, t, dev))
-            print(json.dumps(rows[-1]), file=sys.stderr)
-    doc = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}
-    report(doc, args.out)
-    return 0
-
+    cases = [(d, t) for d in (256, 4096) for t in (1, 8, 64, 256, 1024) + ((4096, 16384) if d == NANO_WIDTH else ())]
+    return bench_rows("bench_mhc", __doc__, cases, _one, argv)
 
 if __name__ == "__main__":
     sys.exit(main())
