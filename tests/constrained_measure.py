@@ -71,7 +71,7 @@ def _counted_schedule(schedule):
 SpecEngine.step = _timed_step(SpecEngine.step)
 SpecEngine._schedule = _counted_schedule(SpecEngine._schedule)
 HOST = [0.0]  # seconds of grammar work in the current run
-PARTS: dict[str, float] = {}  # the same by part (verify_wait: verify's wait for the drafts, inside verify)
+PARTS: dict[str, float] = {}  # the same by part (wait: the waits for the drafts' copies, inside draft and verify)
 
 
 def _host(fn, part: str, total: bool = True):
@@ -88,7 +88,7 @@ def _host(fn, part: str, total: bool = True):
 
 SpecEngine._masks = _host(SpecEngine._masks, "masks")
 StepMasks.draft, StepMasks.verify = _host(StepMasks.draft, "draft"), _host(StepMasks.verify, "verify")
-StepMasks._read_cols = _host(StepMasks._read_cols, "verify_wait", total=False)
+StepMasks._column = _host(StepMasks._column, "wait", total=False)
 SeqGrammar.commit = _host(SeqGrammar.commit, "commit")
 speculate.apply_bitmask = _host(speculate.apply_bitmask, "apply")
 
