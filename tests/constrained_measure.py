@@ -88,7 +88,7 @@ def _host(fn, part: str, total: bool = True):
 
 SpecEngine._masks = _host(SpecEngine._masks, "masks")
 StepMasks.draft, StepMasks.verify = _host(StepMasks.draft, "draft"), _host(StepMasks.verify, "verify")
-StepMasks._column = _host(StepMasks._column, "wait", total=False)
+StepMasks._read = _host(StepMasks._read, "wait", total=False)
 SeqGrammar.commit = _host(SeqGrammar.commit, "commit")
 speculate.apply_bitmask = _host(speculate.apply_bitmask, "apply")
 

@@ -76,12 +76,14 @@ def test_llguidance_fills_the_same_packing(nano):
     assert allowed and all(t and t.isdigit() and len(t) <= 3 for t in texts), texts
 
 
-def test_verify_rows_are_the_states_after_each_draft_prefix(nano):
-    """--no-draft-mask's verify walk, each draft column handed over as drafting chose it: row i of
-    a sequence is a fresh matcher's mask after its drafts 1..i, up to the first draft the grammar
-    rejects (drafts rejected at every position, a grammar completed mid-draft, fewer drafts than
-    columns, an end token among the drafts); the allowed drafts are counted, and a rollback leaves
-    every matcher where it started."""
+@pytest.mark.parametrize("threads", [1, 64])
+def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeypatch, threads):
+    """--no-draft-mask's verify walks every plain sequence in one llguidance call: its rows, the
+    drafts it counts as allowed and the matchers' states after it equal the row by row walk's, for
+    drafts rejected at every position, a grammar completed mid-draft, fewer drafts than columns (one
+    draft: its walk is a single row) and an end token among the drafts (that sequence walks row by
+    row in both); whole walks (1 thread) and walks cut in pieces of two rows, a rejection at a
+    piece's boundary among them (64). Each row is a fresh matcher's mask after the drafts before it."""
     from types import SimpleNamespace
 
     tok = nano.tokenizer
@@ -93,34 +95,40 @@ def test_verify_rows_are_the_states_after_each_draft_prefix(nano):
               [digit[1], digit[2], digit[3], digit[4]], [digit[1], eos, digit[2], digit[3]],
               [digit[1], digit[2], digit[3], digit[4]]]
     counts = [4, 4, 4, 4, 2, 4, 1]
-    rule = Constraint("regex", r"[0-9]{3}")
+    d = SimpleNamespace(tokens=torch.tensor(drafts), counts=counts)
+
+    def walk(one_call: bool):
+        grammars = _grammars(nano)
+        grammars.threads = threads
+        seqs = [grammars.open(Constraint("regex", r"[0-9]{3}"), {eos}) for _ in drafts]
+        if not one_call:
+            monkeypatch.setattr(StepMasks, "_walk_plain", lambda self, cols, counts: None)
+        masks = StepMasks(grammars, seqs, 4, torch.device("cpu"))
+        masks.read_drafts(d)
+        rows = masks.verify(d).clone()
+        monkeypatch.undo()
+        for g in seqs:
+            g.rollback()  # what commit does first
+        after = [int(unpack(r, nano.cfg.vocab_size).sum()) for r in _first_rows(grammars, seqs)]
+        return rows, masks.valid, after
+
+    def _first_rows(grammars, seqs):
+        out = torch.full((len(seqs), words(nano.cfg.vocab_size)), -1, dtype=torch.int32)
+        grammars.fill_rows(out, [(g.matcher, b) for b, g in enumerate(seqs)])
+        return out
+
+    fast, slow = walk(True), walk(False)
+    assert torch.equal(fast[0], slow[0])
+    assert fast[1] == slow[1] == [3, 0, 1, 2, 2, 1, 1]
+    assert fast[2] == slow[2]
     grammars = _grammars(nano)
-    seqs = [grammars.open(rule, {eos}) for _ in drafts]
-    masks = StepMasks(grammars, seqs, 4, torch.device("cpu"), mask_drafts=False)
-    for col in torch.tensor(drafts).T:
-        masks.drafted(col)
-    rows = masks.verify(SimpleNamespace(tokens=torch.tensor(drafts), counts=counts)).clone()
-    assert masks.valid == [3, 0, 1, 2, 2, 1, 1]
-
-    def fresh_row(prefix):
-        m = grammars._matcher(rule)
-        assert m.consume_tokens(prefix)
-        return _row_of(grammars, m)
-
     for b, toks in enumerate(drafts):
-        for i in range(min(masks.valid[b] + 1, counts[b] + 1)):
+        for i in range(min(fast[1][b], counts[b] - 1) + 1):
             if eos in toks[:i]:
                 break  # an end token is not fed to the matcher: the sequence ends there
-            assert torch.equal(rows[b, i], fresh_row(toks[:i])), (b, i)
-    for g in seqs:
-        g.rollback()  # what commit does first
-        assert torch.equal(fresh_row([]), _row_of(grammars, g.matcher))
-
-
-def _row_of(grammars, matcher) -> torch.Tensor:
-    out = torch.full((1, grammars.words), -1, dtype=torch.int32)
-    grammars.fill_rows(out, [(matcher, 0)])
-    return out[0]
+            m = grammars._matcher(Constraint("regex", r"[0-9]{3}"))
+            assert m.consume_tokens(toks[:i])
+            assert torch.equal(fast[0][b, i], _first_rows(grammars, [SimpleNamespace(matcher=m)])[0]), (b, i)
 
 
 # ---- lossless under a grammar ------------------------------------------------------------------------------
@@ -139,9 +147,8 @@ def test_greedy_constrained_equals_constrained_gamma0_for_every_gamma(nano, prom
 
 @pytest.mark.parametrize("draft_mask", [True, False])
 def test_static_forwards_mask_their_outputs_alike(nano, prompt_set, draft_mask):
-    """The runner's static forwards (what CUDA graphs replay; a constrained batch drafts through
-    the catch-up and chain forwards, not the fused chain): masks applied in place to their output
-    buffers give eager's constrained tokens."""
+    """The runner's static forwards (what CUDA graphs replay; unmasked drafting there is the fused
+    chain): masks applied in place to their output buffers give eager's constrained tokens."""
     ids, rules = prompt_set
     base = _run(nano, ids, rules, gamma=0, batch_size=2)
     got = _run(nano, ids, rules, gamma=3, batch_size=2, draft_mask=draft_mask, graphs="static")
@@ -188,11 +195,10 @@ def test_eos_is_masked_until_the_grammar_accepts(nano):
     eos = nano.cfg.eos_token_id
     g = _grammars(nano)
     seq = g.open(Constraint("regex", r"ab?"), set(eos))
-    masks = StepMasks(g, [seq], 2, torch.device("cpu"), mask_drafts=False)
+    masks = StepMasks(g, [seq], 2, torch.device("cpu"))
     a, b = (nano.tokenizer.encode(x)[0] for x in ("a", "b"))
     drafts = type("D", (), {"tokens": torch.tensor([[a, b]]), "counts": [2]})()
-    for col in drafts.tokens.T:
-        masks.drafted(col)
+    masks.read_drafts(drafts)
     allowed = unpack(masks.verify(drafts)[0], nano.cfg.vocab_size)
     assert not allowed[0, eos].any()  # nothing matched yet
     assert allowed[1, eos].all() and allowed[1, b]  # "a" matches; "b" may follow

@@ -5,10 +5,9 @@ propose, each paired with the target hidden of the position before it) in one ca
 the last of those rows yields draft 1. Each further draft feeds the previous one with the drafter's
 carried hidden, one chained row per sequence per forward, every sequence at once, so each weight is
 read once per draft position for the whole batch. Greedy with no confidence stop, a runner with
-static forwards runs the whole chain as one forward (the fused chain), unless a grammar constrains
-the batch (engine/grammar.StepMasks): the chain then runs position by position, each draft sent to
-the host as it is chosen, and with masked drafting each position's logits are masked by the state
-after the drafts before it. The proposer describes the
+static forwards runs the whole chain as one forward (the fused chain), unless a grammar masks the
+drafts: each position's logits are then masked by the state after the drafts before it
+(engine/grammar.StepMasks), so the chain runs position by position. The proposer describes the
 forwards and turns their logits into draft ids (`choose`); the runner runs them; this loop knows
 neither how.
 """
@@ -29,7 +28,7 @@ def propose(head: DraftProposer, runner, feed: Feed, states: list[ProposerState]
             tau: float | None, masks=None) -> Drafts:
     """g drafts for each of the batch's sequences (fewer where the chain's top-1 probability fell
     below `tau`, --draft-conf-tau); feed row j is states[j]'s pending real rows; masks: the step's
-    grammar masks, or None."""
+    grammar masks (masked drafting) or None."""
     for st in states:
         check_aligned(st.real_rows, st)
     caches = [st.cache for st in states]
@@ -52,11 +51,11 @@ def _chain(head: DraftProposer, runner, feed: Feed, caches: list, states: list[P
     active = [True] * b
     counts = [0] * b
     for i_step in range(g):
-        if masks is not None and masks.mask_drafts:
+        if masks is not None:
             logits = masks.draft(i_step, logits, head.draft_head)
         d, q = head.choose(logits, states)
         if masks is not None:
-            masks.drafted(d)
+            masks.drafted(d[:, None])
         drafts.append(d)
         probs.append(q)
         if tau is not None:

@@ -5,13 +5,16 @@ LLMatcher).
 Per step (speculate.SpecEngine._step), for the constrained sequences of the batch, `StepMasks`
 holds the host bitmask [A, g + 1, W] (kernels/bitmask.py's packing; one sequence's rows contiguous,
 the verify's layout): row i is the matcher's state after drafts d1..di, so verify position i is
-masked by the state after the prefix before it. Each draft's copy to the host is queued the moment
-drafting chooses it (`drafted`), so row i waits for draft i only, not for the whole chain. With
-masked drafting (the default) row i is filled before draft i+1 is chosen, so the drafter's logits
-are masked too: the host waits for each draft in turn. With --no-draft-mask only the verify is
-masked: the whole chain and the verify forward are launched first, then row 0 (it needs no draft)
-and each later row as its draft lands, so the walk overlaps drafting and the verify instead of
-following them. A row's masks are computed on llguidance's thread pool, every sequence's at once.
+masked by the state after the prefix before it. With masked drafting (the default) row i is filled
+before draft i+1 is chosen, so the drafter's logits are masked too: each draft's copy to the host
+is queued the moment it is chosen, before the next forward is launched, so the row after it waits
+for that draft alone. With --no-draft-mask only the verify is masked: row 0, which needs no draft,
+is filled while the device drafts; the drafts are then read once, and the other rows filled while
+the verify forward runs, every sequence's in one call on llguidance's thread pool (each matcher
+walks its drafts, filling a row per position, and is rolled back), where the walk needs nothing of
+the engine's own (no end token among the drafts, already constrained). A walk is a chain of masks
+one after another, so where the pool has threads to spare (small batches) each is cut into pieces
+that start from copies of the matcher advanced to their first row.
 A draft the grammar rejects ends the walk: the target's masked token replaces it, later rows stay
 open (no position past it can be accepted). After the verdict each matcher rolls its walk back and consumes
 the tokens the step emitted (`SeqGrammar.commit`): where the grammar then admits nothing more, the
@@ -86,6 +89,19 @@ class Grammars:
             self.executor().unsafe_compute_mask_ptr(members, rows.data_ptr(), rows.shape[-1] * rows.element_size(),
                                                     rows.numel() // rows.shape[-1])
 
+    def fill_walks(self, rows: torch.Tensor, members: list[tuple[object, int, list[int]]]) -> None:
+        """rows as fill_rows'; for each (m, r, tokens) of members, row r gets matcher m's mask and
+        rows r + 1.. the masks after each of `tokens` in turn, up to the first the grammar rejects
+        (its row and those after it are left as they were); m ends where it started. One call on
+        the thread pool for the whole batch (llguidance's speculative walk), each walk cut into
+        pieces of about rows / threads masks (`_pieces`)."""
+        per = max(2, -(-sum(len(toks) + 1 for _, _, toks in members) // self.threads))
+        pieces = [p for m, r, toks in members if toks for p in _pieces(m, r, toks, per)]
+        if pieces:
+            self.executor().unsafe_compute_mask_ptr_with_draft_token(
+                pieces, rows.data_ptr(), rows.shape[-1] * rows.element_size(), rows.numel() // rows.shape[-1])
+        self.fill_rows(rows, [(m, r) for m, r, toks in members if not toks])  # a walk needs a token
+
     def executor(self):
         if self._executor is None:
             self._executor = llguidance().LLExecutor(num_threads=self.threads)
@@ -109,13 +125,33 @@ class Grammars:
         return buf[:rows].fill_(-1)
 
     def draft_buffer(self, positions: int, rows: int, device: torch.device) -> torch.Tensor:
-        """[positions, rows] int64 host draft ids, reused as host_buffer's; a draft position's ids
-        are contiguous, so each lands in one copy."""
+        """[positions, rows] int64 host draft ids, contiguous (the drafts of several positions land
+        in one copy), reused as host_buffer's."""
         buf = self._buffers.get(("drafts", positions))
-        if buf is None or buf.shape[1] < rows:
-            buf = self._buffers["drafts", positions] = torch.empty((positions, rows), dtype=torch.long,
+        if buf is None or buf.numel() < positions * rows:
+            buf = self._buffers["drafts", positions] = torch.empty(positions * rows, dtype=torch.long,
                                                                    pin_memory=device.type == "cuda")
-        return buf[:, :rows]
+        return buf[: positions * rows].view(positions, rows)
+
+
+def _pieces(m, r: int, tokens: list[int], per: int) -> list[tuple[object, int, list[int]]]:
+    """The walk (m, r, tokens), tokens not empty, as walks of `per` rows (per >= 2; a lone last row
+    joins the piece before it, as a walk needs a token): the first m's own, each later one a copy of
+    the matcher advanced to its first row (a copy and a consume cost a few microseconds, a mask tens).
+    A token the grammar rejects ends the pieces: the piece before it stops there too."""
+    n = len(tokens)
+    starts = list(range(0, n + 1, per))
+    if starts[-1] == n:
+        starts.pop()
+    pieces, prev = [], 0
+    for a, end in zip(starts, starts[1:] + [n + 1]):
+        if a:
+            m = m.deep_copy()
+            if m.try_consume_tokens(tokens[prev:a]) != a - prev:
+                break
+        pieces.append((m, r + a, tokens[a:end - 1]))
+        prev = a
+    return pieces
 
 
 class SeqGrammar:
@@ -197,46 +233,25 @@ class SeqGrammar:
 
 class StepMasks:
     """One step's masks for the batch's constrained sequences (the module docstring): rows filled
-    on the host as the drafts before them land, then copied to the device per draft position
-    (masked drafting) or whole (the verify's)."""
+    on the host, position by position while drafting, else in one walk before the verify; then
+    copied to the device per draft position or whole. The drafts reach the host through one pinned
+    buffer, each position's copy queued as soon as it is chosen (`drafted`)."""
 
-    def __init__(self, grammars: Grammars, seqs: list[SeqGrammar | None], gamma: int, device: torch.device,
-                 mask_drafts: bool):
+    def __init__(self, grammars: Grammars, seqs: list[SeqGrammar | None], gamma: int, device: torch.device):
         self.seqs = seqs
         self.grammars = grammars
         self.device = device
-        self.mask_drafts = mask_drafts
         self.host = grammars.host_buffer(gamma + 1, len(seqs), device)  # [A, gamma + 1, W]
-        self.drafts = grammars.draft_buffer(gamma, len(seqs), device)  # [gamma, A]: column i of the drafts
+        self.drafts = grammars.draft_buffer(gamma, len(seqs), device)  # [gamma, A]: draft i + 1 of each
         self.landed: list[torch.cuda.Event | None] = []  # per draft position queued: its copy's event
         self.vocab_size = grammars.vocab_size
         self.ok = [g is not None for g in seqs]  # still walking: every draft so far allowed
         self.valid = [0 if g is not None else None for g in seqs]  # drafts the grammar allowed
         self.filled = 0  # positions whose rows are filled
 
-    def drafted(self, d: torch.Tensor) -> None:
-        """The next draft position's ids [A] are chosen (on the device): their copy to the host is
-        queued now, before the next forward is launched, so the row after them waits for them
-        alone (the one host read of each draft)."""
-        i = len(self.landed)
-        self.drafts[i].copy_(d, non_blocking=True)
-        done = None
-        if d.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        self.landed.append(done)
-
-    def _column(self, i: int) -> list[int]:
-        """Draft i + 1 of every sequence, waiting for its copy only."""
-        done = self.landed[i]
-        if done is not None:
-            done.synchronize()
-        return self.drafts[i].tolist()
-
-    def _fill_row(self, i: int, counts: list[int] | None = None) -> None:
-        """Row i: each walking sequence advanced by its draft i (none for row 0), then the masks of
-        those still walking, in parallel."""
-        col = self._column(i - 1) if i else None
+    def _fill_row(self, i: int, col: list[int] | None, counts: list[int] | None = None) -> None:
+        """Row i: each walking sequence advanced by its draft i (col, host ids; None for row 0), then
+        the masks of those still walking, in parallel."""
         members = []
         positions = self.host.shape[1]
         for b, g in enumerate(self.seqs):
@@ -252,11 +267,29 @@ class StepMasks:
         self.grammars.fill_rows(self.host, members)
         self.filled = i + 1
 
+    def drafted(self, cols: torch.Tensor) -> None:
+        """The next draft positions' ids [A, n], chosen on the device: their copy to the host is
+        queued now, before another forward is launched, so a read of them waits for them alone."""
+        i, n = len(self.landed), cols.shape[1]
+        self.drafts[i:i + n].copy_(cols.T, non_blocking=True)
+        done = None
+        if cols.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self.landed += [done] * n
+
+    def _read(self, first: int, k: int) -> list[list[int]]:
+        """Drafts first + 1..k of each sequence on the host, waiting for their copies only."""
+        done = self.landed[k - 1]  # queued last: the copies before it are done too
+        if done is not None:
+            done.synchronize()
+        return self.drafts[first:k].T.tolist()
+
     def draft(self, i: int, logits: torch.Tensor, subset=None) -> torch.Tensor:
         """Draft position i's logits [A, V'] masked by the state after drafts 1..i (the host waits
         for draft i here). subset: the proposer's --draft-vocab head, whose logit j is token
         subset.ids[j]."""
-        self._fill_row(i)
+        self._fill_row(i, [c[0] for c in self._read(i - 1, i)] if i else None)
         mask = self.host[:, i].to(self.device, non_blocking=True)
         if subset is None:
             return apply_bitmask(logits, mask)
@@ -264,13 +297,54 @@ class StepMasks:
         allowed |= ~allowed.any(-1, keepdim=True)  # no allowed token among the K: that row drafts unmasked
         return logits.masked_fill(~allowed, float("-inf"))
 
+    def read_drafts(self, drafts) -> None:
+        """Queue the copy of the drafts drafting did not hand over (the fused chain's, unmasked)
+        before the verify forward is launched: then `verify`'s read waits for drafting only, and
+        the walk overlaps the verify forward (a read enqueued after it would wait for the whole
+        verify)."""
+        k = drafts.tokens.shape[1] if drafts is not None else 0
+        if len(self.landed) < k:
+            self.drafted(drafts.tokens[:, len(self.landed):k])
+
     def verify(self, drafts) -> torch.Tensor:
         """The verify's masks [A, k + 1, W] on the device (k: the drafts' columns, 0 without drafts):
-        the rows drafting did not fill, each as soon as its draft is on the host."""
+        the rows drafting did not fill, filled now from the drafts' copies (`read_drafts`)."""
         k = drafts.tokens.shape[1] if drafts is not None else 0
-        for i in range(self.filled, k + 1):
-            self._fill_row(i, drafts.counts if k else None)
+        counts = drafts.counts if k else None
+        if self.filled <= k:
+            walk = self.filled == 0
+            if walk:
+                self._fill_row(0, None)  # needs no draft: filled before the read waits for drafting
+            first = self.filled - 1  # the draft column before the first row still to fill
+            cols = self._read(first, k) if k else []
+            if walk:
+                self._walk_plain(cols, counts)
+            for i in range(self.filled, k + 1):
+                self._fill_row(i, [c[i - 1 - first] for c in cols], counts)
         for b, n in enumerate(self.valid):  # drafting may have walked past a confidence stop
             if n is not None and drafts is not None:
                 self.valid[b] = min(n, drafts.counts[b])
         return self.host[:, : k + 1].to(self.device, non_blocking=True)
+
+    def _walk_plain(self, cols: list[list[int]], counts: list[int] | None) -> None:
+        """Rows 1.. of the sequences whose walk needs nothing of the engine's (constrained, drafts
+        and no end token among them) in one call (Grammars.fill_walks), each matcher advanced by
+        its first draft here (row 0 is filled), their allowed drafts counted from the rows; the
+        rest are left walking for the row by row fill."""
+        members, plain = [], []
+        positions = self.host.shape[1]
+        for b, g in enumerate(self.seqs):
+            toks = cols[b][: counts[b]] if counts is not None else []
+            if g is None or not toks or not g.masking or g.ends.intersection(toks):
+                continue
+            self.ok[b] = False  # walked here
+            if g.advance(toks[0]):  # else row 0 bans the first draft: none is allowed
+                members.append((g.matcher, b * positions + 1, toks[1:]))
+                plain.append((b, toks))
+        self.grammars.fill_walks(self.host, members)
+        rows = self.host.numpy()
+        for b, toks in plain:
+            n = 1
+            while n < len(toks) and rows[b, n, toks[n] >> 5] >> (toks[n] & 31) & 1:
+                n += 1  # draft n + 1 is allowed by the row before it
+            self.valid[b] = n

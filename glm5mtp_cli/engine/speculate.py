@@ -165,8 +165,8 @@ class SpecEngine:
         (built again at the first step), the prefill's opened."""
         built = self.runner.graphs  # a rebuild for more slots keeps the width (it never narrows)
         width = max(self._table_blocks(requests), built.max_blocks if built is not None else 0)
-        # a constrained batch drafts position by position: a greedy engine's graphs need those forwards too
-        self._stepwise = any(self._constraint(r) is not None for r in requests)
+        # masked drafting runs the chain position by position: a greedy engine's graphs need those forwards too
+        self._stepwise = self.config.draft_mask and any(self._constraint(r) is not None for r in requests)
         if built is not None and (built.slots < batch_size or built.max_blocks < width
                                   or (self._stepwise and not built.stepwise)):
             self.runner.close()
@@ -189,10 +189,12 @@ class SpecEngine:
         h0, p0 = time.perf_counter(), self.clock.now()  # h0: the step's cost for the gamma policy
         self.runner.step([s.slot for s in active])
         masks = self._masks(active, g)
-        drafts = self.draft(active, g, masks) if g > 0 else None
+        drafts = self.draft(active, g, masks if self.config.draft_mask else None) if g > 0 else None
         v0 = self.clock.now()
         if self.hooks is not None:
             self.hooks.before_verify(active)
+        if masks is not None:
+            masks.read_drafts(drafts)  # queued before the verify, so the walk below overlaps it
         starts = [s.cache.length for s in active]
         out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
         if masks is not None:
@@ -482,7 +484,7 @@ class SpecEngine:
         """This step's grammar masks, or None when no sequence in it is constrained."""
         if self.grammars is None or all(s.grammar is None for s in seqs):
             return None
-        return StepMasks(self.grammars, [s.grammar for s in seqs], g, self.device, self.config.draft_mask)
+        return StepMasks(self.grammars, [s.grammar for s in seqs], g, self.device)
 
     def _verify_ids(self, active: list[LiveSequence], drafts: Drafts | None) -> torch.Tensor:
         """[A, g + 1]: each sequence's newest token, then its drafts."""
