@@ -1,0 +1,94 @@
+"""Host cost of the grammar work in a constrained step, per call: --no-draft-mask's verify walk
+(batch 8, 3 drafts each, JSON-schema matchers at different depths of one object) on llguidance
+pools of 1 to 12 threads and on the pool the engine picks (`Grammars.executor`), and on CUDA the
+bitmask's application (the Triton kernel's launch against the PyTorch reference's ops).
+Medians of 300 calls; prints one line per measurement (profiles/constrained/RESULTS.md).
+
+    python3 tests/grammar_host_cost.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from glm5mtp_cli.constraint import llguidance  # noqa: E402
+from glm5mtp_cli.engine.config import ModelSpec  # noqa: E402
+from glm5mtp_cli.engine.grammar import Grammars, StepMasks  # noqa: E402
+from glm5mtp_cli.engine.runtime import load_runtime  # noqa: E402
+from glm5mtp_cli.prompts import read_file  # noqa: E402
+from kernels.bitmask import apply_bitmask, apply_bitmask_ref, words  # noqa: E402
+
+OBJECT = '{"name":"get_weather","arguments":{"city":"Paris is a lovely place","unit":"celsius"}}'
+STARTS = [0, 2, 5, 9, 14, 18, 22, 28]  # each sequence's tokens of OBJECT consumed before the step
+
+
+def walk_cost(rt, threads: int | None) -> tuple[float, float]:
+    """Median seconds of row 0's fill and of the verify's walk of rows 1-3; threads None: the
+    engine's pool choice, else every call on a pool of that many threads."""
+    rule = read_file(ROOT / "profiles" / "constrained" / "prompts.jsonl")[0].constraint
+    ids = rt.tokenizer.encode(OBJECT)
+    g = Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+    if threads is not None:
+        pool = llguidance().LLExecutor(num_threads=threads)
+        g.executor = lambda items: pool
+    seqs = [g.open(rule, set(rt.cfg.eos_token_id)) for _ in STARTS]
+    for s, n in zip(seqs, STARTS):
+        assert s.matcher.try_consume_tokens(ids[:n]) == n
+    drafts = SimpleNamespace(tokens=torch.tensor([ids[n:n + 3] for n in STARTS]), counts=[3] * len(STARTS))
+
+    def once() -> tuple[float, float]:
+        m = StepMasks(g, seqs, 3, torch.device("cpu"))
+        t0 = time.perf_counter()
+        m._fill_row(0, None)
+        t1 = time.perf_counter()
+        m.read_drafts(drafts)
+        m.verify(drafts)
+        t2 = time.perf_counter()
+        for s in seqs:
+            s.rollback()
+        return t1 - t0, t2 - t1
+
+    for _ in range(30):
+        once()
+    runs = [once() for _ in range(300)]
+    return statistics.median(a for a, _ in runs), statistics.median(b for _, b in runs)
+
+
+def apply_cost(fn, dtype) -> float:
+    logits = torch.randn(8, 4, 4096, device="cuda", dtype=dtype)
+    mask = torch.randint(-2**31, 2**31 - 1, (8, 4, words(4096)), dtype=torch.int32, device="cuda")
+    for _ in range(20):
+        fn(logits, mask)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        fn(logits, mask)
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def main() -> None:
+    rt = load_runtime(ModelSpec("glm5-nano", "cpu", "fp32"), progress=False)
+    for threads in (1, 2, 4, 8, 12, None):
+        row0, walk = walk_cost(rt, threads)
+        name = f"{threads:2d} threads" if threads else "engine's pool"
+        print(f"walk, batch 8, gamma 3, {name}: row 0 {1e6 * row0:.0f} us, rows 1-3 {1e6 * walk:.0f} us")
+    if torch.cuda.is_available():
+        for dtype in (torch.bfloat16, torch.float32):
+            for name, fn in (("Triton", apply_bitmask), ("PyTorch reference", apply_bitmask_ref)):
+                print(f"apply [8, 4, 4096] {dtype}, {name}: {1e6 * apply_cost(fn, dtype):.1f} us host per call")
+
+
+if __name__ == "__main__":
+    main()
