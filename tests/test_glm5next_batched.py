@@ -58,7 +58,7 @@ class Static:
         for name, block in self.scratch.items():
             table = torch.full((len(caches) + pad, WIDTH), block, dtype=torch.long, device=device)
             for b, c in enumerate(caches):
-                table[b, : len(c.rows[name].blocks)] = c.rows[name].table
+                table[b, : len(c.rows[name].blocks)] = torch.tensor(c.rows[name].blocks)
             self.tables[name] = table
 
     def starts(self) -> torch.Tensor:
@@ -95,8 +95,9 @@ def _compare_state(cfg, cache, ref, tol: float):
     for j, i in enumerate(cfg.indexed_layers):
         def read(name, a, z):
             r = cache.rows[name]
-            pos = torch.arange(a, z, device=r.table.device)
-            return r.pool.data[j].index_select(0, r.table[pos // BS] * BS + pos % BS)
+            blocks = torch.tensor(r.blocks, device=r.pool.data.device)
+            pos = torch.arange(a, z, device=blocks.device)
+            return r.pool.data[j].index_select(0, blocks[pos // BS] * BS + pos % BS)
         slot = ref.indexed[i]
         assert _rel(read("mla", 0, n), slot.latent[:n]) < tol
         assert _rel(read("pool", 0, n // P * P).reshape(n // P, -1), slot.pooled[: n // P]) < tol

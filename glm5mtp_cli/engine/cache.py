@@ -80,7 +80,7 @@ class PagedRows:
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.blocks: list[int] = []
-        self.table = torch.empty(0, dtype=torch.long, device=pool.data.device)
+        self._table: torch.Tensor | None = None  # the blocks on the device, for eager forwards (padded_table)
 
     @property
     def capacity(self) -> int:
@@ -90,20 +90,24 @@ class PagedRows:
         need = math.ceil(tokens / self.pool.block_size) - len(self.blocks)
         if need > 0:
             self.blocks += self.pool.take(need)
-            self.table = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.data.device)
+            self._table = None
 
     def padded_table(self, num_blocks: int) -> torch.Tensor:
-        """The first num_blocks block ids, padded with block 0's id (reads there are masked)."""
-        have = self.table.shape[0]
+        """The first num_blocks block ids, padded with block 0's id (reads there are masked). Built on
+        the device at the first eager read after a reserve: a sequence under graphs never needs it,
+        and a copy per component and reserve was an admission's host time."""
+        if self._table is None:
+            self._table = to_device(self.blocks, self.pool.data.device)
+        have = self._table.shape[0]
         if have >= num_blocks:
-            return self.table[:num_blocks]
-        return torch.cat([self.table, self.table[:1].expand(num_blocks - have)])
+            return self._table[:num_blocks]
+        return torch.cat([self._table, self._table[:1].expand(num_blocks - have)])
 
     def release(self) -> None:
         if self.blocks:
             self.pool.give(self.blocks)
         self.blocks = []
-        self.table = self.table[:0]
+        self._table = None
 
 
 def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
@@ -113,6 +117,13 @@ def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_ints(dst: torch.Tensor, values) -> None:
+    """dst (a long tensor) takes host ints (nested lists in its shape) without a host sync, in one
+    copy: on CUDA straight from pinned memory (to_device and a copy_ would be two)."""
+    src = torch.tensor(values, dtype=torch.long)
+    dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
 
 
 class SlotPool:

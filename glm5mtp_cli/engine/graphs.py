@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, to_device
+from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, copy_ints, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
 from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, Table, sequences_forward
@@ -332,8 +332,7 @@ class ForwardRunner:
         size = next(b for b in sorted(self.graphs.buckets) if b >= len(slots))
         self.bucket = self.graphs.buckets[size]
         if self.bucket.idx_slots != slots:  # most steps run the batch of the step before: nothing to copy
-            self.bucket.idx.copy_(to_device(list(slots) + [self.graphs.slots] * (size - len(slots)), self.device),
-                                  non_blocking=True)
+            copy_ints(self.bucket.idx, list(slots) + [self.graphs.slots] * (size - len(slots)))
             self.bucket.idx_slots = list(slots)
 
     def sequences_step(self, context_fn, fn, caches: list, ids: torch.Tensor,

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from glm5mtp_cli.engine.cache import BlockPool, to_device
+from glm5mtp_cli.engine.cache import BlockPool, copy_ints, to_device
 from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table
 
 MIN_ROWS = 16  # the shortest bucket: shorter forwards pad up to it
@@ -159,8 +159,8 @@ class PrefillForwards:
             for j, c in enumerate(caches):
                 tab.name_blocks(j, c.rows[name].blocks, name)
         for name, index in f.slots.items():
-            index.index[:m].copy_(to_device([c.slots[name].slot for c in caches], self.device), non_blocking=True)
-        f.idx.copy_(to_device(list(range(m)) + [self.rows] * (f.b - m), self.device), non_blocking=True)
+            copy_ints(index.index[:m], [c.slots[name].slot for c in caches])
+        copy_ints(f.idx, list(range(m)) + [self.rows] * (f.b - m))
         for c, k in zip(caches, real):
             c.prepare(k)
         f.set_starts_rows([c.length for c in caches] + [0] * (f.b - m), [k - 1 for k in real] + [0] * (f.b - m))

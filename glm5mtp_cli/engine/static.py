@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import BlockPool, CachedRows, CachedSlots, SlotPool, to_device
+from glm5mtp_cli.engine.cache import BlockPool, CachedRows, CachedSlots, SlotPool, copy_ints, to_device
 from glm5mtp_cli.engine.compiled import PATH_OF, compile_forward
 from glm5mtp_cli.engine.sync_free import sync_free
 from kernels._triton import kernel_path
@@ -47,8 +47,7 @@ class Table:
         width = self.table.shape[1]
         if len(blocks) > width:
             raise RuntimeError(f"{what}: {len(blocks)} blocks, over the tables' {width}")
-        self.table[row].copy_(to_device(list(blocks) + [self.scratch] * (width - len(blocks)), self.table.device),
-                              non_blocking=True)
+        copy_ints(self.table[row], list(blocks) + [self.scratch] * (width - len(blocks)))
 
 
 @dataclass
@@ -131,10 +130,10 @@ class StaticForward:
             self.out = self._forward()
 
     def set_starts(self, lengths: list[int]) -> None:
-        self.starts.copy_(to_device(lengths, self.device), non_blocking=True)
+        copy_ints(self.starts, lengths)
 
     def set_starts_rows(self, lengths: list[int], rows: list[int]) -> None:
-        self._host_in.copy_(to_device([lengths, rows], self.device), non_blocking=True)
+        copy_ints(self._host_in, [lengths, rows])
 
     def run(self):
         if self.graph is not None:
@@ -198,7 +197,7 @@ def sequences_forward(context_fn, fn, caches: list, t: int, device: torch.device
     holds the same reservation (the tables stack), and callers keep starts + t within it: a row past
     it would go to the first cache's last block."""
     first = caches[0]
-    tables = {name: Table(rows.pool, torch.stack([c.rows[name].table for c in caches]), rows.blocks[-1])
+    tables = {name: Table(rows.pool, to_device([c.rows[name].blocks for c in caches], device), rows.blocks[-1])
               for name, rows in first.rows.items()}
     slots = {name: SlotIndex(ref.pool, to_device([c.slots[name].slot for c in caches], device), ref.slot)
              for name, ref in first.slots.items()}
