@@ -86,8 +86,8 @@ class Grammars:
         release the GIL): a batch's masks cost about one mask's time, not one per sequence (vLLM
         fills its bitmask the same way)."""
         if members:
-            self.executor(len(members)).unsafe_compute_mask_ptr(members, rows.data_ptr(), rows.shape[-1] * rows.element_size(),
-                                                    rows.numel() // rows.shape[-1])
+            self.executor(len(members)).unsafe_compute_mask_ptr(
+                members, rows.data_ptr(), rows.shape[-1] * rows.element_size(), rows.numel() // rows.shape[-1])
 
     def fill_walks(self, rows: torch.Tensor, members: list[tuple[object, int, list[int]]]) -> None:
         """rows as fill_rows'; for each (m, r, tokens) of members, row r gets matcher m's mask and
