@@ -76,6 +76,17 @@ def test_llguidance_fills_the_same_packing(nano):
     assert allowed and all(t and t.isdigit() and len(t) <= 3 for t in texts), texts
 
 
+def test_pools_give_each_thread_two_items_at_the_least(nano):
+    """A call's llguidance pool: powers of two, at least two masks or walks a thread, at most
+    `threads` (idle threads cost the call: tests/grammar_host_cost.py)."""
+    g = _grammars(nano)
+    g.threads = 12
+    sizes = {items: g.executor(items) for items in (1, 3, 4, 8, 9, 24, 64)}
+    assert sizes[1] is sizes[3] and sizes[8] is sizes[9]
+    assert len({id(e) for e in sizes.values()}) == 5  # pools of 1, 2, 4, 8 and 12 threads
+    assert g.executor(64) is g.executor(1000)  # capped at `threads`
+
+
 @pytest.mark.parametrize("threads", [1, 64])
 def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeypatch, threads):
     """--no-draft-mask's verify walks every plain sequence in one llguidance call: its rows, the
