@@ -43,5 +43,6 @@ def _one(name: str, b: int, t: int, dev) -> dict:
 def main(argv=None) -> int:
     return bench_rows("bench_conv", __doc__, [(name, b, t) for name in WIDTHS for b, t in CASES], _one, argv)
 
+
 if __name__ == "__main__":
     sys.exit(main())

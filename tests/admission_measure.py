@@ -1,9 +1,10 @@
 """A warm engine's admissions: one engine runs the same workload (HumanEval prompts, or any JSONL of
 {"prompt": ...}) several times, so that from the second run on every graph is already captured, as in
 a server after its warm-up. Per run: prefill (the admission phases' wall), decode and capture seconds
-and end-to-end tokens/s as `bench` counts them, and inside the prefill the synced wall of the target's
-and the drafter's prefill forwards (engine/prefill.py); the rest of the prefill is the admission's
-own host work (reserving, seating, first tokens). --profile: cProfile of the last run's admissions.
+and end-to-end tokens/s as `bench` counts them, and diagnostics.step_phases' rows (each step phase's
+microseconds a step, and the admissions' target and drafter prefills, synced: a run whose capture
+is not 0 has its captures inside those). The prefill less its prefills is the admission's own host
+work (reserving, seating, first tokens). --profile: cProfile of the last run's admissions.
 
     python3 tests/admission_measure.py --model glm5next-nano --prompts humaneval164.jsonl --gamma 3 --batch-size 64
 """
@@ -15,7 +16,6 @@ import cProfile
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,24 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import glm5mtp_cli.engine.speculate as speculate  # noqa: E402
+from glm5mtp_cli.diagnostics.step_phases import Phases, install  # noqa: E402
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec  # noqa: E402
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine, resolve  # noqa: E402
 from glm5mtp_cli.engine.sequence import Request, reserve_tokens  # noqa: E402
-
-FORWARDS: list[tuple[str, float, float]] = []  # (owner, synced seconds, capture seconds) per prefill call
-
-
-def _timed(fn, owner: str, sync):
-    def timed(*args, **kwargs):
-        static = args[-1]  # the prefill's static forwards (None: eager, on the CPU)
-        captured = (lambda: static.capture_s) if static is not None else (lambda: 0.0)
-        sync()
-        c0, t0 = captured(), time.perf_counter()
-        out = fn(*args, **kwargs)
-        sync()
-        FORWARDS.append((owner, time.perf_counter() - t0, captured() - c0))
-        return out
-    return timed
 
 
 def main() -> None:
@@ -64,8 +50,6 @@ def main() -> None:
     per_seq = max(reserve_tokens(len(p), a.max_new_tokens, a.gamma, config.alloc, config.max_seq_len) for p in prompts)
     engine = make_engine(rt, rt.make_pools(per_seq, a.batch_size, prefill_graphs=cuda), config)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    speculate.prefill_targets = _timed(speculate.prefill_targets, "target", sync)
-    speculate.prefill_drafters = _timed(speculate.prefill_drafters, "drafter", sync)
     profile = cProfile.Profile()
     admit = speculate.SpecEngine._admit_into
 
@@ -79,20 +63,20 @@ def main() -> None:
     for i in range(a.runs):
         if a.profile and i == a.runs - 1:
             speculate.SpecEngine._admit_into = profiled
-        FORWARDS.clear()
+        phases = Phases()
+        saved = install(phases, sync)
         p0, d0, c0 = engine.wall_prefill_s, engine.wall_decode_s, engine.wall_capture_s
-        with torch.no_grad():
-            results = engine.generate([Request(p, a.max_new_tokens, j) for j, p in enumerate(prompts)])
+        try:
+            with torch.no_grad():
+                results = engine.generate([Request(p, a.max_new_tokens, j) for j, p in enumerate(prompts)])
+        finally:
+            for owner, name, fn in reversed(saved):
+                setattr(owner, name, fn)
         prefill, decode = engine.wall_prefill_s - p0, engine.wall_decode_s - d0
-        row = {"model": a.model, "gamma": a.gamma, "batch": a.batch_size, "run": i, "prefill_s": prefill,
-               "decode_s": decode, "capture_s": engine.wall_capture_s - c0,
-               "e2e_tokens_per_s": sum(len(r.tokens) for r in results) / (prefill + decode)}
-        for owner in ("target", "drafter"):
-            mine = [f for f in FORWARDS if f[0] == owner]
-            if mine:
-                row[f"{owner}_prefill_calls"] = len(mine)
-                row[f"{owner}_prefill_s"] = sum(s - c for _, s, c in mine)  # less their captures
-        print(json.dumps(row), flush=True)
+        print(json.dumps({"model": a.model, "gamma": a.gamma, "batch": a.batch_size, "run": i, "prefill_s": prefill,
+                          "decode_s": decode, "capture_s": engine.wall_capture_s - c0,
+                          "e2e_tokens_per_s": sum(len(r.tokens) for r in results) / (prefill + decode),
+                          "phases": phases.rows()}), flush=True)
     engine.close()
     if a.profile:
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(30)
