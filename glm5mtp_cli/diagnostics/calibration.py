@@ -1,5 +1,5 @@
 """`plan`'s efficiencies, fitted on measured runs (`plan --calibrate FILE...`), so other hardware scales
-from measured H200 behaviour instead of datasheet peaks.
+from a measured GPU's behaviour (the shipped fit: an H100's) instead of datasheet peaks.
 
 What a fit reads: `bench --json` documents (their real-dimension `draft_step` / `target_step`, timed as
 graph replays: device time only, with `--kernels` their kernel count) and the fixed-gamma rows of
@@ -35,7 +35,7 @@ from pathlib import Path
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_json
 
-DEFAULT_PATH = Path(__file__).with_name("plan_calibration_h200.json")
+DEFAULT_PATH = Path(__file__).with_name("plan_calibration_h100.json")
 COMPUTE_EFFICIENCY = 0.5  # assumed: no measured step here is compute bound
 # ~17 us per sequence-step: the step loop's host time without forwards (diagnostics/host_time on the
 # 2-core CPU, profiles/glm5-nano/RESULTS.md "the step loop's own host time"): the prior when no run
@@ -78,7 +78,7 @@ class Calibration:
 
 
 def load(path: Path | None = None) -> Calibration:
-    """The shipped H200 calibration, or --calibration FILE (a `plan --calibrate --out` document)."""
+    """The shipped calibration (fitted on an H100 at the current kernels), or --calibration FILE (a `plan --calibrate --out` document)."""
     p = Path(path) if path is not None else DEFAULT_PATH
     try:
         raw = json.loads(p.read_text())

@@ -6,7 +6,7 @@ half of it is the dense one. `link_bytes_per_s` is one direction of one GPU's sc
 Infinity Fabric): the rate a ring all-reduce moves data at. `link_latency_s` is no datasheet figure:
 it is the order of a small NCCL/RCCL all-reduce within one node (a few microseconds), an assumption
 said so in its source. `launch_s` is the device cost of one kernel replayed from a CUDA graph; None
-(every entry here) takes the calibration's fitted H200 value (plan_calibration_h200.json): the same
+(every entry here) takes the calibration's fitted value (plan_calibration_h100.json: an H100's): the same
 front end assumed everywhere, said so in each source.
 """
 
@@ -21,7 +21,7 @@ from glm5mtp_cli.jsonl import read_json
 T, G = 1e12, 1e9
 
 ASSUMED_LATENCY = "assumed: a small all-reduce within one node, a few us (no datasheet figure)"
-ASSUMED_LAUNCH = "the calibration's per-kernel cost (fitted on the H200, assumed elsewhere)"
+ASSUMED_LAUNCH = "the calibration's per-kernel cost (fitted on the calibration's GPU, assumed elsewhere)"
 
 
 @dataclass(frozen=True)

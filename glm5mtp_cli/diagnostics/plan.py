@@ -17,13 +17,13 @@ Every forward is costed from what it moves and runs, on one of --tp ranks:
 - communication at tp > 1: two all-reduces of the hidden rows per layer (attention and MLP/MoE
   outputs) and one more for the vocabulary-parallel embedding and head (costed as one hidden-row
   all-reduce), a ring's 2(tp-1)/tp of the bytes over the link plus the link's latency each;
-- launch: kernels (the family's per-layer and draft counts measured on the H200) x per-kernel cost;
+- launch: kernels (the family's per-layer and draft counts, measured with the calibration) x per-kernel cost;
 - host: the call of each forward (a graph replay), and the engine's bookkeeping per step and per
   sequence, charged to the verify (decode) forward.
 
 A forward takes max(bandwidth, compute) + communication + launch + host; its bound is the largest
 term. Bandwidth is achieved at the calibrated fraction of the datasheet's for that kind of step
-(plan_calibration_h200.json, `plan --calibrate`). A step with gamma drafts over B sequences takes
+(plan_calibration_h100.json, `plan --calibrate`). A step with gamma drafts over B sequences takes
 gamma drafts (the first a catch-up of gamma + 1 rows a sequence) + one verify of gamma + 1 rows; it decodes B * E(gamma) tokens (recommend's model, the
 project's one speedup model). TTFT: the batch's prompts (--context tokens each) prefilled in chunks,
 plus the drafter's catch-up over them when gamma > 0.
