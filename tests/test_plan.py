@@ -275,3 +275,21 @@ def test_few_pair_moe_forwards_pay_for_repeated_expert_reads():
     eff = base.hardware.memory_bytes_per_s * base.calibration.efficiency("verify", False)
     assert math.isclose(wide.times["bandwidth"] - one.times["bandwidth"], 0.5 * wide.reread_bytes / eff)
     assert forward("decode", 1, 1, s, paid).reread_bytes == 0.0
+
+
+def test_a_runs_step_is_its_decode_time_over_its_steps(tmp_path):
+    """A run's step is its decode wall time over its steps, at the sequences a step decoded on average
+    (slots stand idle between a finish and the next admission); a document without step counts
+    reads every slot as busy."""
+    row = {"system": "gamma 3", "gamma": 3, "batch": 8, "gamma_policy": "fixed", "prompts": 20,
+           "decode_tokens_per_s": 1000.0, "wall_decode_s": 2.0, "mean_acceptance_length": 4.0,
+           "gamma_steps": {"3": 100}}
+    f = tmp_path / "bench.json"
+    f.write_text(json.dumps({"model": "glm5-nano", "max_new_tokens": 128, "rows": [row]}))
+    (m,) = calibration.read_measurements(f)
+    assert math.isclose(m.seconds, 0.02) and math.isclose(m.seqs, 5.0)  # 2000 tokens / 4 a sequence-step / 100
+    assert math.isclose(m.tokens_per_step / m.seconds, 1000.0)
+    del row["gamma_steps"]
+    f.write_text(json.dumps({"model": "glm5-nano", "max_new_tokens": 128, "rows": [row]}))
+    (m,) = calibration.read_measurements(f)
+    assert math.isclose(m.seconds, 8 * 4.0 / 1000.0) and m.seqs == 8
