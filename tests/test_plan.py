@@ -293,3 +293,20 @@ def test_a_runs_step_is_its_decode_time_over_its_steps(tmp_path):
     f.write_text(json.dumps({"model": "glm5-nano", "max_new_tokens": 128, "rows": [row]}))
     (m,) = calibration.read_measurements(f)
     assert math.isclose(m.seconds, 8 * 4.0 / 1000.0) and m.seqs == 8
+
+
+def test_check_alone_predicts_with_a_calibration_on_other_hardware():
+    """--check without --calibrate predicts the files from --calibration (default: the shipped one)
+    on --hardware: how a calibration carries over to another GPU's runs."""
+    f = "profiles/glm5/plan_h100_f971bb8/steps_glm5next_bf16.json"
+    docs = {}
+    for hw in ("h100", "h200"):
+        r = CliRunner().invoke(app, ["plan", "--check", f, "--hardware", hw, "--json"])
+        assert r.exit_code == 0, r.output
+        docs[hw] = json.loads(r.output)
+    assert docs["h100"]["calibration"] == dataclasses.asdict(calibration.load())
+    h100, h200 = ([x["predicted_ms"] for x in docs[hw]["check"]] for hw in ("h100", "h200"))
+    assert len(h100) == 8 and all(b < a for a, b in zip(h100, h200))  # more bandwidth, shorter steps
+    assert all(abs(x["error"]) < 0.25 for x in docs["h100"]["check"])
+    r = CliRunner().invoke(app, ["plan", "--check", f, "--out", "x.json"])
+    assert r.exit_code == 2 and "--out goes with --calibrate" in r.output

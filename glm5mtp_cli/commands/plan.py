@@ -124,7 +124,8 @@ def plan_cmd(
              "comma-separate) and print them; --hardware names what they ran on.")] = None,
     check: Annotated[Optional[list[str]], typer.Option(
         "--check", metavar="FILE", rich_help_panel=CALIBRATION,
-        help="With --calibrate: predict these files' measurements from the fit and print the errors.")] = None,
+        help="Predict these files' measurements and print the errors: from the fit with --calibrate, else "
+             "from --calibration (default: the shipped one) on --hardware.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", metavar="FILE", rich_help_panel=CALIBRATION,
                                                 help="With --calibrate: write the fit as JSON there.")] = None,
     json_out: JsonOpt = False,
@@ -149,8 +150,14 @@ def plan_cmd(
     if calibrate:
         _calibrate(_files(calibrate), _files(check), hw, out, json_out)
         return
-    if check or out:
-        raise UserError("--check and --out go with --calibrate")
+    if out:
+        raise UserError("--out goes with --calibrate")
+    if check:
+        from glm5mtp_cli.diagnostics import calibration as cal_mod
+
+        cal = cal_mod.load(calibration)
+        _report(cal, _checked(_files(check), hw, cal), hw, json_out, fitted=False)
+        return
     if (acceptance is None) == (acceptance_file is None):
         raise UserError("give the acceptance: --acceptance P1,P2,... or --acceptance-file FILE (one of them)")
     if min(context, budget) < 1:
@@ -259,29 +266,44 @@ def _calibrate(files: list[str], check: list[str], hw, out: Path | None, json_ou
     check_output(out, "--out")
     measured = [m for f in files for m in cal_mod.read_measurements(Path(f))]
     cal = plan_fit.fit(measured, hw, files)
-    checked = []
-    if check:
-        held_out = [m for f in check for m in cal_mod.read_measurements(Path(f))]
-        # kernel counts are inputs (counted, like bytes), not fitted: a family the fit counted keeps the
-        # fit's counts (its per-kernel cost was fitted with them); the held-out files' count the others
-        counts = cal_mod.kernel_counts(held_out, plan_fit.family_of_measurement)
-        with_counts = dataclasses.replace(cal, kernels={**counts, **cal.kernels})
-        checked = plan_fit.compare(held_out, hw, with_counts)
+    checked = _checked(check, hw, cal)
     if out is not None:
         out.write_text(cal_mod.to_json(cal))
+    _report(cal, checked, hw, json_out, fitted=True)
+    if out is not None and not json_out:
+        Console().print(f"written to {out}", highlight=False)
+
+
+def _checked(files: list[str], hw, cal) -> list[dict]:
+    """The files' measurements beside `cal`'s predictions on `hw`."""
+    from glm5mtp_cli.diagnostics import calibration as cal_mod
+    from glm5mtp_cli.diagnostics import plan_fit
+
+    if not files:
+        return []
+    held_out = [m for f in files for m in cal_mod.read_measurements(Path(f))]
+    # kernel counts are inputs (counted, like bytes), not fitted: a family the calibration counted keeps
+    # its counts (its per-kernel cost was fitted with them); the files' own count the others
+    counts = cal_mod.kernel_counts(held_out, plan_fit.family_of_measurement)
+    return plan_fit.compare(held_out, hw, dataclasses.replace(cal, kernels={**counts, **cal.kernels}))
+
+
+def _report(cal, checked: list[dict], hw, json_out: bool, fitted: bool) -> None:
+    """A fit (its values and residuals) or a calibration's predictions of --check files."""
     if json_out:
-        sys.stdout.write(json.dumps({"calibration": dataclasses.asdict(cal), "check": checked})
-                         + "\n")
+        sys.stdout.write(json.dumps({"calibration": dataclasses.asdict(cal), "check": checked}) + "\n")
         return
     console = Console()
     e = cal.bandwidth_efficiency
-    console.print(f"fitted on {hw.name} ({len(files)} files, commit {cal.fitted.get('commit')}): bandwidth "
+    head = (f"fitted on {hw.name}" if fitted else f"{cal.hardware} calibration, predicting on {hw.name}")
+    console.print(f"{head} ({len(cal.fitted.get('files', []))} files, commit {cal.fitted.get('commit')}): bandwidth "
                   + ", ".join(f"{k} {v:.3f}" for k, v in e.items())
-                  + f" of {hw.memory_bytes_per_s / 1e12:g} TB/s; per kernel {cal.per_kernel_s * 1e6:.2f} us; host "
+                  + f" of the datasheet's; per kernel {cal.per_kernel_s * 1e6:.2f} us; host "
                   f"{cal.host_step_s * 1e6:.1f} us per step, {cal.host_forward_s * 1e6:.1f} us per forward, "
-                  f"{cal.host_sequence_s * 1e6:.1f} us per sequence ({cal.fitted['host_sequence_s']})",
+                  f"{cal.host_sequence_s * 1e6:.1f} us per sequence ({cal.fitted.get('host_sequence_s')})",
                   highlight=False)
-    for title, rows in (("the fit's own measurements", cal.residuals), ("held out (--check)", checked)):
+    tables = ((("the fit's own measurements", cal.residuals),) if fitted else ()) + (("held out (--check)", checked),)
+    for title, rows in tables:
         if not rows:
             continue
         t = fit_table(console, title)
@@ -291,8 +313,6 @@ def _calibrate(files: list[str], check: list[str], hw, out: Path | None, json_ou
             t.add_row(Path(r["source"]).name, r["what"], f"{r['measured_ms']:.3f}", f"{r['predicted_ms']:.3f}",
                       f"{r['error']:+.1%}")
         console.print(t)
-    if out is not None:
-        console.print(f"written to {out}", highlight=False)
 
 
 def _plot(path: Path, doc: dict) -> None:
