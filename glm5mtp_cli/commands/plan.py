@@ -117,7 +117,8 @@ def plan_cmd(
                                              help="Concurrent sequences to plan.")] = "1,8,32,64,128",
     calibration: Annotated[Optional[Path], typer.Option(
         "--calibration", metavar="FILE", rich_help_panel=CALIBRATION,
-        help="Efficiencies from `plan --calibrate --out FILE` (default: the shipped fit, an H100 at the current kernels).")] = None,
+        help="Efficiencies from `plan --calibrate --out FILE` (default: the shipped fit, an H100 at the "
+             "current kernels).")] = None,
     calibrate: Annotated[Optional[list[str]], typer.Option(
         "--calibrate", metavar="FILE", rich_help_panel=CALIBRATION,
         help="Fit the efficiencies on these `bench --json` / `generate --json` files (repeat or "

@@ -78,7 +78,8 @@ class Calibration:
 
 
 def load(path: Path | None = None) -> Calibration:
-    """The shipped calibration (fitted on an H100 at the current kernels), or --calibration FILE (a `plan --calibrate --out` document)."""
+    """The shipped calibration (an H100's, at the current kernels), or --calibration FILE (a `plan
+    --calibrate --out` document)."""
     p = Path(path) if path is not None else DEFAULT_PATH
     try:
         raw = json.loads(p.read_text())
