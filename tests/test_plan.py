@@ -310,3 +310,5 @@ def test_check_alone_predicts_with_a_calibration_on_other_hardware():
     assert all(abs(x["error"]) < 0.25 for x in docs["h100"]["check"])
     r = CliRunner().invoke(app, ["plan", "--check", f, "--out", "x.json"])
     assert r.exit_code == 2 and "--out goes with --calibrate" in r.output
+    r = CliRunner().invoke(app, ["plan", "--check", "no/such.json"])
+    assert r.exit_code == 2 and r.output.startswith("error: --check no/such.json")

@@ -282,7 +282,7 @@ def _checked(files: list[str], hw, cal) -> list[dict]:
 
     if not files:
         return []
-    held_out = [m for f in files for m in cal_mod.read_measurements(Path(f))]
+    held_out = [m for f in files for m in cal_mod.read_measurements(Path(f), "--check")]
     # kernel counts are inputs (counted, like bytes), not fitted: a family the calibration counted keeps
     # its counts (its per-kernel cost was fitted with them); the files' own count the others
     counts = cal_mod.kernel_counts(held_out, plan_fit.family_of_measurement)

@@ -118,14 +118,15 @@ class Measurement:
     tokens_per_step: float = 1.0  # a run's: sequences x mean acceptance length
 
 
-def read_measurements(path: Path) -> list[Measurement]:
-    """Every measurement of one `bench --json` or `generate --json` document."""
-    doc = read_json(path, "--calibrate")
+def read_measurements(path: Path, option: str = "--calibrate") -> list[Measurement]:
+    """Every measurement of one `bench --json` or `generate --json` document (`option`: the flag that
+    named it, for the error)."""
+    doc = read_json(path, option)
     if not isinstance(doc, dict) or "model" not in doc:
-        raise UserError(f"--calibrate {path}: expected a `bench --json` or `generate --json` document")
+        raise UserError(f"{option} {path}: expected a `bench --json` or `generate --json` document")
     out = _steps(str(path), doc) + _bench_rows(str(path), doc) + _generate_run(str(path), doc)
     if not out:
-        raise UserError(f"--calibrate {path}: no step timings and no fixed-gamma decode rows in it")
+        raise UserError(f"{option} {path}: no step timings and no fixed-gamma decode rows in it")
     return out
 
 
