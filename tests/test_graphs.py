@@ -257,6 +257,25 @@ def test_a_feed_pads_each_sequences_rows_into_its_row():
     assert (f.ids[3] == -1).all() and f.rows.tolist() == [0, 2, 1, 0]
 
 
+def test_a_changed_batch_gathers_its_rows_by_the_step_they_came_from():
+    """Feed.gather: rows of one step's tensors (out of order, some gone) and rows of their own (an
+    admitted sequence's) land in order, each row's first n exactly; past n a row holds what followed
+    it in its step's tensors, or zeros."""
+    from glm5mtp_cli.engine.proposer import Feed
+    from glm5mtp_cli.engine.sequence import BatchRow
+
+    step = (torch.arange(20).view(5, 4) + 100, torch.arange(40.0).view(5, 4, 2))
+    own = BatchRow.own(torch.tensor([7]), torch.tensor([[0.5, 0.25]]))
+    rows = [BatchRow(step, 3, 2), own, BatchRow(step, 0, 4), BatchRow(step, 4, 1)]
+    feed = Feed.gather(rows)
+    assert feed.counts == [2, 1, 4, 1] and feed.tokens.shape == (4, 4) and feed.hiddens.shape == (4, 4, 2)
+    for j, r in enumerate(rows):
+        t, h = r.tensors()
+        assert torch.equal(feed.tokens[j, : r.n], t) and torch.equal(feed.hiddens[j, : r.n], h)
+    assert torch.equal(feed.tokens[0], step[0][3]) and torch.equal(feed.hiddens[3], step[1][4])
+    assert feed.tokens[1, 1:].eq(0).all() and feed.hiddens[1, 1:].eq(0).all()
+
+
 def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
     """Static forwards, greedy: a propose returns the fused chain's [A, g] output as one
     Drafts (no per-sequence views), every state's last_drafts is it, a row read from it is that
@@ -284,25 +303,25 @@ def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
 
 def test_an_unchanged_batch_feeds_the_drafter_its_last_step_as_one_tensor(rt, monkeypatch):
     """After a drafting step the batch's pending rows stay one tensor (the last verify's drafter
-    feed) into the next draft; once the batch changes (a sequence finished, one was admitted) each
-    sequence's rows are padded into a feed of their own (Feed.of). Both paths run here, and the
-    tokens are eager's (test_static_forwards_equal_eager)."""
+    feed) into the next draft; once the batch changes (a sequence finished, one was admitted) its
+    rows are gathered into a feed (Feed.gather). Both paths run here, and the tokens are eager's
+    (test_static_forwards_equal_eager)."""
     from glm5mtp_cli.engine import drafting
     from glm5mtp_cli.engine.proposer import Feed
 
-    kinds, padded, real, real_of = [], [], drafting.propose, Feed.of
+    kinds, gathered, real, real_gather = [], [], drafting.propose, Feed.gather
 
     def spy(head, runner, feed, *args):
-        kinds.append(feed not in padded)
+        kinds.append(feed not in gathered)
         return real(head, runner, feed, *args)
 
-    def of(rows, width=None):
-        feed = real_of(rows, width)
-        padded.append(feed)
+    def gather(rows):
+        feed = real_gather(rows)
+        gathered.append(feed)
         return feed
 
     monkeypatch.setattr(drafting, "propose", spy)
-    monkeypatch.setattr(Feed, "of", staticmethod(of))
+    monkeypatch.setattr(Feed, "gather", staticmethod(gather))
     static = _run(rt, 3, "static", 2)
     assert True in kinds and False in kinds, kinds
     monkeypatch.undo()

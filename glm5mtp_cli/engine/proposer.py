@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from glm5mtp_cli.engine.cache import SequenceCache
+from glm5mtp_cli.engine.cache import SequenceCache, to_device
 
 
 @dataclass
@@ -55,8 +55,8 @@ class Drafts:
 class Feed:
     """The drafter rows one propose appends, for the whole batch: row j's first counts[j] entries
     of tokens [A, W] and hiddens [A, W, H] (device). An unchanged batch passes the last verify's
-    rows as the one tensor they already are (the engine's drafter feed); a changed one pads each
-    sequence's rows into one (`of`). One form for every feed: per-sequence views (two per sequence
+    rows as the one tensor they already are (the engine's drafter feed); a changed one gathers
+    them (`gather`); a prefill pads each sequence's rows into one (`of`). One form for every feed: per-sequence views (two per sequence
     per step) were a fifth of the step loop's host time at gamma 3, batch 64 (diagnostics/host_time:
     1282-1339 -> 988-1054 us per step on this project's CPU)."""
 
@@ -76,6 +76,34 @@ class Feed:
         for j, (t, h) in enumerate(rows):
             tokens[j, : t.shape[0]] = t
             hiddens[j, : h.shape[0]] = h
+        return cls(tokens, hiddens, counts)
+
+    @classmethod
+    def gather(cls, rows) -> "Feed":
+        """A changed batch's pending rows (engine BatchRows: row i of one step's (tokens, hiddens),
+        its first n) in one feed: the rows of each step's tensors in one gather (a batch of 64 after
+        a finish is one, plus one per sequence admitted since), not two copies per sequence, which
+        at batch 64 were a quarter of a gamma-3 step on an H100. Past a row's count the feed holds
+        what followed it in its step's tensors (padding, as an unchanged batch's feed has)."""
+        counts = [r.n for r in rows]
+        width = max(counts)
+        t0, h0 = rows[0].src
+        tokens = t0.new_zeros(len(rows), width)
+        hiddens = h0.new_zeros(len(rows), width, h0.shape[-1])
+        groups: dict[int, tuple] = {}  # id of a step's tensors -> (them, feed rows, their rows)
+        for j, r in enumerate(rows):
+            _, dst, src = groups.setdefault(id(r.src), (r.src, [], []))
+            dst.append(j)
+            src.append(r.i)
+        for (t, h), dst, src in groups.values():
+            w = min(width, t.shape[1])
+            if len(dst) == 1:
+                tokens[dst[0], :w] = t[src[0], :w]
+                hiddens[dst[0], :w] = h[src[0], :w]
+                continue
+            dst_t, src_t = to_device(dst, t.device), to_device(src, t.device)
+            tokens[:, :w].index_copy_(0, dst_t, t[:, :w].index_select(0, src_t))
+            hiddens[:, :w].index_copy_(0, dst_t, h[:, :w].index_select(0, src_t))
         return cls(tokens, hiddens, counts)
 
     def __len__(self) -> int:

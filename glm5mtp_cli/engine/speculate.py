@@ -439,7 +439,7 @@ class SpecEngine:
         if whole is not None:
             feed = Feed(*whole, [s.pend.n for s in active])
         else:
-            feed = Feed.of([s.pend.tensors() for s in active])
+            feed = Feed.gather([s.pend for s in active])
         drafts = drafting.propose(self.head, self.runner, feed, [s.state for s in active], g,
                                   self.config.draft_conf_tau, masks)
         if self.config.check_invariants:
