@@ -265,15 +265,19 @@ def test_a_changed_batch_gathers_its_rows_by_the_step_they_came_from():
     from glm5mtp_cli.engine.sequence import BatchRow
 
     step = (torch.arange(20).view(5, 4) + 100, torch.arange(40.0).view(5, 4, 2))
+    narrow = (torch.arange(6).view(3, 2) + 10, torch.arange(12.0).view(3, 2, 2))  # a step of gamma 1
     own = BatchRow.own(torch.tensor([7]), torch.tensor([[0.5, 0.25]]))
-    rows = [BatchRow(step, 3, 2), own, BatchRow(step, 0, 4), BatchRow(step, 4, 1)]
+    rows = [BatchRow(step, 3, 2), own, BatchRow(narrow, 2, 2), BatchRow(step, 0, 4), BatchRow(narrow, 0, 1),
+            BatchRow(step, 4, 1)]
     feed = Feed.gather(rows)
-    assert feed.counts == [2, 1, 4, 1] and feed.tokens.shape == (4, 4) and feed.hiddens.shape == (4, 4, 2)
+    assert feed.counts == [2, 1, 2, 4, 1, 1] and feed.tokens.shape == (6, 4) and feed.hiddens.shape == (6, 4, 2)
     for j, r in enumerate(rows):
         t, h = r.tensors()
         assert torch.equal(feed.tokens[j, : r.n], t) and torch.equal(feed.hiddens[j, : r.n], h)
-    assert torch.equal(feed.tokens[0], step[0][3]) and torch.equal(feed.hiddens[3], step[1][4])
-    assert feed.tokens[1, 1:].eq(0).all() and feed.hiddens[1, 1:].eq(0).all()
+    assert torch.equal(feed.tokens[0], step[0][3]) and torch.equal(feed.hiddens[5], step[1][4])
+    for j in (1, 2, 4):  # past their own tensors' width: zeros
+        w = rows[j].src[0].shape[1]
+        assert feed.tokens[j, w:].eq(0).all() and feed.hiddens[j, w:].eq(0).all()
 
 
 def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
