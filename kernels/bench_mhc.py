@@ -80,5 +80,6 @@ def main(argv=None) -> int:
     cases = [(d, t) for d in (256, 4096) for t in (1, 8, 64, 256, 1024) + ((4096, 16384) if d == NANO_WIDTH else ())]
     return bench_rows("bench_mhc", __doc__, cases, _one, argv)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -101,7 +101,7 @@ class Feed:
                 tokens[dst[0], :w] = t[src[0], :w]
                 hiddens[dst[0], :w] = h[src[0], :w]
                 continue
-            dst_t, src_t = to_device(dst, t.device), to_device(src, t.device)
+            dst_t, src_t = to_device([dst, src], t.device)  # one copy for both
             tokens[:, :w].index_copy_(0, dst_t, t[:, :w].index_select(0, src_t))
             hiddens[:, :w].index_copy_(0, dst_t, h[:, :w].index_select(0, src_t))
         return cls(tokens, hiddens, counts)
