@@ -17,6 +17,7 @@ from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.sequence import Request
 from kernels._triton import kernel_path
+from test_graphs import check_seats
 
 # prompt, max new tokens: different lengths, budgets ending apart
 TEXTS = [("def binary_search(items, target):\n", 14), ("import os\n", 6),
@@ -65,6 +66,10 @@ def test_static_sampling_equals_eager(rt):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
     eager = _run(rt, 2, "eager", 3, params)
     assert [r.tokens for r in _run(rt, 2, "static", 3, params)] == [r.tokens for r in eager]
+
+
+def test_seated_sequences_table_rows_and_slot_indices_name_their_own(rt, monkeypatch):
+    check_seats(rt, _work(rt), 3, monkeypatch)
 
 
 def test_retire_points_the_slot_index_at_scratch_before_the_state_goes_back(rt):
@@ -125,6 +130,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), graphs="static"))
     req = Request(_work(rt)[0][0], 20)
     seq = engine.start(req)
+    seq.slot = 0  # seated, as the engine's schedule does
     try:
         engine._open_graphs([seq], 1, engine._table_blocks([req]))
         g = engine.runner.graphs

@@ -111,6 +111,50 @@ def test_sequences_finishing_early_are_retired_to_scratch(rt):
     assert any(held.values())
 
 
+def check_seats(rt, requests: list[tuple[list[int], int]], slots: int, monkeypatch) -> None:
+    """An admission seats its sequences in one copy (EngineGraphs.occupy): after each schedule,
+    every seated slot's row of every table names its sequence's blocks, scratch past them, and its
+    slot indices name its state slots (GLM-5-Next's test calls this too)."""
+    from glm5mtp_cli.engine.speculate import SpecEngine
+
+    pools = rt.make_pools(128, slots, block_size=4)
+    engine = make_engine(rt, pools, EngineConfig(gamma=2, max_seq_len=128, eos_ids=(), check_invariants=True, graphs="static"))
+    seated = set()
+    schedule = SpecEngine._schedule
+
+    def checked(self, run):
+        active = schedule(self, run)
+        for seq in active:
+            for owner, cache in self._slot_caches(seq).items():
+                for name, t in self.runner.graphs.tables.get(owner, {}).items():
+                    blocks, row = cache.rows[name].blocks, t.table[seq.slot].tolist()
+                    assert row == blocks + [t.scratch] * (len(row) - len(blocks)), (owner, name)
+                for name, index in self.runner.graphs.slot_index.get(owner, {}).items():
+                    assert int(index.index[seq.slot]) == cache.slots[name].slot, (owner, name)
+            seated.add((seq.req.request_id, seq.slot))
+        return active
+
+    monkeypatch.setattr(SpecEngine, "_schedule", checked)
+    engine.generate([Request(p, n, i) for i, (p, n) in enumerate(requests)], batch_size=slots)
+    engine.close()
+    assert {r for r, _ in seated} == set(range(len(requests))) and {s for _, s in seated} == set(range(slots))
+
+
+def test_seated_sequences_table_rows_name_their_blocks(rt, monkeypatch):
+    check_seats(rt, REQUESTS, 2, monkeypatch)
+
+
+def test_copy_ints_many_writes_whole_tensors_and_chosen_rows():
+    from glm5mtp_cli.engine.cache import copy_ints_many
+
+    table, index, flat = torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)
+    copy_ints_many([(table, [2, 0], [1, 2, 3, 4, 5, 6]), (index, [3], [9]), (flat, None, [7, 8, 9, 10])])
+    assert table.tolist() == [[4, 5, 6], [0, 0, 0], [1, 2, 3], [0, 0, 0]]
+    assert index.tolist() == [0, 0, 0, 9]
+    assert flat.tolist() == [[7, 8], [9, 10]]
+    copy_ints_many([])  # nothing to write: no copy
+
+
 def test_cuda_graphs_need_cuda(rt):
     pools = rt.make_pools(64, 1, block_size=4)
     with pytest.raises(UserError, match="CUDA graphs need --device cuda"):
@@ -158,6 +202,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), graphs="static"))
     req = Request(list(range(10, 40)), 20)
     seq = engine.start(req)
+    seq.slot = 0  # seated, as the engine's schedule does
     try:
         engine._open_graphs([seq], 1, engine._table_blocks([req]))
         g = engine.runner.graphs

@@ -21,6 +21,11 @@ class Clock:
             return e
         return time.perf_counter()
 
+    def wait(self, mark) -> None:
+        """The host waits until the device has reached `mark` (its copies before it have landed)."""
+        if self.cuda:
+            mark.synchronize()
+
     def seconds(self, a, b) -> float:
         if self.cuda:
             b.synchronize()

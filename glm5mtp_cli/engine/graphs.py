@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, copy_ints, to_device
+from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, copy_ints, copy_ints_many, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
 from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, Table, sequences_forward
@@ -201,14 +201,18 @@ class EngineGraphs:
             for c in (bucket.commit or {}).values():
                 c.capture(self.mempool)
 
-    def occupy(self, slot: int, caches: dict[str, object]) -> None:
-        """A sequence takes `slot`: its table rows name its blocks (scratch past them), its slot
-        indices its state slots."""
-        for owner, cache in caches.items():
+    def occupy(self, slots: list[int], caches: list[dict[str, object]]) -> None:
+        """Sequences take `slots` (caches[i]: slot i's, by owner): their table rows name their blocks
+        (scratch past them), their slot indices their state slots; one host-to-device copy for all."""
+        writes = []
+        for owner in dict.fromkeys(o for c in caches for o in c):
+            seated = [(slot, c[owner]) for slot, c in zip(slots, caches) if owner in c]
+            rows = [slot for slot, _ in seated]
             for name, t in self.tables.get(owner, {}).items():
-                t.name_blocks(slot, cache.rows[name].blocks, f"{owner} {name}")
+                writes.append((t.table, rows, [b for _, c in seated for b in t.row_of(c.rows[name].blocks, f"{owner} {name}")]))
             for name, s in self.slot_index.get(owner, {}).items():
-                s.index[slot] = cache.slots[name].slot
+                writes.append((s.index, rows, [c.slots[name].slot for _, c in seated]))
+        copy_ints_many(writes)
 
     def retire(self, slot: int) -> None:
         """A slot whose sequence ends: its tables and slot indices point at the scratch blocks and
@@ -218,7 +222,7 @@ class EngineGraphs:
                 t.table[slot].fill_(t.scratch)
         for indices in self.slot_index.values():
             for s in indices.values():
-                s.index[slot] = s.scratch
+                s.index[slot].fill_(s.scratch)  # `index[slot] = int` copies from pageable memory: a sync
 
     def close(self) -> None:
         """Destroy the graphs, then give the scratch blocks and slots back."""
@@ -315,9 +319,9 @@ class ForwardRunner:
             self.prefill.close()
             self.prefill = None
 
-    def occupy(self, slot: int, caches: dict[str, object]) -> None:
-        if self.graphs is not None:
-            self.graphs.occupy(slot, caches)
+    def occupy(self, slots: list[int], caches: list[dict[str, object]]) -> None:
+        if self.graphs is not None and slots:
+            self.graphs.occupy(slots, caches)
 
     def retire(self, slot: int | None) -> None:
         if self.graphs is not None and slot is not None:

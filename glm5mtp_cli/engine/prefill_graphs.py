@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from glm5mtp_cli.engine.cache import BlockPool, copy_ints, to_device
+from glm5mtp_cli.engine.cache import BlockPool, copy_ints_many, to_device
 from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table
 
 MIN_ROWS = 16  # the shortest bucket: shorter forwards pad up to it
@@ -155,14 +155,13 @@ class PrefillForwards:
         rows; `commits` (the target): what the forward advanced in fixed-size state is committed now,
         at each member's real rows (padding rows keep none)."""
         m = len(caches)
-        for name, tab in f.tables.items():
-            for j, c in enumerate(caches):
-                tab.name_blocks(j, c.rows[name].blocks, name)
-        for name, index in f.slots.items():
-            copy_ints(index.index[:m], [c.slots[name].slot for c in caches])
-        copy_ints(f.idx, list(range(m)) + [self.rows] * (f.b - m))
         for c, k in zip(caches, real):
             c.prepare(k)
+        writes = [(tab.table[:m], None, [b for c in caches for b in tab.row_of(c.rows[name].blocks, name)])
+                  for name, tab in f.tables.items()]
+        writes += [(index.index[:m], None, [c.slots[name].slot for c in caches]) for name, index in f.slots.items()]
+        writes.append((f.idx, None, list(range(m)) + [self.rows] * (f.b - m)))
+        copy_ints_many(writes)
         f.set_starts_rows([c.length for c in caches] + [0] * (f.b - m), [k - 1 for k in real] + [0] * (f.b - m))
         out = f.run()
         if commits is not None:  # now: the bucket's next replay overwrites `out`

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachePools, SequenceCache
+from glm5mtp_cli.engine.cache import CachePools, SequenceCache, to_device
 from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.config import EngineConfig
@@ -230,10 +230,12 @@ class SpecEngine:
         a0 = self._wall()
         while run.waiting and free:
             batch = self._next_batch(run.waiting, len(free))
+            seated = []
             for (i, _), seq in zip(batch, self.admit([r for _, r in batch], run.arrive)):
                 run.results[i] = seq.res
                 if seq.done is None:
-                    self._seat(seq, free.pop(0), run.slots)
+                    seated.append(seq)
+            self._seat(seated, [free.pop(0) for _ in seated], run.slots)
         captured = self.runner.take_capture_s()
         self._admission_s = self._wall() - a0 - captured
         self._idle_s = 0.0
@@ -264,11 +266,12 @@ class SpecEngine:
             tokens += n
         return batch
 
-    def _seat(self, seq: LiveSequence, slot: int, slots: list) -> None:
-        """A prefilled sequence takes a free slot: its rows of the graphs' tables name its blocks."""
-        seq.slot = slot
-        slots[slot] = seq
-        self.runner.occupy(slot, self._slot_caches(seq))
+    def _seat(self, seqs: list[LiveSequence], free: list[int], slots: list) -> None:
+        """Prefilled sequences take free slots: their rows of the graphs' tables name their blocks."""
+        for seq, slot in zip(seqs, free):
+            seq.slot = slot
+            slots[slot] = seq
+        self.runner.occupy(free, [self._slot_caches(s) for s in seqs])
 
     def _slot_caches(self, seq: LiveSequence) -> dict:
         caches = {"target": seq.cache}
@@ -291,8 +294,7 @@ class SpecEngine:
         self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
                          hidden, greedy=drafting.fusable(self.sampling, self.config.draft_conf_tau),
                          stepwise=self._stepwise)
-        for s in active:
-            self.runner.occupy(s.slot, self._slot_caches(s))
+        self.runner.occupy([s.slot for s in active], [self._slot_caches(s) for s in active])
 
     def close(self) -> None:
         """Drop the engine's graphs and give their scratch blocks back (the pools' ledger is then
@@ -354,11 +356,13 @@ class SpecEngine:
             first = logits.argmax(-1)
         else:
             first = torch.cat([choose(logits[i:i + 1], self.sampling, [s.gen])[0] for i, s in enumerate(seqs)])
-        firsts, firsts_dev = first.tolist(), (first[:, None],)
+        # the first tokens are read after the drafters' prefill is launched, so that its host work
+        # overlaps the targets' forwards, and its device work the bookkeeping below
+        first_host = first.to("cpu", non_blocking=True)
         t1 = self.clock.now()
         drafted = [0] * len(seqs)
         if self.head is not None:
-            prompts = torch.tensor([t for s in seqs for t in s.req.prompt], dtype=torch.long).to(self.device)
+            prompts = to_device([t for s in seqs for t in s.req.prompt], self.device)
             feeds, at = [], 0
             for i, (s, pl) in enumerate(zip(seqs, plans)):
                 p = len(s.req.prompt)
@@ -368,6 +372,8 @@ class SpecEngine:
                 at += p
             prefill_drafters(self.head, [f[0] for f in feeds], [f[1] for f in feeds], [s.state for s in seqs],
                              self.config.prefill_chunk, self.config.prefill_tokens, self.runner.prefill)
+        self.clock.wait(t1)
+        firsts, firsts_dev = first_host.tolist(), (first[:, None],)
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             req, p, d = seq.req, len(seq.req.prompt), drafted[i]
             seq.last = firsts[i]

@@ -42,12 +42,12 @@ class Table:
         new, all_ = table_slots(self.table, self.pool.block_size, starts, t, self.scratch, idx)
         return CachedRows(self.pool.data, new, all_)
 
-    def name_blocks(self, row: int, blocks: list[int], what: str) -> None:
-        """Row `row` names `blocks` (the scratch block past them), copied asynchronously."""
+    def row_of(self, blocks: list[int], what: str) -> list[int]:
+        """The table row naming `blocks` (the scratch block past them)."""
         width = self.table.shape[1]
         if len(blocks) > width:
             raise RuntimeError(f"{what}: {len(blocks)} blocks, over the tables' {width}")
-        copy_ints(self.table[row], list(blocks) + [self.scratch] * (width - len(blocks)))
+        return list(blocks) + [self.scratch] * (width - len(blocks))
 
 
 @dataclass
