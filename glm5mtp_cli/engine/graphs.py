@@ -209,7 +209,8 @@ class EngineGraphs:
             seated = [(slot, c[owner]) for slot, c in zip(slots, caches) if owner in c]
             rows = [slot for slot, _ in seated]
             for name, t in self.tables.get(owner, {}).items():
-                writes.append((t.table, rows, [b for _, c in seated for b in t.row_of(c.rows[name].blocks, f"{owner} {name}")]))
+                named = [b for _, c in seated for b in t.row_of(c.rows[name].blocks, f"{owner} {name}")]
+                writes.append((t.table, rows, named))
             for name, s in self.slot_index.get(owner, {}).items():
                 writes.append((s.index, rows, [c.slots[name].slot for _, c in seated]))
         copy_ints_many(writes)
