@@ -4,7 +4,8 @@ a server after its warm-up. Per run: prefill (the admission phases' wall), decod
 and end-to-end tokens/s as `bench` counts them, and diagnostics.step_phases' rows (each step phase's
 microseconds a step, and the admissions' target and drafter prefills, synced: a run whose capture
 is not 0 has its captures inside those). The prefill less its prefills is the admission's own host
-work (reserving, seating, first tokens). --profile: cProfile of the last run's admissions.
+work (reserving, seating, first tokens). --profile: cProfile of the last run's admissions,
+by cumulative time (the parts) and by own time.
 
     python3 tests/admission_measure.py --model glm5next-nano --prompts humaneval164.jsonl --gamma 3 --batch-size 64
 """
@@ -79,7 +80,9 @@ def main() -> None:
                           "phases": phases.rows()}), flush=True)
     engine.close()
     if a.profile:
-        pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(profile, stream=sys.stderr)
+        stats.sort_stats("cumulative").print_stats(45)  # by part: table writes, first-token wait, seating
+        stats.sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
