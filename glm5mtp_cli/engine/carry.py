@@ -15,9 +15,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from glm5mtp_cli.engine.cache import SequenceCache
 from glm5mtp_cli.engine.proposer import DrafterKV
+
+if TYPE_CHECKING:
+    from glm5mtp_cli.engine.cache import CachePools
+    from glm5mtp_cli.engine.sequence import LiveSequence
 
 CARRY_MODES = ("none", "drafter", "all")
 
@@ -83,6 +88,51 @@ def plan(carry: Carry, prompt: list[int], with_target: bool) -> CarryPlan:
         if carry.target is not None and carry.target.slots and t_rows != carry.target.length:
             t_rows = 0  # a recurrent state holds the whole prefix: reuse all of it or none
     return CarryPlan(t_rows, d_rows)
+
+
+def install(seq: "LiveSequence", head, budget_tokens: int) -> CarryPlan:
+    """Move the previous turn's caches (the request's carry) into a sequence being admitted,
+    trimmed to what its prompt reuses; a carried drafter gets a state of `budget_tokens` rows
+    (head None: no drafter). Whatever is not installed is released."""
+    carry, seq.req.carry = seq.req.carry, None
+    try:
+        plan_ = plan(carry, seq.req.prompt, with_target=carry.target is not None)
+        if carry.target is not None and plan_.target_start:
+            seq.cache = carry.target  # the fresh cache holds no blocks yet
+            carry.target = None
+            seq.cache.truncate(plan_.target_start)
+        if carry.drafter is not None and head is not None:
+            kv, carry.drafter = carry.drafter, None
+            kv.cache.truncate(plan_.drafter_rows)
+            kv.rows = plan_.drafter_rows
+            kv.tokens = kv.tokens[: plan_.drafter_rows]
+            seq.state = head.alloc_state_for(budget_tokens)
+            head.install_drafter_kv(kv, seq.state)
+        else:
+            plan_.drafter_rows = 0
+        return plan_
+    finally:
+        if head is not None:
+            carry.release(head)  # anything not installed
+        elif carry.target is not None:
+            carry.target.release()
+
+
+def hand_back(seq: "LiveSequence", head, pools: "CachePools") -> None:
+    """End of a turn kept for the next (its request's carry_mode): feed the drafter its pending
+    real rows, then move the caches out of the sequence into its result's carry_out, so that
+    releasing the sequence leaves them alone."""
+    drafter = None
+    if seq.state is not None and seq.state.cache is not None:
+        seq.join_backlog()
+        head.catchup_drafter(*seq.pend.tensors(), seq.state.real_rows, seq.state)
+        drafter = head.take_drafter_kv(seq.state)
+    target = None
+    if seq.req.carry_mode == "all":
+        target, seq.cache = seq.cache, pools.target_cache()
+        seq.cache.released = True
+    tokens = seq.all_tokens[: target.length] if target is not None else list(seq.all_tokens)
+    seq.res.carry_out = Carry(target, tokens, drafter)
 
 
 class CarryStore:

@@ -134,6 +134,14 @@ class LiveSequence:
         row = self.last_row
         return row.src[0][row.i, : row.n]
 
+    def join_backlog(self) -> None:
+        """The rows of steps without drafts behind the pending ones. They wait as BatchRows, not
+        views: a run that never drafts (gamma 0) makes no tensor per sequence and step for them."""
+        if self.backlog:
+            rows = [self.pend.tensors(), *(r.tensors() for r in self.backlog)]
+            self.pend = BatchRow.own(torch.cat([t for t, _ in rows]), torch.cat([h for _, h in rows]))
+            self.backlog = []
+
 
 def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
     """Rows a request can reach in either cache: prompt + new tokens + the last verify's drafts."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools, SequenceCache, to_device
-from glm5mtp_cli.engine.carry import Carry, CarryPlan, plan
+from glm5mtp_cli.engine.carry import CarryPlan, hand_back, install
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy
@@ -46,7 +46,7 @@ from glm5mtp_cli.engine.graphs import ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_drafters, prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import graph_rows
-from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed
 from glm5mtp_cli.engine.sampling import choose, request_stream
 from glm5mtp_cli.engine.sequence import (BatchRow, LiveSequence, Request, SeqResult, StepRecord, budget_tokens,
                                          reserve_tokens, whole_batch)
@@ -329,10 +329,11 @@ class SpecEngine:
                 seqs.append(seq)
                 if not self.sampling.greedy:
                     seq.gen = request_stream(self.sampling.seed, req.request_id, self.device)
-                plans.append(self._install_carry(seq) if req.carry is not None else CarryPlan(0, 0))
-                seq.cache.reserve(self.reserve_tokens(req))
+                rows = self.reserve_tokens(req)  # its budget, or the --max-seq-len ceiling
+                plans.append(install(seq, self.head, rows) if req.carry is not None else CarryPlan(0, 0))
+                seq.cache.reserve(rows)
                 if self.head is not None and seq.state is None:
-                    seq.state = self._alloc_state(req)
+                    seq.state = self.head.alloc_state_for(rows)
                 if self._constraint(req) is not None:
                     seq.grammar = self.grammars.open(self._constraint(req), self.eos)
                 if seq.state is not None:
@@ -393,50 +394,6 @@ class SpecEngine:
             if self.on_tokens is not None:
                 self.on_tokens(req.request_id, list(seq.out))
 
-    def _alloc_state(self, req: Request) -> ProposerState:
-        return self.head.alloc_state_for(self.reserve_tokens(req))  # its budget, or the --max-seq-len ceiling
-
-    def _install_carry(self, seq: LiveSequence) -> CarryPlan:
-        """Move the previous turn's caches into this sequence, trimmed to what the prompt reuses."""
-        carry, seq.req.carry = seq.req.carry, None
-        try:
-            plan_ = plan(carry, seq.req.prompt, with_target=carry.target is not None)
-            if carry.target is not None and plan_.target_start:
-                seq.cache = carry.target  # the fresh cache holds no blocks yet
-                carry.target = None
-                seq.cache.truncate(plan_.target_start)
-            if carry.drafter is not None and self.head is not None:
-                kv, carry.drafter = carry.drafter, None
-                kv.cache.truncate(plan_.drafter_rows)
-                kv.rows = plan_.drafter_rows
-                kv.tokens = kv.tokens[: plan_.drafter_rows]
-                seq.state = self._alloc_state(seq.req)
-                self.head.install_drafter_kv(kv, seq.state)
-            else:
-                plan_.drafter_rows = 0
-            return plan_
-        finally:
-            if self.head is not None:
-                carry.release(self.head)  # anything not installed
-            elif carry.target is not None:
-                carry.target.release()
-
-    def _hand_back_carry(self, s: LiveSequence) -> None:
-        """End of a turn kept for the next: feed the drafter its pending real rows, then move the
-        caches out of the sequence so _release leaves them alone."""
-        mode = s.req.carry_mode
-        drafter = None
-        if s.state is not None and s.state.cache is not None:
-            self._join_backlog(s)
-            self.head.catchup_drafter(*s.pend.tensors(), s.state.real_rows, s.state)
-            drafter = self.head.take_drafter_kv(s.state)
-        target = None
-        if mode == "all":
-            target, s.cache = s.cache, self.pools.target_cache()
-            s.cache.released = True
-        tokens = s.all_tokens[: target.length] if target is not None else list(s.all_tokens)
-        s.res.carry_out = Carry(target, tokens, drafter)
-
     def draft(self, active: list[LiveSequence], g: int, masks: StepMasks | None = None) -> Drafts:
         """The proposer's drafts for the active sequences' next verify (g of them each), under the
         grammar masks when given. An unchanged batch passes the last step's feed as it is (one Feed
@@ -466,7 +423,7 @@ class SpecEngine:
         wait for the catch-up's kernels too (a probe after 128 steps off at batch 64 feeds 8192 rows)."""
         late = []
         for s in active:
-            self._join_backlog(s)
+            s.join_backlog()
             if s.pend.n > self.gamma + 1:
                 late.append((s, s.pend.n - (self.gamma + 1), *s.pend.tensors()))
         if late:
@@ -476,15 +433,6 @@ class SpecEngine:
             for s, e, t, h in late:
                 s.pend = BatchRow.own(t[e:], h[e:])
             self._wall()
-
-    @staticmethod
-    def _join_backlog(s: LiveSequence) -> None:
-        """The rows of steps without drafts behind the pending ones. They wait as BatchRows, not
-        views: a run that never drafts (gamma 0) makes no tensor per sequence and step for them."""
-        if s.backlog:
-            rows = [s.pend.tensors(), *(r.tensors() for r in s.backlog)]
-            s.pend = BatchRow.own(torch.cat([t for t, _ in rows]), torch.cat([h for _, h in rows]))
-            s.backlog = []
 
     def _masks(self, seqs: list[LiveSequence], g: int) -> StepMasks | None:
         """This step's grammar masks, or None when no sequence in it is constrained."""
@@ -582,7 +530,7 @@ class SpecEngine:
         if s.done is not None:
             self._finalize(s)
             if s.done in ("eos", "length") and req.carry_mode != "none":
-                self._hand_back_carry(s)
+                hand_back(s, self.head, self.pools)
             self.release(s)
 
     def _finalize(self, s: LiveSequence) -> None:
