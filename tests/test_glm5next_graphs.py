@@ -39,6 +39,8 @@ def _run(rt, gamma, mode, slots, sampling=SamplingParams(), device="cpu"):
     pools = rt.make_pools(64, slots + 2, block_size=4)
     engine = make_engine(rt, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=64, eos_ids=(), check_invariants=True, graphs=mode))
     res = engine.generate([Request(p, n, i) for i, (p, n) in enumerate(_work(rt))], batch_size=slots)
+    # the commits write the KDA slots in place: state that required grad chained a node a commit
+    assert not any(p.data.requires_grad for p in pools.pools.values()), "engine state joined autograd"
     if mode != "eager":
         assert engine.runner.graphs is not None, "the static forwards were not built"
         owners = ["target", "drafter"] if gamma else ["target"]

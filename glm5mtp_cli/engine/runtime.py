@@ -318,9 +318,12 @@ def load_runtime(spec: ModelSpec, with_mtp: bool = True, progress: bool = True, 
         # DeepSeek-style checkpoints carry the MTP layer's own head/embeddings; GLM-5's share the target's.
         raise UserError(f"{resolved.folder}: the MTP layer has its own {', '.join(sorted(extras))}; "
                         "glm5mtp drafts with the target's embeddings and head (GLM-5 layout)")
-    target.eval()
+    # inference only: with parameters that require grad, the KDA commit's in-place write (outside
+    # the forwards' no_grad) made the slot pool require grad, growing an autograd chain a commit
+    # and recompiling each compiled forward once its guard saw the flag flip
+    target.eval().requires_grad_(False)
     if mtp is not None:
-        mtp.eval()
+        mtp.eval().requires_grad_(False)
         if share is not None:
             mtp.share_topk = share
     freeze_startup_heap()
