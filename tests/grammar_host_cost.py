@@ -1,8 +1,9 @@
-"""Host cost of the grammar work in a constrained step, per call: --no-draft-mask's verify walk
+"""Host cost of the grammar work in a constrained step, per call: one mask in each state of a
+function-call object's walk (one thread); --no-draft-mask's verify walk
 (batch 8, 3 drafts each, JSON-schema matchers at different depths of one object) on llguidance
 pools of 1 to 12 threads and on the pool the engine picks (`Grammars.executor`), and on CUDA the
 bitmask's application (the Triton kernel's launch against the PyTorch reference's ops).
-Medians of 300 calls; prints one line per measurement (profiles/constrained/RESULTS.md).
+Medians of 100 calls (a mask) or 300 (the rest); prints one line per measurement (profiles/constrained/RESULTS.md).
 
     python3 tests/grammar_host_cost.py
 """
@@ -63,6 +64,26 @@ def walk_cost(rt, threads: int | None) -> tuple[float, float]:
     return statistics.median(a for a, _ in runs), statistics.median(b for _, b in runs)
 
 
+def mask_costs(rt) -> list[tuple[str, float]]:
+    """(the token consumed next, median seconds of one mask before it) for each state of OBJECT's
+    walk, on one thread: where the schema forces the next bytes (keys, constants) a mask costs more
+    than inside a free string."""
+    rule = read_file(ROOT / "profiles" / "constrained" / "prompts.jsonl")[0].constraint
+    g = Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+    m = g.open(rule, set(rt.cfg.eos_token_id)).matcher
+    row = torch.empty(g.words, dtype=torch.int32)
+    costs = []
+    for tok in rt.tokenizer.encode(OBJECT):
+        ts = []
+        for _ in range(100):
+            t0 = time.perf_counter()
+            m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            ts.append(time.perf_counter() - t0)
+        costs.append((rt.tokenizer.decode([tok]), statistics.median(ts)))
+        assert m.try_consume_tokens([tok]) == 1
+    return costs
+
+
 def apply_cost(fn, dtype) -> float:
     logits = torch.randn(8, 4, 4096, device="cuda", dtype=dtype)
     mask = torch.randint(-2**31, 2**31 - 1, (8, 4, words(4096)), dtype=torch.int32, device="cuda")
@@ -80,6 +101,8 @@ def apply_cost(fn, dtype) -> float:
 
 def main() -> None:
     rt = load_runtime(ModelSpec("glm5-nano", "cpu", "fp32"), progress=False)
+    costs = mask_costs(rt)
+    print("one mask before each token of the object, us: " + " ".join(f"{t!r} {1e6 * c:.0f}" for t, c in costs))
     for threads in (1, 2, 4, 8, 12, None):
         row0, walk = walk_cost(rt, threads)
         name = f"{threads:2d} threads" if threads else "engine's pool"

@@ -28,9 +28,10 @@ engine's table width, the last row all scratch), written before each run, and fi
 (GLM-5-Next's KDA state and conv windows) through slot indices of their own ([rows + 1], the last a
 scratch slot), the padding rows kept out of it as in the eager path (the context's `real`: each
 row's last real row + 1). What such a forward advanced is committed inside it, at each member's real
-rows (padding rows keep none), so the commit is part of the one replay: run after each forward
-eagerly, its launches cost the host about 0.2 ms a forward (67 forwards, 15 ms of a batch-8
-HumanEval run's admissions on an H100).
+rows (padding rows keep none), so the commit is part of the one replay. Run eagerly after each
+forward it was a dozen launches and a copy (15 ms of host time in a batch-8 HumanEval run's 67
+forwards on an H100), but that host time overlapped the replays: in turns on one H100 the
+prefill's wall time did not move (profiles/glm5next-nano/RESULTS.md, "At 43feca9").
 """
 
 from __future__ import annotations
