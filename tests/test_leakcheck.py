@@ -134,3 +134,19 @@ def test_a_malformed_planted_tensor_is_one_line(tiny, arg):
     r = _run("--model", tiny, "--device", "cpu", "--inject-leak", arg)
     assert r.exit_code == 2 and "tensor:BYTES" in r.stderr or "BYTES" in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_engine_state_that_joins_autograd_is_caught():
+    """Parameters that require grad (as the runtime's did before load_runtime froze them) make
+    the KDA commit's in-place write chain an autograd node a commit, holding what the census
+    cannot see: leak-check runs outside no_grad, as generate does, and counts those nodes."""
+    from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, run_leakcheck
+    from glm5mtp_cli.engine.runtime import load_runtime
+
+    rt = load_runtime(ModelSpec("glm5next-nano", "cpu", "fp32"), progress=False)
+    check = LeakCheckConfig(EngineConfig(gamma=2, max_new_tokens=6, graphs="off"), sequences=6)
+    doc = run_leakcheck(rt, check)
+    assert doc["verdict"] == "clean" and doc["autograd_nodes_after"] == 0
+    rt.target.requires_grad_(True)
+    doc = run_leakcheck(rt, check)
+    assert doc["verdict"] == "leak" and doc["leaked_bytes_per_sequence"]["autograd_nodes"] > 0

@@ -1,8 +1,9 @@
 """leak-check: run many sequences through one engine and one pool, each through a whole life
 (normal end, early EOS, cancellation, an error inside a verify step, and, where the checkpoint has
 a tokenizer and llguidance is installed, a constrained request that its grammar ends), and check
-that every cache pool component, and every grammar matcher, goes back to its baseline
-(ARCHITECTURE invariant 2, REFERENCE section 8).
+that every cache pool component, every grammar matcher and the autograd nodes behind the pools
+(none while the engine's state stays out of autograd) go back to their baseline (ARCHITECTURE
+invariant 2, REFERENCE section 8).
 
 With --batch-size B > 1 the lives run in rounds of 2B requests through one continuously batched
 generate call of B slots, so slots are re-occupied within a round; an injected failure then aborts
@@ -149,10 +150,24 @@ def live_tensor_bytes(device: torch.device) -> int:
     return total
 
 
+def autograd_nodes(pools) -> int:
+    """Autograd nodes behind the pools' tensors. None while the engine's state stays out of
+    autograd; if it came to require grad, every in-place write (a KDA commit) chains one more, and
+    what those nodes keep alive is out of the census's reach (not Python objects)."""
+    seen: set[int] = set()
+    stack = [pool.data.grad_fn for pool in pools.pools.values()]
+    while stack:
+        node = stack.pop()
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(nxt for nxt, _ in node.next_functions)
+    return len(seen)
+
+
 def _snapshot(pools, device: torch.device, grammars) -> dict:
     gc.collect()
     snap = {"blocks_held": pools.blocks_held(), "bytes_held": pools.bytes_held(),
-            "matchers": grammars.live if grammars is not None else 0}
+            "matchers": grammars.live if grammars is not None else 0, "autograd_nodes": autograd_nodes(pools)}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         snap["cuda_allocated"] = torch.cuda.memory_allocated(device)
@@ -283,34 +298,35 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
             group = lives[r0:r0 + size]
             yield group, run_round([req for _, req, _ in group], set().union(*(eos for _, _, eos in group)))
 
-    with torch.no_grad():
-        # The warm-up fills every slot with the longest prompt (the engine's graphs are built for the
-        # slots and the longest request they have met, graphs.table_blocks, so a later round with
-        # more or longer ones would rebuild them after the baseline), then runs one life of each
-        # lifecycle (what a path builds once, it builds before the baseline).
-        run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], e.max_new_tokens, request_id=-1 - j)
-                   for j in range(e.batch_size)], set())
-        for _ in rounds([life(i, -1_000 - i) for i in range(warm_lives)]):
-            pass
-        base = _snapshot(pools, rt.device, engine.grammars)
-        rows, snaps = [], []
-        for group, outcomes in rounds([life(i, i) for i in range(c.sequences)]):
-            if plant is not None:
-                faults.planted += [torch.empty(plant, dtype=torch.uint8, device=rt.device) for _ in group]
-            snap = _snapshot(pools, rt.device, engine.grammars)
-            snaps.append((len(rows) + len(group), snap))
-            for (kind, req, _), (finish, ntok) in zip(group, outcomes):
-                rows.append(_row(req, kind, finish, ntok, snap, base))
-                if on_sequence is not None:
-                    on_sequence(rows[-1])
-        run_round([Request([rng.randrange(vocab) for _ in range(2)], e.max_new_tokens, request_id=-20_000)], set())
-        settled = _snapshot(pools, rt.device, engine.grammars)
+    # Run as generate and bench run, outside no_grad, so that engine state that joins autograd shows.
+    # The warm-up fills every slot with the longest prompt (the engine's graphs are built for the
+    # slots and the longest request they have met, graphs.table_blocks, so a later round with
+    # more or longer ones would rebuild them after the baseline), then runs one life of each
+    # lifecycle (what a path builds once, it builds before the baseline).
+    run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], e.max_new_tokens, request_id=-1 - j)
+               for j in range(e.batch_size)], set())
+    for _ in rounds([life(i, -1_000 - i) for i in range(warm_lives)]):
+        pass
+    base = _snapshot(pools, rt.device, engine.grammars)
+    rows, snaps = [], []
+    for group, outcomes in rounds([life(i, i) for i in range(c.sequences)]):
+        if plant is not None:
+            faults.planted += [torch.empty(plant, dtype=torch.uint8, device=rt.device) for _ in group]
+        snap = _snapshot(pools, rt.device, engine.grammars)
+        snaps.append((len(rows) + len(group), snap))
+        for (kind, req, _), (finish, ntok) in zip(group, outcomes):
+            rows.append(_row(req, kind, finish, ntok, snap, base))
+            if on_sequence is not None:
+                on_sequence(rows[-1])
+    run_round([Request([rng.randrange(vocab) for _ in range(2)], e.max_new_tokens, request_id=-20_000)], set())
+    settled = _snapshot(pools, rt.device, engine.grammars)
     engine.close()
 
     last = rows[-1]
     leaked = {k: v / c.sequences for k, v in last["growth_bytes"].items() if v > 0}
-    if settled["matchers"] > base["matchers"]:  # counted exactly, like the ledger: any left is a leak
-        leaked["grammar_matchers"] = (settled["matchers"] - base["matchers"]) / c.sequences
+    for key, name in (("matchers", "grammar_matchers"), ("autograd_nodes", "autograd_nodes")):
+        if settled[key] > base[key]:  # counted exactly, like the ledger: any growth is a leak
+            leaked[name] = (settled[key] - base[key]) / c.sequences
     memory = device_verdict(snaps, settled, base, rt.device)
     if memory["leak"]:
         leaked["cuda_allocator" if rt.device.type == "cuda" else "live_tensors"] = memory["bytes_per_sequence"]
@@ -327,6 +343,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
         "baseline": baseline,
         "lifecycles_seen": sorted({r["finish_reason"] for r in rows}),
         "matchers_live_after": settled["matchers"],
+        "autograd_nodes_after": settled["autograd_nodes"],
         "sequences": rows,
         "memory_slope": memory,
         "verdict": "leak" if leaked else "clean",
