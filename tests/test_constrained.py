@@ -217,6 +217,18 @@ def test_eos_is_masked_until_the_grammar_accepts(nano):
     assert seq.commit([a, eos[0]]) is None and seq.ended  # an EOS the engine ends on: not fed to the matcher
 
 
+@pytest.mark.parametrize("draft_mask", [True, False])
+def test_an_end_token_the_grammar_could_write_is_allowed_only_where_it_accepts(nano, draft_mask):
+    """An end token of the engine's own that the grammar also takes as content (leak-check declares
+    one per round): a token the engine ends on is never content, so it is masked as the model's
+    EOS is. It was allowed as a letter, and the engine, ending on it before any match, failed."""
+    ids = [nano.tokenizer.encode("# a short name\nname = '")]
+    rule = Constraint("regex", r"[a-z]{1,4}")
+    first = _run(nano, ids, [rule], gamma=0, eos_ids=())[0].tokens[0]  # what it writes first, unhindered
+    r = _run(nano, ids, [rule], gamma=3, eos_ids=(first,), draft_mask=draft_mask)[0]
+    assert r.tokens[0] != first and r.complete and r.valid, (r.tokens, r.finish_reason)
+
+
 def test_a_completed_grammar_finishes_the_sequence_also_under_ignore_eos(nano):
     ids = [nano.tokenizer.encode("# the release date\nd = '")]
     for eos_ids in (None, ()):

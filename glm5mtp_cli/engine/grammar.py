@@ -21,9 +21,12 @@ the tokens the step emitted (`SeqGrammar.commit`): where the grammar then admits
 sequence finishes (reason `grammar`).
 
 End tokens: the tokenizer's EOS ids (the model's eos_token_id) are allowed by the mask only where
-the grammar accepts. A token the engine ends on (its EOS set; empty under --ignore-eos) is not fed to
-the matcher: the sequence stops there anyway; under --ignore-eos an EOS is consumed and completes
-the grammar.
+the grammar accepts, llguidance's rule. So is any other token the engine ends on (its EOS set beyond
+the model's: leak-check declares such a token for a round), whose bit is set where the matcher
+accepts and cleared elsewhere: a token the engine ends on is never content. Sequences with such
+tokens fill their rows one by one, where the matcher's state is known. A token the engine ends on
+(its EOS set; empty under --ignore-eos) is not fed to the matcher: the sequence stops there anyway;
+under --ignore-eos an EOS is consumed and completes the grammar.
 
 --constrain-after TOKEN: a sequence is unconstrained (masks all ones) until it emits that token,
 and constrained from the next position, whether the token lands at a draft position or is a
@@ -35,6 +38,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from glm5mtp_cli.constraint import Constraint, llguidance
@@ -76,7 +80,7 @@ class Grammars:
 
     def open(self, c: Constraint, ends: set[int]) -> "SeqGrammar":
         """A sequence's matcher; ends: the tokens the engine stops on (never fed to the matcher)."""
-        g = SeqGrammar(self, c, self._matcher(c), self.trigger, ends)
+        g = SeqGrammar(self, c, self._matcher(c), self.trigger, ends, sorted(set(ends) - set(self.eos_ids)))
         self.live += 1
         return g
 
@@ -139,6 +143,14 @@ class Grammars:
         return buf[: positions * rows].view(positions, rows)
 
 
+def _set_bits(row: torch.Tensor, ids: list[int], value: bool) -> None:
+    """Set (value) or clear the bits of token ids in a packed host mask row [W] int32."""
+    words_ = row.numpy().view(np.uint32)
+    for t in ids:
+        bit = np.uint32(1 << (t & 31))
+        words_[t >> 5] = words_[t >> 5] | bit if value else words_[t >> 5] & ~bit
+
+
 def _pieces(m, r: int, tokens: list[int], per: int) -> list[tuple[object, int, list[int]]]:
     """The walk (m, r, tokens), tokens not empty, as walks of `per` rows (per >= 2; a lone last row
     joins the piece before it, as a walk needs a token): the first m's own, each later one a copy of
@@ -163,9 +175,11 @@ class SeqGrammar:
     """One sequence's matcher and where its constrained part starts. `spec` lists the tokens walked
     since the last commit (what each did), so a rollback undoes exactly those."""
 
-    def __init__(self, owner: Grammars, constraint: Constraint, matcher, trigger: int | None, ends: set[int]):
+    def __init__(self, owner: Grammars, constraint: Constraint, matcher, trigger: int | None, ends: set[int],
+                 own_ends: list[int]):
         self.owner, self.constraint, self.matcher = owner, constraint, matcher
         self.trigger, self.ends = trigger, ends
+        self.own_ends = own_ends  # the engine's end tokens llguidance does not know as EOS
         self.armed = trigger is None
         self.ended = False
         self.spec: list[str] = []
@@ -257,7 +271,7 @@ class StepMasks:
     def _fill_row(self, i: int, col: list[int] | None, counts: list[int] | None = None) -> None:
         """Row i: each walking sequence advanced by its draft i (col, host ids; None for row 0), then
         the masks of those still walking, in parallel."""
-        members = []
+        members, own_ends = [], []
         positions = self.host.shape[1]
         for b, g in enumerate(self.seqs):
             if not self.ok[b]:
@@ -269,7 +283,11 @@ class StepMasks:
                 self.valid[b] += 1
             if g.masking:
                 members.append((g.matcher, b * positions + i))
+                if g.own_ends:
+                    own_ends.append((b, g.own_ends, g.matcher.is_accepting()))
         self.grammars.fill_rows(self.host, members)
+        for b, ends, accepting in own_ends:  # ending on them is allowed where the grammar accepts
+            _set_bits(self.host[b, i], ends, accepting)
         self.filled = i + 1
 
     def drafted(self, cols: torch.Tensor) -> None:
@@ -333,14 +351,14 @@ class StepMasks:
 
     def _walk_plain(self, cols: list[list[int]], counts: list[int] | None) -> None:
         """Rows 1.. of the sequences whose walk needs nothing of the engine's (constrained, drafts
-        and no end token among them) in one call (Grammars.fill_walks), each matcher advanced by
+        and no end token among them, no end tokens of the engine's own) in one call (Grammars.fill_walks), each matcher advanced by
         its first draft here (row 0 is filled), their allowed drafts counted from the rows; the
         rest are left walking for the row by row fill."""
         members, plain = [], []
         positions = self.host.shape[1]
         for b, g in enumerate(self.seqs):
             toks = cols[b][: counts[b]] if counts is not None else []
-            if g is None or not toks or not g.masking or g.ends.intersection(toks):
+            if g is None or not toks or not g.masking or g.own_ends or g.ends.intersection(toks):
                 continue
             self.ok[b] = False  # walked here
             if g.advance(toks[0]):  # else row 0 bans the first draft: none is allowed
