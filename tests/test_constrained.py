@@ -220,8 +220,8 @@ def test_eos_is_masked_until_the_grammar_accepts(nano):
 @pytest.mark.parametrize("draft_mask", [True, False])
 def test_an_end_token_the_grammar_could_write_is_allowed_only_where_it_accepts(nano, draft_mask):
     """An end token of the engine's own that the grammar also takes as content (leak-check declares
-    one per round): a token the engine ends on is never content, so it is masked as the model's
-    EOS is. It was allowed as a letter, and the engine, ending on it before any match, failed."""
+    one per round) is banned until the grammar accepts, as the model's EOS is: it was allowed as
+    a letter, and the engine, ending on it before any match, failed."""
     ids = [nano.tokenizer.encode("# a short name\nname = '")]
     rule = Constraint("regex", r"[a-z]{1,4}")
     first = _run(nano, ids, [rule], gamma=0, eos_ids=())[0].tokens[0]  # what it writes first, unhindered

@@ -21,10 +21,10 @@ the tokens the step emitted (`SeqGrammar.commit`): where the grammar then admits
 sequence finishes (reason `grammar`).
 
 End tokens: the tokenizer's EOS ids (the model's eos_token_id) are allowed by the mask only where
-the grammar accepts, llguidance's rule. So is any other token the engine ends on (its EOS set beyond
-the model's: leak-check declares such a token for a round), whose bit is set where the matcher
-accepts and cleared elsewhere: a token the engine ends on is never content. Sequences with such
-tokens fill their rows one by one, where the matcher's state is known. A token the engine ends on
+the grammar accepts, llguidance's rule. Any other token the engine ends on (its EOS set beyond the
+model's: leak-check declares such a token for a round) has its bit cleared where the matcher does
+not accept: the engine would end there on a token it reads as an end, not content. Sequences with
+such tokens fill their rows one by one, where the matcher's state is known. A token the engine ends on
 (its EOS set; empty under --ignore-eos) is not fed to the matcher: the sequence stops there anyway;
 under --ignore-eos an EOS is consumed and completes the grammar.
 
@@ -143,12 +143,11 @@ class Grammars:
         return buf[: positions * rows].view(positions, rows)
 
 
-def _set_bits(row: torch.Tensor, ids: list[int], value: bool) -> None:
-    """Set (value) or clear the bits of token ids in a packed host mask row [W] int32."""
+def _clear_bits(row: torch.Tensor, ids: list[int]) -> None:
+    """Clear the bits of token ids in a packed host mask row [W] int32."""
     words_ = row.numpy().view(np.uint32)
     for t in ids:
-        bit = np.uint32(1 << (t & 31))
-        words_[t >> 5] = words_[t >> 5] | bit if value else words_[t >> 5] & ~bit
+        words_[t >> 5] &= ~np.uint32(1 << (t & 31))
 
 
 def _pieces(m, r: int, tokens: list[int], per: int) -> list[tuple[object, int, list[int]]]:
@@ -283,11 +282,11 @@ class StepMasks:
                 self.valid[b] += 1
             if g.masking:
                 members.append((g.matcher, b * positions + i))
-                if g.own_ends:
-                    own_ends.append((b, g.own_ends, g.matcher.is_accepting()))
+                if g.own_ends and not g.matcher.is_accepting():
+                    own_ends.append((b, g.own_ends))
         self.grammars.fill_rows(self.host, members)
-        for b, ends, accepting in own_ends:  # ending on them is allowed where the grammar accepts
-            _set_bits(self.host[b, i], ends, accepting)
+        for b, ends in own_ends:  # no ending on them before the grammar accepts
+            _clear_bits(self.host[b, i], ends)
         self.filled = i + 1
 
     def drafted(self, cols: torch.Tensor) -> None:
