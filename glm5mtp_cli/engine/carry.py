@@ -15,14 +15,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from glm5mtp_cli.engine.cache import SequenceCache
+from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.engine.proposer import DrafterKV
-
-if TYPE_CHECKING:
-    from glm5mtp_cli.engine.cache import CachePools
-    from glm5mtp_cli.engine.sequence import LiveSequence
 
 CARRY_MODES = ("none", "drafter", "all")
 
@@ -90,10 +85,11 @@ def plan(carry: Carry, prompt: list[int], with_target: bool) -> CarryPlan:
     return CarryPlan(t_rows, d_rows)
 
 
-def install(seq: "LiveSequence", head, budget_tokens: int) -> CarryPlan:
-    """Move the previous turn's caches (the request's carry) into a sequence being admitted,
-    trimmed to what its prompt reuses; a carried drafter gets a state of `budget_tokens` rows
-    (head None: no drafter). Whatever is not installed is released."""
+def install(seq, head, budget_tokens: int) -> CarryPlan:
+    """Move the previous turn's caches (the request's carry) into a sequence being admitted (a
+    sequence.LiveSequence, not imported: it holds a Carry), trimmed to what its prompt reuses; a
+    carried drafter gets a state of `budget_tokens` rows (head None: no drafter). Whatever is not
+    installed is released."""
     carry, seq.req.carry = seq.req.carry, None
     try:
         plan_ = plan(carry, seq.req.prompt, with_target=carry.target is not None)
@@ -118,7 +114,7 @@ def install(seq: "LiveSequence", head, budget_tokens: int) -> CarryPlan:
             carry.target.release()
 
 
-def hand_back(seq: "LiveSequence", head, pools: "CachePools") -> None:
+def hand_back(seq, head, pools: CachePools) -> None:
     """End of a turn kept for the next (its request's carry_mode): feed the drafter its pending
     real rows, then move the caches out of the sequence into its result's carry_out, so that
     releasing the sequence leaves them alone."""
