@@ -445,17 +445,22 @@ def case_mla_paged_indexed(device, big):
             mla_attention_paged_ref(qn, qr, pool, slots, starts, idx, scale))
 
 
-def _mla_paged_pools(device, big, dtype, tail):
+def _mla_paged_pools(device, big, dtype, tail, nl_small=48, visible_only=True):
     """GLM-5-Next's NoPE layer (R = 0): the chosen pools' rows and the tail, a verify's 4 queries;
-    sequence 0 chooses no pool for its first query (the tail alone, or nothing: zeros)."""
+    sequence 0 chooses no pool for its first query (the tail alone, or nothing: zeros). The
+    kernel reads the chosen pools 64 at a time (nl_small 600: three such chunks, several tiles
+    each); visible_only False: pools past a query's complete ones chosen too, which the reference
+    reads only up to the query."""
     g, t, p = 2, 4, 4
-    h, lkv, nl = (64, 512, 2048) if big else (6, 40, 48)
+    h, lkv, nl = (64, 512, 2048) if big else (6, 40, nl_small)
     pool, slots = _paged(device, g, nl, lkv, dtype)
     qn = _rand(g, t, h, lkv, device=device, dtype=dtype, scale=0.5)
     starts = torch.tensor([nl - t, 13], device=device)
     n_pools = nl // p
     visible = (starts[:, None] + torch.arange(t, device=device) + 1) // p  # complete pools each query sees
-    chosen = (torch.rand(g, t, n_pools, device=device) < 0.4) & (torch.arange(n_pools, device=device) < visible[..., None])
+    chosen = torch.rand(g, t, n_pools, device=device) < 0.4
+    if visible_only:
+        chosen &= torch.arange(n_pools, device=device) < visible[..., None]
     chosen[0, 0] = False
     pools = Pools(chosen, p, tail)
     args = (qn, qn[..., :0], pool, slots, starts, None, lkv ** -0.5)
@@ -472,6 +477,18 @@ def case_mla_paged_pools_no_tail(device, big):
 
 def case_mla_paged_pools_bf16(device, big):
     return _mla_paged_pools(device, big, BF16, True)
+
+
+def case_mla_paged_pools_chunks(device, big):
+    return _mla_paged_pools(device, big, torch.float32, True, nl_small=600)
+
+
+def case_mla_paged_pools_any_chosen(device, big):
+    return _mla_paged_pools(device, big, torch.float32, True, nl_small=600, visible_only=False)
+
+
+def case_mla_paged_pools_any_chosen_no_tail(device, big):
+    return _mla_paged_pools(device, big, torch.float32, False, nl_small=600, visible_only=False)
 
 
 def case_mla_paged_indexed_bf16(device, big):
