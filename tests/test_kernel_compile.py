@@ -4,7 +4,7 @@ The interpreter (tests/test_kernels.py) runs a kernel's Python, not Triton's com
 code that the compiler refuses (a device run was once lost to a kernel that ran in the interpreter
 and failed the compiler's checks of its `return`s), and it never takes the GPU's branches (bf16
 `tl.dot`: a bf16 x fp16 dot there fails here, not in the interpreter). Here each case of
-tests/test_kernels.py, tests/test_kernels_next.py and tests/test_moe_grouped.py runs once with every
+tests/test_kernels.py, tests/test_kernels_next.py, tests/test_kernels_paged.py and tests/test_moe_grouped.py runs once with every
 launch caught instead of run (its argument types and compile-time constants recorded, as the GPU
 would specialize them, the GPU's branches included), and each distinct launch goes through Triton's
 NVIDIA front end and optimizer to LLVM IR. No GPU, no CUDA driver, no ptxas is needed.
@@ -70,9 +70,10 @@ def _kernel_modules():
 
 
 def _caught_launches() -> list[tuple]:
-    """Every distinct launch of the three files' cases at their small (CPU) shapes."""
+    """Every distinct launch of the four files' cases at their small (CPU) shapes."""
     import test_kernels
     import test_kernels_next
+    import test_kernels_paged
     import test_moe_grouped
     from triton.runtime.jit import JITFunction
 
@@ -87,7 +88,7 @@ def _caught_launches() -> list[tuple]:
         if hasattr(mod, "use_triton"):
             mp.setattr(mod, "use_triton", lambda *tensors, force=False: True)
     try:
-        for cases in (test_kernels.CASES, test_kernels_next.CASES, test_moe_grouped.CASES):
+        for cases in (test_kernels.CASES, test_kernels_next.CASES, test_kernels_paged.CASES, test_moe_grouped.CASES):
             for name, case in cases.items():
                 torch.manual_seed(zlib.crc32(name.encode()))
                 try:

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_kernels import BF16, _fp8, _moe_fp8_inputs, _moe_inputs, _seq_indexer, _seq_mla  # noqa: E402
+from test_kernels import BF16, _fp8, _moe_fp8_inputs, _moe_inputs  # noqa: E402
+from test_kernels_paged import _seq_indexer, _seq_mla  # noqa: E402
 
 from kernels.fp8_block import fp8_block_dequant_ref  # noqa: E402
 from kernels.moe import moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
