@@ -161,7 +161,8 @@ def test_the_checkpoint_loads_and_speculates_losslessly(trained):
 
 
 def test_the_nano_profile_fits_its_budget():
-    from glm5mtp_cli.training.train import count_params, load_train_config
+    from glm5mtp_cli.training.options import load_train_config
+    from glm5mtp_cli.training.train import count_params
 
     cfg, section, _ = load_train_config("glm5next-nano")
     p = count_params(cfg)

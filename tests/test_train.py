@@ -170,7 +170,8 @@ def test_an_unwritable_out_is_one_line_before_any_work(tmp_path):
 
 
 def test_an_interrupted_run_leaves_the_old_checkpoint_as_it_was(tmp_path):
-    from glm5mtp_cli.training.train import TrainOptions, train
+    from glm5mtp_cli.training.options import TrainOptions
+    from glm5mtp_cli.training.train import train
 
     out = tmp_path / "out"
     assert CliRunner().invoke(app, _toy_args(tmp_path, out, "--steps", "2")).exit_code == 0
@@ -205,7 +206,7 @@ def test_a_tokenizer_too_small_for_the_vocabulary_says_what_to_pass(tmp_path):
 
 
 def test_cpu_runs_default_to_small_batches_unless_flags_say_otherwise(tmp_path):
-    from glm5mtp_cli.training.train import CPU_DEFAULTS, TrainOptions
+    from glm5mtp_cli.training.options import CPU_DEFAULTS, TrainOptions
 
     section = {"batch_size": 16, "seq_len": 2048, "eval_tokens": 131072}  # glm5-nano's, sized for CUDA
     cuda, cpu, given = TrainOptions(out=tmp_path), TrainOptions(out=tmp_path), TrainOptions(out=tmp_path, seq_len=256)

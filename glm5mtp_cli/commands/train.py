@@ -101,7 +101,8 @@ def train_cmd(
 
       glm5mtp train --profile glm5next-nano --out profiles/glm5next-nano --tokenizer profiles/glm5-nano --device cuda
     """
-    from glm5mtp_cli.training.train import TrainOptions, train
+    from glm5mtp_cli.training.options import TrainOptions
+    from glm5mtp_cli.training.train import train
 
     console = Console(stderr=True)
     opts = TrainOptions(

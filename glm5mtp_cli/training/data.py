@@ -17,7 +17,7 @@ from glm5mtp_cli.training import corpus
 from glm5mtp_cli.training import tokenizer as tt
 from glm5mtp_cli.errors import UserError
 
-# `opts` below is a training.train.TrainOptions, typed Any: train imports this module, not the reverse.
+# `opts` below is a training.options.TrainOptions, typed Any: train imports this module, not the reverse.
 
 
 def default_cache_dir() -> Path:
