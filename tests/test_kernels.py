@@ -400,24 +400,33 @@ def interpret(script: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    return interpret(__file__)
+def reference_tests(script: str, cases: dict):
+    """A case file's tests (this file's, test_kernels_next.py's, ...): its cases in Triton's
+    interpreter (`script` run in a fresh process, run_cases' verdicts) and, on a CUDA machine,
+    compiled at their large shapes. -> (the interpreter_results fixture, the two tests), to bind at
+    module level under those names."""
+
+    @pytest.fixture(scope="module")
+    def interpreter_results():
+        return interpret(script)
+
+    @pytest.mark.parametrize("name", sorted(cases))
+    def test_interpreter_matches_reference(interpreter_results, name):
+        if interpreter_results[name].startswith("skip: "):
+            pytest.skip(interpreter_results[name][len("skip: "):])
+        assert interpreter_results[name] == "ok", interpreter_results[name]
+
+    @pytest.mark.skipif(not (torch.cuda.is_available() and _triton.HAVE_TRITON), reason="needs CUDA and triton")
+    @pytest.mark.parametrize("name", sorted(cases))
+    def test_cuda_matches_reference(monkeypatch, name):
+        monkeypatch.setattr(_triton, "POISON_OUTPUTS", True)
+        torch.manual_seed(0)
+        check_close(*cases[name]("cuda", True))
+
+    return interpreter_results, test_interpreter_matches_reference, test_cuda_matches_reference
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_interpreter_matches_reference(interpreter_results, name):
-    if interpreter_results[name].startswith("skip: "):
-        pytest.skip(interpreter_results[name][len("skip: "):])
-    assert interpreter_results[name] == "ok", interpreter_results[name]
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and _triton.HAVE_TRITON), reason="needs CUDA and triton")
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_matches_reference(monkeypatch, name):
-    monkeypatch.setattr(_triton, "POISON_OUTPUTS", True)
-    torch.manual_seed(0)
-    check_close(*CASES[name]("cuda", True))
+interpreter_results, test_interpreter_matches_reference, test_cuda_matches_reference = reference_tests(__file__, CASES)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,13 +8,11 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from kernels import _triton  # noqa: E402
 from kernels import mhc  # noqa: E402
 from kernels.kda import kda_rows, kda_rows_ref, kda_slots, kda_slots_ref  # noqa: E402
 from kernels.rmsnorm import gated_rmsnorm, gated_rmsnorm_ref  # noqa: E402
@@ -22,7 +20,7 @@ from kernels.pool_keys import write_pool_keys, write_pool_keys_ref  # noqa: E402
 from kernels.short_conv import short_conv, short_conv_ref  # noqa: E402
 from kernels.mhc import (hc_collapse, hc_collapse_norm, hc_collapse_norm_ref, hc_collapse_ref, hc_expand, hc_expand_ref, hc_mix_ref, hc_weights,  # noqa: E402
                          hc_weights_ref)
-from test_kernels import BF16, _rand, check_close, interpret, run_cases  # noqa: E402
+from test_kernels import BF16, _rand, reference_tests, run_cases  # noqa: E402
 
 
 def _hc_weights(device, t, n=4):
@@ -229,24 +227,7 @@ def case_pool_keys_prefill(device, big):
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    return interpret(__file__)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_interpreter_matches_reference(interpreter_results, name):
-    if interpreter_results[name].startswith("skip: "):
-        pytest.skip(interpreter_results[name][len("skip: "):])
-    assert interpreter_results[name] == "ok", interpreter_results[name]
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and _triton.HAVE_TRITON), reason="needs CUDA and triton")
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_matches_reference(monkeypatch, name):
-    monkeypatch.setattr(_triton, "POISON_OUTPUTS", True)
-    torch.manual_seed(0)
-    check_close(*CASES[name]("cuda", True))
+interpreter_results, test_interpreter_matches_reference, test_cuda_matches_reference = reference_tests(__file__, CASES)
 
 
 def test_dispatch_picks_reference_on_cpu(monkeypatch):

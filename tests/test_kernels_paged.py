@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
@@ -16,10 +15,10 @@ for p in (str(ROOT), str(TESTS)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from kernels import _triton, paged  # noqa: E402
+from kernels import paged  # noqa: E402
 from kernels.paged import (Pools, indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
                            mla_attention_paged_ref)
-from test_kernels import BF16, _rand, check_close, interpret, run_cases  # noqa: E402
+from test_kernels import BF16, _rand, reference_tests, run_cases  # noqa: E402
 
 
 def _seq_indexer(fn, q, k, w, off, scale, **kw):
@@ -257,24 +256,7 @@ def case_mla_paged_indexed_bf16(device, big):
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    return interpret(__file__)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_interpreter_matches_reference(interpreter_results, name):
-    if interpreter_results[name].startswith("skip: "):
-        pytest.skip(interpreter_results[name][len("skip: "):])
-    assert interpreter_results[name] == "ok", interpreter_results[name]
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and _triton.HAVE_TRITON), reason="needs CUDA and triton")
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_matches_reference(monkeypatch, name):
-    monkeypatch.setattr(_triton, "POISON_OUTPUTS", True)
-    torch.manual_seed(0)
-    check_close(*CASES[name]("cuda", True))
+interpreter_results, test_interpreter_matches_reference, test_cuda_matches_reference = reference_tests(__file__, CASES)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
@@ -15,11 +14,10 @@ for p in (str(ROOT), str(TESTS)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from kernels import _triton  # noqa: E402
 from kernels.moe import moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.moe_grouped import (moe_experts_grouped, moe_experts_grouped_fp8, moe_experts_grouped_ref,  # noqa: E402
                                  plan_blocks)
-from test_kernels import BF16, _moe_fp8_inputs, _moe_inputs, check_close, interpret, run_cases  # noqa: E402
+from test_kernels import BF16, _moe_fp8_inputs, _moe_inputs, reference_tests, run_cases  # noqa: E402
 
 
 def _skewed(args, e):
@@ -72,22 +70,7 @@ def case_grouped_fp8_fp32_block32(device, big):
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    return interpret(__file__)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_interpreter_matches_reference(interpreter_results, name):
-    assert interpreter_results[name] == "ok", interpreter_results[name]
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and _triton.HAVE_TRITON), reason="needs CUDA and triton")
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_matches_reference(monkeypatch, name):
-    monkeypatch.setattr(_triton, "POISON_OUTPUTS", True)
-    torch.manual_seed(0)
-    check_close(*CASES[name]("cuda", True))
+interpreter_results, test_interpreter_matches_reference, test_cuda_matches_reference = reference_tests(__file__, CASES)
 
 
 def test_plan_covers_each_pair_once_in_expert_blocks():
