@@ -27,6 +27,7 @@ import kernels
 from glm5mtp_cli.engine import speculate
 from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec
 from glm5mtp_cli.engine.graphs import ForwardRunner
+from glm5mtp_cli.errors import UserError
 from kernels._triton import kernel_path
 
 # aten ops that only view or allocate: no kernel
@@ -132,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", action="store_true", help="each phase's launches by op")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    for phase, ops in count_launches(args.model, args.gamma).items():
+    try:
+        phases = count_launches(args.model, args.gamma)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for phase, ops in phases.items():
         print(f"{phase:18s} {sum(ops.values()):5d}")
         if args.ops:
             print("    " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
