@@ -45,7 +45,28 @@ def own_code(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def lower_kernels_as_fallbacks() -> None:
+    """Register every glm5mtp custom op registered so far with inductor as a fallback (a call of the
+    op as it is), with the layout constraint inductor would give it itself.
+
+    Left to inductor, an op gets its fallback at its first use in a graph, and torch 2.11 first
+    formats an INFO message printing its inputs' whole IR, logged or not (pytorch#185937, fixed in
+    later releases). Through GLM-5-Next's chains of mHC and KDA ops that took 60 s of the first
+    forward's 68 s compile on an H100."""
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in torch._C._dispatch_get_all_op_names():
+        namespace, _, op_name = name.partition("::")
+        if namespace != "glm5mtp":
+            continue
+        op = getattr(torch.ops.glm5mtp, op_name).default
+        if op not in lowerings:
+            make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)))
+
+
 def compile_forward(fn, mode: str = "default"):
     """fn compiled by inductor: fixed shapes, one graph, no inductor CUDA graphs (module docstring)."""
+    lower_kernels_as_fallbacks()
     return torch.compile(own_code(fn), fullgraph=True, dynamic=False,
                          mode=None if mode == "default" else mode)
