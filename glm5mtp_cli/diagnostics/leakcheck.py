@@ -167,9 +167,9 @@ def autograd_nodes(pools) -> int:
 def _snapshot(pools, device: torch.device, grammars, comm) -> dict:
     # Under --tp the process group holds the tensors of its last all-reduce and all-gather until the
     # next one, so each census also read whichever forward's buffers came last: 1.5-4.6 KB that
-    # came and went between snapshots (glm5next-tiny, --tp 2 on the CPU), read as growth over 4
-    # sequences in about one run in three. A one-element collective of each kind first leaves the
-    # same few bytes held at every snapshot.
+    # came and went between snapshots (glm5next-tiny, --tp 2 on the CPU); held at the last two, it
+    # failed a 4-sequence run's verdict now and then. A one-element collective of each kind first
+    # leaves the same few bytes held at every snapshot.
     if comm is not None:
         comm.all_reduce_sum(torch.zeros(1, device=device))
         comm.all_gather(torch.zeros(1, device=device))
