@@ -3,22 +3,16 @@ through the paged pools' slot tables, GLM-5's per-token keys and GLM-5-Next's po
 interpreter in a fresh subprocess, as test_kernels.py; compiled on a CUDA machine)."""
 
 import json
-import sys
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-for p in (str(ROOT), str(TESTS)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from kernels import paged  # noqa: E402
-from kernels.paged import (Pools, indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
+# first: test_kernels puts the repository root on sys.path (this file also runs as a script, the
+# interpreter worker, where only tests/ is on it)
+from test_kernels import BF16, _rand, reference_tests, run_cases
+from kernels import paged
+from kernels.paged import (Pools, indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,
                            mla_attention_paged_ref)
-from test_kernels import BF16, _rand, reference_tests, run_cases  # noqa: E402
 
 
 def _seq_indexer(fn, q, k, w, off, scale, **kw):

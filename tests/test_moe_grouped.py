@@ -3,21 +3,15 @@ against kernels/moe.py's reference (Triton's interpreter in a fresh subprocess, 
 compiled on a CUDA machine), and the MoE layer's choice of path."""
 
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-for p in (str(ROOT), str(TESTS)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from kernels.moe import moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
-from kernels.moe_grouped import (moe_experts_grouped, moe_experts_grouped_fp8, moe_experts_grouped_ref,  # noqa: E402
+# first: test_kernels puts the repository root on sys.path (this file also runs as a script, the
+# interpreter worker, where only tests/ is on it)
+from test_kernels import BF16, _moe_fp8_inputs, _moe_inputs, reference_tests, run_cases
+from kernels.moe import moe_experts_fp8_ref, moe_experts_ref
+from kernels.moe_grouped import (moe_experts_grouped, moe_experts_grouped_fp8, moe_experts_grouped_ref,
                                  plan_blocks)
-from test_kernels import BF16, _moe_fp8_inputs, _moe_inputs, reference_tests, run_cases  # noqa: E402
 
 
 def _skewed(args, e):
