@@ -143,8 +143,8 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         held += sum(t.table.nbytes for owner in g.tables.values() for t in owner.values())
         held += sum(s.index.nbytes for owner in g.slot_index.values() for s in owner.values())
         with kernel_path("all"):  # what CUDA graphs capture: the kernels' branch, joined projections
-            out = bucket.verify[gamma].run()
-        held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
+            out, verdict = bucket.verify[gamma].run()
+        held += out.logits.nbytes + out.hidden_all.nbytes + verdict.nbytes  # `hidden` shares hidden_all's storage
         records = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # views held whole
                    for r in out.pending.rows for t in (r.q, r.k, r.v, r.f, r.b)}
         held += out.pending.extended.nbytes + sum(records.values())

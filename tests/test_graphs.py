@@ -49,6 +49,23 @@ def test_static_forwards_equal_eager(rt, gamma, batch):
         assert 0 < acc < sum(r.acceptance.proposed for r in static)  # accepted and rejected paths ran
 
 
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_a_greedy_static_verify_computes_its_verdict(rt, gamma, monkeypatch):
+    """A greedy engine's static verify computes the accept's verdict in its forward
+    (graphs.verify_forward): the step reads it whole and no greedy match runs after it (its tokens
+    equal eager's: the test above)."""
+    from glm5mtp_cli.engine import accept
+
+    matched = []
+    match = accept.greedy_verdict
+    monkeypatch.setattr(accept, "greedy_verdict", lambda *args: matched.append(args) or match(*args))
+    _run(rt, gamma, "static", 3)
+    assert matched == []
+    if gamma:
+        _run(rt, gamma, "eager", 3)
+        assert matched
+
+
 def test_static_sampling_and_ceiling_equal_eager(rt):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
     eager = _run(rt, 2, "eager", 3, params, alloc="ceiling")
@@ -211,8 +228,8 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         for f in bucket.forwards():
             held += sum(t.nbytes for t in (f.ids, f.hidden, f.starts, f.rows) if t is not None)
         held += sum(t.table.nbytes for owner in g.tables.values() for t in owner.values())
-        out = bucket.verify[gamma].run()
-        held += out.logits.nbytes + out.hidden_all.nbytes  # `hidden` shares hidden_all's storage
+        out, verdict = bucket.verify[gamma].run()
+        held += out.logits.nbytes + out.hidden_all.nbytes + verdict.nbytes  # `hidden` shares hidden_all's storage
         if gamma:
             held += bucket.draft[gamma].run().nbytes
         assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma, 128)

@@ -27,22 +27,38 @@ class Verdict:
     accepted_dev: torch.Tensor
 
 
-def accept(drafts: Drafts | None, logits: torch.Tensor, gens: list, sampling) -> Verdict:
+def greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor, proposed: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy match on the device: [A, 2 + g] rows of (drafts accepted, the target's next token, the
+    g drafts) from the verified logits [A, g + 1, V] and the drafts [A, g] (g may be 0). proposed
+    [A]: where a confidence stop proposed fewer, the drafts past them are not matched. Also traced
+    into a greedy engine's verify graphs (graphs.py), so that their accept is one read."""
+    target_tokens = logits.argmax(-1)  # [A, g + 1]
+    match = target_tokens[:, :-1] == drafts
+    if proposed is not None:
+        match &= torch.arange(drafts.shape[1], device=drafts.device)[None, :] < proposed[:, None]
+    acc = match.cumprod(1).sum(1)
+    return torch.cat([acc[:, None], target_tokens.gather(1, acc[:, None]), drafts], dim=1)
+
+
+def accept(drafts: Drafts | None, logits: torch.Tensor, gens: list, sampling,
+           verdict: torch.Tensor | None = None) -> Verdict:
     """Greedy match or rejection sampling (each sequence from its own stream, gens) over the
-    verified logits [A, g + 1, V]; greedy reads the device once."""
+    verified logits [A, g + 1, V]; greedy reads the device once. verdict: greedy_verdict of these
+    logits and drafts, already computed (a verify graph's), taken where every sequence proposed
+    all its drafts."""
     proposed = drafts.counts if drafts is not None else [0] * logits.shape[0]
     if sampling.greedy:
-        target_tokens = logits.argmax(-1)  # [A, g + 1]
         if drafts is None:
-            nxt = target_tokens[:, 0]
+            if verdict is not None:
+                return read_verdict(proposed, verdict, None)
+            nxt = logits[:, 0].argmax(-1)
             return Verdict(proposed, proposed, nxt.tolist(), None, nxt, torch.zeros_like(nxt))
         tokens = drafts.tokens
-        match = (target_tokens[:, :-1] == tokens).int()
         if min(proposed) < tokens.shape[1]:  # a confidence stop proposed fewer drafts somewhere
-            n = torch.tensor(proposed, device=logits.device)
-            match = match * (torch.arange(tokens.shape[1], device=logits.device)[None, :] < n[:, None])
-        acc = match.cumprod(1).sum(1)
-        return _read(proposed, acc, target_tokens.gather(1, acc[:, None])[:, 0], tokens)
+            verdict = greedy_verdict(logits, tokens, torch.tensor(proposed, device=logits.device))
+        elif verdict is None:
+            verdict = greedy_verdict(logits, tokens)
+        return read_verdict(proposed, verdict, tokens)
     acc, nxt = [], []
     no_drafts = logits.new_empty(0, dtype=torch.long)
     for i, gen in enumerate(gens):
@@ -63,13 +79,15 @@ def accept_synthetic(drafts: Drafts, logits: torch.Tensor, gens: list, sampling,
     acc = draws.accepted(tokens.shape[0], tokens.shape[1], n)
     at = logits.gather(1, acc[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
     nxt, _ = choose(at, sampling, gens)
-    return _read(proposed, acc, nxt, tokens)
+    return read_verdict(proposed, torch.cat([acc[:, None], nxt[:, None], tokens], dim=1), tokens)
 
 
-def _read(proposed: list[int], acc: torch.Tensor, nxt: torch.Tensor, tokens: torch.Tensor) -> Verdict:
-    """The accepted counts, next tokens and drafts to the host in one read (the step's one sync)."""
-    host = torch.cat([acc[:, None], nxt[:, None], tokens], dim=1).tolist()
-    return Verdict(proposed, [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host], nxt, acc)
+def read_verdict(proposed: list[int], verdict: torch.Tensor, drafts: torch.Tensor | None) -> Verdict:
+    """A verdict's rows [A, 2 + g] (greedy_verdict's) to the host in one read (the step's one sync);
+    the device tensors are views of it."""
+    host = verdict.tolist()
+    return Verdict(proposed, [r[0] for r in host], [r[1] for r in host],
+                   None if drafts is None else [r[2:] for r in host], verdict[:, 1], verdict[:, 0])
 
 
 def drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5mtp_cli.engine.accept import greedy_verdict
 from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, copy_ints, copy_ints_many, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
@@ -82,6 +83,16 @@ def table_blocks(tokens: int, block_size: int, max_seq_len: int) -> int:
 def buckets_for(slots: int) -> list[int]:
     """The batch sizes captured for an engine of `slots` slots: the powers of two below it, and it."""
     return [b for b in BUCKETS if b < slots] + [slots]
+
+
+def verify_forward(target, greedy: bool):
+    """A static verify: the target forward over its rows [token, drafts...] -> (its outputs, and for a
+    greedy engine each row's verdict, accept.greedy_verdict, computed in the same graph: the step's
+    accept is then one read instead of half a dozen launches after the replay)."""
+    def forward(f):
+        out = target.forward_batch(f.ids, f.context(f.starts, f.t), "all")
+        return out, greedy_verdict(out.logits, f.ids[:, 1:]) if greedy else None
+    return forward
 
 
 @dataclass
@@ -156,8 +167,8 @@ class EngineGraphs:
         dev = self.device
         idx = torch.full((b,), self.slots, dtype=torch.long, device=dev)  # every row on the scratch row
         tt, ts = self.tables["target"], self.slot_index["target"]
-        verify = {g: StaticForward(target.context, lambda f: target.forward_batch(f.ids, f.context(f.starts, f.t), "all"),
-                                   b, g + 1, tt, dev, idx=idx, slots=ts) for g in gammas}
+        verify = {g: StaticForward(target.context, verify_forward(target, greedy), b, g + 1, tt, dev, idx=idx, slots=ts)
+                  for g in gammas}
         commit = {g: StaticCommit(target, f) for g, f in verify.items()} if target.reads_slots else None
         bucket = _Bucket(b, idx, verify, {}, commit=commit)
         if proposer is None or max(gammas) == 0:
@@ -280,6 +291,7 @@ class ForwardRunner:
         self.active = 0
         self.pending = None  # the last verify's commit records (Target.commit), until `commit`
         self.committer: StaticCommit | None = None  # the static commit of the verify that left them
+        self.verdict: torch.Tensor | None = None  # a greedy static verify's verdict (verify_forward), until the next
 
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
@@ -372,7 +384,7 @@ class ForwardRunner:
         """The target forward over ids [A, T] appended to each active sequence's cache."""
         if self.graphs is None:
             out = target(ids, caches, rows="all")
-            self.pending = out.pending
+            self.pending, self.verdict = out.pending, None
             return out
         f = self.bucket.verify[ids.shape[1] - 1]
         a = len(caches)
@@ -380,12 +392,14 @@ class ForwardRunner:
         f.set_starts(self._starts(f, caches, [f.t] * a, "verify"))
         for c in caches:
             c.prepare(f.t)  # within capacity (_starts): reserves nothing
-        out = f.run()
+        out, verdict = f.run()
         self.pending = out.pending  # the graph's outputs: committed before its next replay
         self.committer = self.bucket.commit[ids.shape[1] - 1] if self.bucket.commit else None
         for c in caches:
             c.length += f.t
-        # logits are read before the next replay; the hiddens are kept a step: copied out
+        # logits are read before the next replay; the hiddens and the verdict's device tokens are
+        # kept a step (the next verify's first ids; a backlog's rows): copied out
+        self.verdict = verdict[:a].clone() if verdict is not None else None
         return type(out)(out.logits[:a], None, hidden_all=out.hidden_all[:a].clone())
 
     def commit(self, target, accepted: torch.Tensor) -> None:

@@ -199,7 +199,7 @@ class SpecEngine:
         out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
         if masks is not None:
             apply_bitmask(out.logits, masks.verify(drafts))
-        verdict = self._accept(drafts, out.logits, active)
+        verdict = self._accept(drafts, out.logits, active, masked=masks is not None)
         times = StepTimes(p0, v0, self.clock.now())
         self._commit(active, verdict, drafts, out.hidden_all, starts)
         self._finish(active, verdict, times, starts, run.slots, masks)
@@ -504,12 +504,13 @@ class SpecEngine:
         whole = whole_batch([s.last_row for s in active])
         return whole[0][:, 0] if whole is not None else torch.cat([s.last_dev for s in active])
 
-    def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence]) -> Verdict:
-        """This step's Verdict (engine/accept.py): the models' or, under --synthetic-acceptance, drawn."""
+    def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence], masked: bool) -> Verdict:
+        """This step's Verdict (engine/accept.py): the models' or, under --synthetic-acceptance, drawn.
+        masked: the logits were masked after the forward, so the verify graph's verdict is not theirs."""
         gens = [s.gen for s in active]
         if self.synthetic is not None and drafts is not None:
             return accept_synthetic(drafts, logits, gens, self.sampling, self.synthetic)
-        return accept(drafts, logits, gens, self.sampling)
+        return accept(drafts, logits, gens, self.sampling, None if masked else self.runner.verdict)
 
     def _maybe_finish(self, s: LiveSequence, fresh_from: int = 0) -> None:
         """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""

@@ -164,7 +164,7 @@ class StaticCommit:
         and a commit of those wrote through garbage indices), then warm up and capture the commit.
         At engine start every row names the scratch slot and the buffer keeps no rows: no state moves."""
         self.verify.run()
-        pending = self.verify.out.pending
+        pending = self.verify.out[0].pending  # (outputs, verdict): graphs.verify_forward
         side = warmup_stream(self.verify.device)
         side.wait_stream(torch.cuda.current_stream(self.verify.device))
         with torch.cuda.stream(side), sync_free():
