@@ -277,9 +277,10 @@ def test_step_phases_diagnostic_times_each_phase_and_takes_its_wrappers_off(caps
     the drafter's prefill only where there is a drafter, and the engine as it was after."""
     from glm5mtp_cli.diagnostics import step_phases
     from glm5mtp_cli.engine import speculate
+    from glm5mtp_cli.engine.accept import Verdict
 
     folder, _ = spec_ckpt
-    step, prefill = speculate.SpecEngine.step, speculate.prefill_drafters
+    step, prefill, read = speculate.SpecEngine.step, speculate.prefill_drafters, Verdict.read
     code = step_phases.main(["bench", "--model", str(folder), "--device", "cpu", "--batch-sizes", "2",
                              "--gammas", "0,2", "--max-new-tokens", "5", "--num-prompts", "3", "--repeats", "1",
                              "--no-transformers", "--json"])
@@ -287,10 +288,11 @@ def test_step_phases_diagnostic_times_each_phase_and_takes_its_wrappers_off(caps
     rows = {r["gamma"]: r for r in map(json.loads, capsys.readouterr().err.strip().splitlines()[-2:])}
     assert set(rows) == {0, 2} and all(r["slots"] == 2 and r["steps"] > 0 for r in rows.values())
     for r in rows.values():
-        assert r["step_us"] >= r["_accept_us"] + r["_commit_us"] + r["_finish_us"] > 0
+        phases = ("_accept_us", "_commit_device_us", "read_us", "_commit_us", "_finish_us")
+        assert r["step_us"] >= sum(r[p] for p in phases) > 0
         assert r["prefill_targets_calls"] >= 1 and r["prefill_targets_s"] > 0
     assert "draft_us" in rows[2] and rows[2]["prefill_drafters_calls"] >= 1 and "prefill_drafters_s" not in rows[0]
-    assert speculate.SpecEngine.step is step and speculate.prefill_drafters is prefill
+    assert speculate.SpecEngine.step is step and speculate.prefill_drafters is prefill and Verdict.read is read
 
 
 def _doc(rows, recs):

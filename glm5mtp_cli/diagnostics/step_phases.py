@@ -4,7 +4,7 @@ the run uses: host_time.py measures the step loop on this CPU instead):
     python3 -m glm5mtp_cli.diagnostics.step_phases [--kernels N] bench --model M --device cuda ...
 
 Each phase of SpecEngine.step is timed on the host without adding a sync, so a phase shows what the
-host spends launching and bookkeeping, and the accept, which ends in the step's one host read,
+host spends launching and bookkeeping, and the verdict's read (`read`), the step's one host read,
 holds the wait for the device too. Each admission's target and drafter prefills are timed with a
 sync after each (an admission syncs at both ends anyway; a step's catch-up prefill is not timed
 apart: it stays in its phase, unsynced). Warm-up runs are counted with the timed
@@ -25,9 +25,11 @@ import time
 import torch
 
 from glm5mtp_cli.engine import speculate
+from glm5mtp_cli.engine.accept import Verdict
 from glm5mtp_cli.engine.graphs import ForwardRunner
 
-STEP_PHASES = ("_schedule", "_catch_up_backlog", "draft", "_verify_ids", "_accept", "_commit", "_finish")
+STEP_PHASES = ("_schedule", "_catch_up_backlog", "draft", "_verify_ids", "_accept", "_commit_device", "_commit",
+               "_finish")
 RUNNER_PHASES = ("step", "verify", "commit")
 PREFILLS = ("prefill_targets", "prefill_drafters")
 
@@ -101,6 +103,7 @@ def install(phases: Phases, device_sync) -> list[tuple[object, str, object]]:
         patch(speculate.SpecEngine, name, phases.timed(getattr(speculate.SpecEngine, name), name))
     for name in RUNNER_PHASES:
         patch(ForwardRunner, name, phases.timed(getattr(ForwardRunner, name), f"runner.{name}"))
+    patch(Verdict, "read", phases.timed(Verdict.read, "read"))
     patch(speculate.SpecEngine, "_admit_into", phases.admission(speculate.SpecEngine._admit_into))
     for name in PREFILLS:
         patch(speculate, name, phases.timed_prefill(getattr(speculate, name), name, device_sync))

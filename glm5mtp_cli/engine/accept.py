@@ -15,16 +15,27 @@ from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
 
 @dataclass
 class Verdict:
-    """What one verify decided per sequence: on the host, drafts proposed and accepted, the
-    target's next token and the drafted ids (None without drafts); on the device, the next tokens
-    and the accepted counts (the drafter's next feed is built from them without a host copy)."""
+    """What one verify decided per sequence. On the device: the next tokens and the accepted counts
+    (the target's commit and the drafter's next feed are queued from them before any host read).
+    On the host once `read`: drafts proposed and accepted, the target's next token and the drafted
+    ids (None without drafts)."""
 
     proposed: list[int]
-    accepted: list[int]
-    next: list[int]
-    draft_ids: list[list[int]] | None
     next_dev: torch.Tensor
     accepted_dev: torch.Tensor
+    rows: torch.Tensor | None = None  # greedy_verdict's rows [A, 2 + g] while still unread
+    drafted: bool = False  # whether the rows' tail holds drafts
+    accepted: list[int] | None = None
+    next: list[int] | None = None
+    draft_ids: list[list[int]] | None = None
+
+    def read(self) -> "Verdict":
+        """The rows to the host in one read (the step's one sync); a no-op once read."""
+        if self.rows is not None:
+            host, self.rows = self.rows.tolist(), None
+            self.accepted, self.next = [r[0] for r in host], [r[1] for r in host]
+            self.draft_ids = [r[2:] for r in host] if self.drafted else None
+        return self
 
 
 def greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor, proposed: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,22 +54,17 @@ def greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor, proposed: torch.T
 def accept(drafts: Drafts | None, logits: torch.Tensor, gens: list, sampling,
            verdict: torch.Tensor | None = None) -> Verdict:
     """Greedy match or rejection sampling (each sequence from its own stream, gens) over the
-    verified logits [A, g + 1, V]; greedy reads the device once. verdict: greedy_verdict of these
-    logits and drafts, already computed (a verify graph's), taken where every sequence proposed
-    all its drafts."""
+    verified logits [A, g + 1, V]; greedy decides on the device and is read later, once
+    (Verdict.read). verdict: greedy_verdict of these logits and drafts, already computed (a verify
+    graph's), taken where every sequence proposed all its drafts."""
     proposed = drafts.counts if drafts is not None else [0] * logits.shape[0]
     if sampling.greedy:
-        if drafts is None:
-            if verdict is not None:
-                return read_verdict(proposed, verdict, None)
-            nxt = logits[:, 0].argmax(-1)
-            return Verdict(proposed, proposed, nxt.tolist(), None, nxt, torch.zeros_like(nxt))
-        tokens = drafts.tokens
-        if min(proposed) < tokens.shape[1]:  # a confidence stop proposed fewer drafts somewhere
+        tokens = drafts.tokens if drafts is not None else logits.new_empty((logits.shape[0], 0), dtype=torch.long)
+        if min(proposed, default=0) < tokens.shape[1]:  # a confidence stop proposed fewer drafts somewhere
             verdict = greedy_verdict(logits, tokens, torch.tensor(proposed, device=logits.device))
         elif verdict is None:
             verdict = greedy_verdict(logits, tokens)
-        return read_verdict(proposed, verdict, tokens)
+        return unread(proposed, verdict, drafts is not None)
     acc, nxt = [], []
     no_drafts = logits.new_empty(0, dtype=torch.long)
     for i, gen in enumerate(gens):
@@ -67,7 +73,8 @@ def accept(drafts: Drafts | None, logits: torch.Tensor, gens: list, sampling,
         acc.append(a)
         nxt.append(t)
     both = torch.tensor([acc, nxt], dtype=torch.long, device=logits.device)  # one copy for both
-    return Verdict(proposed, acc, nxt, None if drafts is None else drafts.tokens.tolist(), both[1], both[0])
+    return Verdict(proposed, both[1], both[0], accepted=acc, next=nxt,
+                   draft_ids=None if drafts is None else drafts.tokens.tolist())
 
 
 def accept_synthetic(drafts: Drafts, logits: torch.Tensor, gens: list, sampling,
@@ -79,15 +86,13 @@ def accept_synthetic(drafts: Drafts, logits: torch.Tensor, gens: list, sampling,
     acc = draws.accepted(tokens.shape[0], tokens.shape[1], n)
     at = logits.gather(1, acc[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
     nxt, _ = choose(at, sampling, gens)
-    return read_verdict(proposed, torch.cat([acc[:, None], nxt[:, None], tokens], dim=1), tokens)
+    return unread(proposed, torch.cat([acc[:, None], nxt[:, None], tokens], dim=1), True)
 
 
-def read_verdict(proposed: list[int], verdict: torch.Tensor, drafts: torch.Tensor | None) -> Verdict:
-    """A verdict's rows [A, 2 + g] (greedy_verdict's) to the host in one read (the step's one sync);
-    the device tensors are views of it."""
-    host = verdict.tolist()
-    return Verdict(proposed, [r[0] for r in host], [r[1] for r in host],
-                   None if drafts is None else [r[2:] for r in host], verdict[:, 1], verdict[:, 0])
+def unread(proposed: list[int], rows: torch.Tensor, drafted: bool) -> Verdict:
+    """A Verdict of rows [A, 2 + g] (greedy_verdict's) still on the device; its device tensors are
+    views of them."""
+    return Verdict(proposed, rows[:, 1], rows[:, 0], rows, drafted)
 
 
 def drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:

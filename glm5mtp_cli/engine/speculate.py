@@ -177,8 +177,9 @@ class SpecEngine:
 
     def step(self, run: "Run") -> None:
         """One engine step, top-down: schedule (admit waiting requests into free slots), draft,
-        verify [t_n, d1..dg] in one target forward, accept (the step's one host read), commit both
-        caches to the accepted prefix, finish (emit; the finished leave their slots)."""
+        verify [t_n, d1..dg] in one target forward, accept (decided on the device where greedy),
+        commit both caches to the accepted prefix (the device's part queued before the step's one
+        host read, the verdict's), finish (emit; the finished leave their slots)."""
         active = self._schedule(run)
         if not active:
             return
@@ -201,7 +202,9 @@ class SpecEngine:
             apply_bitmask(out.logits, masks.verify(drafts))
         verdict = self._accept(drafts, out.logits, active, masked=masks is not None)
         times = StepTimes(p0, v0, self.clock.now())
-        self._commit(active, verdict, drafts, out.hidden_all, starts)
+        fed = self._commit_device(verdict, drafts, out.hidden_all)
+        verdict.read()  # after the device work above is queued: it runs while the host waits
+        self._commit(active, verdict, drafts, fed, out.hidden_all, starts)
         self._finish(active, verdict, times, starts, run.slots, masks)
         # a step ends in a host read of its tokens, so its host wall time is its device time plus the
         # per-sequence bookkeeping, which at batch 64 outweighs the graph replay (and drafting
@@ -445,15 +448,20 @@ class SpecEngine:
         last = self._last_tokens(active)
         return last[:, None] if drafts is None else torch.cat([last[:, None], drafts.tokens], dim=1)
 
-    def _commit(self, active: list[LiveSequence], v: Verdict, drafts: Drafts | None, hidden_all: torch.Tensor,
+    def _commit_device(self, v: Verdict, drafts: Drafts | None, hidden_all: torch.Tensor):
+        """The device half of the commit, from the verdict's device counts (before its host read):
+        the target's fixed-size state keeps each sequence's accepted prefix; -> the drafter's next
+        feed (accept.drafter_feed with the verify's hiddens), None after a step without drafts."""
+        self.runner.commit(self.target, v.accepted_dev)
+        return (drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
+
+    def _commit(self, active: list[LiveSequence], v: Verdict, drafts: Drafts | None, fed, hidden_all: torch.Tensor,
                 starts: list[int]) -> None:
-        """Both caches back to each sequence's accepted prefix: the target keeps n + a + 1 rows (its
-        fixed-size state commits the same prefix), the drafter drops its speculative rows and is fed
-        the accepted ones at the next draft (or, after a step without drafts, at the next drafting one)."""
+        """Both caches back to each sequence's accepted prefix (v read): the target keeps n + a + 1
+        rows, the drafter drops its speculative rows and is fed the accepted ones (`fed`) at the next
+        draft (or, after a step without drafts, at the next drafting one)."""
         if self.policy.adaptive:
             self.policy.record_acceptance(v.proposed, v.accepted)
-        self.runner.commit(self.target, v.accepted_dev)
-        fed = (drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
         # the next verify's token; after a step without drafts, with its hidden: the drafter's row too
         next_rows = (v.next_dev[:, None],) if drafts is not None else (v.next_dev[:, None], hidden_all)
         for i, s in enumerate(active):
