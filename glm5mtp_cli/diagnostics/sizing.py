@@ -164,15 +164,15 @@ def scratch_bytes(cfg, dtype: torch.dtype, context: int, gamma: int) -> int:
     return family_of(cfg).sizing.scratch_bytes(cfg, dtype, context, gamma)
 
 
-def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int, max_seq_len: int,
-                greedy: bool = True) -> int:
-    """What a one-slot engine's CUDA graphs keep allocated between replays (graphs.EngineGraphs, one
-    bucket, one gamma) for a sequence of `tokens` reserved rows: the static inputs (ids, lengths, row
-    slots, drafter hiddens), the block tables of each row component (table_blocks wide, 8 bytes a
-    block; the slot's row and the all-scratch row), the slot indices of each slot component (the
-    same two entries) and the outputs the graphs own (the verify's logits and hiddens, GLM-5-Next's
-    KDA commit records; a greedy engine's verdict rows and drafts). Their intermediates live in the
-    graphs' private pool, the same peak as `scratch`."""
+def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: int, max_seq_len: int) -> int:
+    """What a one-slot greedy engine's CUDA graphs (profile's) keep allocated between replays
+    (graphs.EngineGraphs, one bucket, one gamma) for a sequence of `tokens` reserved rows: the static
+    inputs (ids, lengths, row slots, drafter hiddens), the block tables of each row component
+    (table_blocks wide, 8 bytes a block; the slot's row and the all-scratch row), the slot indices of
+    each slot component (the same two entries) and the outputs the graphs own (the verify's logits,
+    hiddens and verdict rows, GLM-5-Next's KDA commit records; the fused chain's drafts; a sampling
+    engine has no verdict rows, (gamma + 2) x 8 bytes less). Their intermediates live in the graphs'
+    private pool, the same peak as `scratch`."""
     d, t = dtype_bytes(dtype), gamma + 1
     tables = 2 * 8 * table_blocks(tokens, block_size, max_seq_len)
     comps = family_of(cfg).state_components(cfg, dtype)
@@ -182,8 +182,7 @@ def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: in
 
     verify = 8 + t * 8 + 8 + indices("target") + t * cfg.vocab_size * d + t * cfg.hidden_size * d
     verify += family_of(cfg).sizing.verify_record_bytes(cfg, dtype, t)
-    if greedy:
-        verify += (t + 1) * 8  # the verdict: accepted count, next token, the drafts (graphs.verify_forward)
+    verify += (t + 1) * 8  # the verdict: accepted count, next token, the drafts (graphs.verify_forward)
     if gamma == 0:
         return verify
     draft = t * 8 + 8 + 8 + indices("drafter") + t * cfg.hidden_size * d + gamma * 8
