@@ -18,24 +18,21 @@ class Verdict:
     """What one verify decided per sequence. On the device: the next tokens and the accepted counts
     (the target's commit and the drafter's next feed are queued from them before any host read).
     On the host once `read`: drafts proposed and accepted, the target's next token and the drafted
-    ids (None without drafts)."""
+    ids (empty or None without drafts)."""
 
     proposed: list[int]
     next_dev: torch.Tensor
     accepted_dev: torch.Tensor
     rows: torch.Tensor | None = None  # greedy_verdict's rows [A, 2 + g] while still unread
-    drafted: bool = False  # whether the rows' tail holds drafts
     accepted: list[int] | None = None
     next: list[int] | None = None
     draft_ids: list[list[int]] | None = None
 
-    def read(self) -> "Verdict":
+    def read(self) -> None:
         """The rows to the host in one read (the step's one sync); a no-op once read."""
         if self.rows is not None:
             host, self.rows = self.rows.tolist(), None
-            self.accepted, self.next = [r[0] for r in host], [r[1] for r in host]
-            self.draft_ids = [r[2:] for r in host] if self.drafted else None
-        return self
+            self.accepted, self.next, self.draft_ids = [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
 
 
 def greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor, proposed: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,7 +61,7 @@ def accept(drafts: Drafts | None, logits: torch.Tensor, gens: list, sampling,
             verdict = greedy_verdict(logits, tokens, torch.tensor(proposed, device=logits.device))
         elif verdict is None:
             verdict = greedy_verdict(logits, tokens)
-        return unread(proposed, verdict, drafts is not None)
+        return unread(proposed, verdict)
     acc, nxt = [], []
     no_drafts = logits.new_empty(0, dtype=torch.long)
     for i, gen in enumerate(gens):
@@ -86,13 +83,13 @@ def accept_synthetic(drafts: Drafts, logits: torch.Tensor, gens: list, sampling,
     acc = draws.accepted(tokens.shape[0], tokens.shape[1], n)
     at = logits.gather(1, acc[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
     nxt, _ = choose(at, sampling, gens)
-    return unread(proposed, torch.cat([acc[:, None], nxt[:, None], tokens], dim=1), True)
+    return unread(proposed, torch.cat([acc[:, None], nxt[:, None], tokens], dim=1))
 
 
-def unread(proposed: list[int], rows: torch.Tensor, drafted: bool) -> Verdict:
+def unread(proposed: list[int], rows: torch.Tensor) -> Verdict:
     """A Verdict of rows [A, 2 + g] (greedy_verdict's) still on the device; its device tensors are
     views of them."""
-    return Verdict(proposed, rows[:, 1], rows[:, 0], rows, drafted)
+    return Verdict(proposed, rows[:, 1], rows[:, 0], rows)
 
 
 def drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
