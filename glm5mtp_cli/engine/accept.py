@@ -27,11 +27,25 @@ class Verdict:
     accepted: list[int] | None = None
     next: list[int] | None = None
     draft_ids: list[list[int]] | None = None
+    _host: torch.Tensor | None = None  # the rows' host copy while it lands (fetch)
+    _landed: object = None  # its CUDA event
+
+    def fetch(self) -> None:
+        """Queue the rows' copy to the host and mark it, so that `read` waits for this copy alone,
+        not for work queued after it (the next step's drafts launched ahead)."""
+        if self.rows is not None and self.rows.is_cuda and self._host is None:
+            self._host = self.rows.to("cpu", non_blocking=True)  # pinned, asynchronous
+            self._landed = torch.cuda.Event()
+            self._landed.record()
 
     def read(self) -> None:
         """The rows to the host in one read (the step's one sync); a no-op once read."""
         if self.rows is not None:
-            host, self.rows = self.rows.tolist(), None
+            self.fetch()
+            if self._landed is not None:
+                self._landed.synchronize()
+            host = (self._host if self._host is not None else self.rows).tolist()
+            self.rows, self._host, self._landed = None, None, None
             self.accepted, self.next, self.draft_ids = [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
 
 

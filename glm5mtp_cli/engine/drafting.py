@@ -14,6 +14,8 @@ neither how.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState, check_aligned
@@ -75,3 +77,45 @@ def _chain(head: DraftProposer, runner, feed: Feed, caches: list, states: list[P
     probs = torch.stack(probs, 1) if drafts and probs[0] is not None else None
     confs = [float(min(c[i] for c in confs[: max(counts[i], 1)])) for i in range(b)] if confs else None
     return Drafts(tokens, counts, probs, confs)
+
+
+@dataclass
+class Ahead:
+    """The next step's greedy draft chain, launched at the end of this one before its host read
+    (`launch_ahead`): the sequences it drafts for, in order, its gamma, its drafts, and the clock
+    mark before it (where the next step's propose starts)."""
+
+    seqs: list
+    g: int
+    drafts: Drafts
+    start: object
+
+    def applies(self, seqs: list, g: int) -> bool:
+        """Whether the next step drafts for the same sequences, in the same order, at the same gamma."""
+        return g == self.g and len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs))
+
+
+def launch_ahead(head: DraftProposer, runner, tokens: torch.Tensor, hiddens: torch.Tensor, accepted: torch.Tensor,
+                 states: list[ProposerState], g: int) -> Drafts | None:
+    """The fused chain of the next propose, from this verify's device verdict: feed row j is tokens[j],
+    hiddens[j], its first accepted[j] + 1 real (the drafter's next feed, accept.drafter_feed).
+    Nothing on the host moves until `settle_ahead`, so a chain the next step does not take is
+    dropped as it is: its rows lie past each drafter's real ones. None where the runner has no
+    fused chain for it."""
+    head.start_propose()
+    fused = runner.fused_chain_ahead(tokens, hiddens, accepted, [st.cache for st in states],
+                                     [st.real_rows for st in states], g)
+    return None if fused is None else Drafts(fused, [g] * len(states))
+
+
+def settle_ahead(drafts: Drafts, feed: Feed, states: list[ProposerState]) -> Drafts:
+    """The host's part of a propose launched ahead, now that its feed's counts are known: what
+    `propose` and the runner's load do around a fused chain (each drafter cache grows by its feed
+    and g - 1 chained rows)."""
+    g = drafts.tokens.shape[1]
+    for j, st in enumerate(states):
+        check_aligned(st.real_rows, st)
+        st.cache.length += feed.counts[j] + g - 1
+        st.add_real(feed.tokens, j, feed.counts[j])
+        st.last_drafts, st.row = drafts, j
+    return drafts

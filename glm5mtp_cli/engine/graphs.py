@@ -452,6 +452,22 @@ class ForwardRunner:
         self._load(f, feed, caches, [n + num_drafts - 1 for n in feed.counts], "draft chain")
         return f.run()[: len(caches)].clone()
 
+    def fused_chain_ahead(self, tokens: torch.Tensor, hiddens: torch.Tensor, accepted: torch.Tensor, caches: list,
+                          starts: list[int], num_drafts: int) -> torch.Tensor | None:
+        """The next step's fused chain, launched before this step's verdict is read: feed row b is
+        tokens[b], hiddens[b] (its first accepted[b] + 1 real; accepted on the device), appended at
+        starts[b] (its drafter's real rows). The caches' lengths are the caller's to move once the
+        counts are read (drafting.settle_ahead). None where the bucket has no such forward or a
+        cache could outgrow its reservation (2 g rows at the most)."""
+        f = self.bucket.draft.get(num_drafts) if self.graphs is not None else None
+        if f is None or any(n + 2 * num_drafts > c.capacity for c, n in zip(caches, starts)):
+            return None
+        a = len(caches)
+        self._feed_rows(f, tokens, hiddens)
+        f.set_starts_rows(starts + [0] * (f.b - a), [0] * f.b)
+        f.rows[:a].copy_(accepted)  # each row's last real one: its accepted drafts' count
+        return f.run()[:a].clone()
+
     def _catchup_eager(self, proposer, feed: Feed, caches: list):
         """Sequences grouped by how many rows they append, one forward per group."""
         groups: dict[int, list[int]] = defaultdict(list)
@@ -482,12 +498,18 @@ class ForwardRunner:
         """A padded feed into f's rows 0..A-1 (past a row's count: whatever follows in the feed,
         its padding rows); each cache grows by grow[b] rows."""
         a = len(feed)
-        f.ids[:a, : min(f.t, feed.tokens.shape[1])].copy_(feed.tokens[:, : f.t])
-        f.hidden[:a, : min(f.t, feed.hiddens.shape[1])].copy_(feed.hiddens[:, : f.t])
+        self._feed_rows(f, feed.tokens, feed.hiddens)
         last = [n - 1 for n in feed.counts] + [0] * (f.b - a)
         f.set_starts_rows(self._starts(f, caches, grow, what), last)
         for c, n in zip(caches, grow):
             c.length += n
+
+    @staticmethod
+    def _feed_rows(f: StaticForward, tokens: torch.Tensor, hiddens: torch.Tensor) -> None:
+        """Feed rows [A, W] (and their hiddens) into f's rows 0..A-1, cut to its T."""
+        a = tokens.shape[0]
+        f.ids[:a, : min(f.t, tokens.shape[1])].copy_(tokens[:, : f.t])
+        f.hidden[:a, : min(f.t, hiddens.shape[1])].copy_(hiddens[:, : f.t])
 
     @staticmethod
     def _starts(f: StaticForward, caches: list, grow: list[int], what: str) -> list[int]:

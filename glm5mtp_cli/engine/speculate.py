@@ -59,7 +59,7 @@ class Run:
     """One generate call's schedule: its requests still waiting (popped from the end: request
     order), the slots, each request's result as it ends (after an exception, what ended before it;
     None: aborted), the clock mark queue times count from, the graphs' table width, and the call's
-    admission and capture seconds."""
+    admission and capture seconds; the next step's drafts when the last step launched them ahead."""
 
     waiting: list
     slots: list
@@ -68,6 +68,7 @@ class Run:
     width: int
     prefill_s: float = 0.0
     capture_s: float = 0.0
+    ahead: drafting.Ahead | None = None
 
 
 class SpecEngine:
@@ -190,7 +191,11 @@ class SpecEngine:
         h0, p0 = time.perf_counter(), self.clock.now()  # h0: the step's cost for the gamma policy
         self.runner.step([s.slot for s in active])
         masks = self._masks(active, g)
-        drafts = self.draft(active, g, masks if self.config.draft_mask else None) if g > 0 else None
+        ahead, run.ahead = run.ahead, None
+        if ahead is not None and ahead.applies(active, g):
+            drafts, p0 = drafting.settle_ahead(ahead.drafts, self._feed(active), [s.state for s in active]), ahead.start
+        else:
+            drafts = self.draft(active, g, masks if self.config.draft_mask else None) if g > 0 else None
         v0 = self.clock.now()
         if self.hooks is not None:
             self.hooks.before_verify(active)
@@ -203,6 +208,8 @@ class SpecEngine:
         verdict = self._accept(drafts, out.logits, active, masked=masks is not None)
         times = StepTimes(p0, v0, self.clock.now())
         fed = self._commit_device(verdict, drafts, out.hidden_all)
+        verdict.fetch()
+        run.ahead = self._draft_ahead(active, g, verdict, fed, masks)
         verdict.read()  # after the device work above is queued: it runs while the host waits
         self._commit(active, verdict, drafts, fed, out.hidden_all, starts)
         self._finish(active, verdict, times, starts, run.slots, masks)
@@ -399,19 +406,40 @@ class SpecEngine:
 
     def draft(self, active: list[LiveSequence], g: int, masks: StepMasks | None = None) -> Drafts:
         """The proposer's drafts for the active sequences' next verify (g of them each), under the
-        grammar masks when given. An unchanged batch passes the last step's feed as it is (one Feed
-        over its rows): no per-sequence views."""
-        whole = whole_batch([s.pend for s in active])
-        if whole is not None:
-            feed = Feed(*whole, [s.pend.n for s in active])
-        else:
-            feed = Feed.gather([s.pend for s in active])
-        drafts = drafting.propose(self.head, self.runner, feed, [s.state for s in active], g,
+        grammar masks when given."""
+        drafts = drafting.propose(self.head, self.runner, self._feed(active), [s.state for s in active], g,
                                   self.config.draft_conf_tau, masks)
         if self.config.check_invariants:
             for s in active:
                 assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
         return drafts
+
+    @staticmethod
+    def _feed(active: list[LiveSequence]) -> Feed:
+        """The drafters' pending rows as one Feed. An unchanged batch passes the last step's feed as
+        it is (one Feed over its rows): no per-sequence views."""
+        whole = whole_batch([s.pend for s in active])
+        if whole is not None:
+            return Feed(*whole, [s.pend.n for s in active])
+        return Feed.gather([s.pend for s in active])
+
+    def _draft_ahead(self, active: list[LiveSequence], g: int, v: Verdict, fed, masks: StepMasks | None
+                     ) -> drafting.Ahead | None:
+        """The next step's greedy draft chain, launched before this step's read where the next step
+        will most likely draft for the same batch at the same gamma: the device runs it while the
+        host reads the verdict and does the step's bookkeeping, instead of idling until the next
+        step launches it. Only where the drafts are fused into one forward and unmasked, gamma is
+        fixed, and no sequence can reach its token budget in this step; an EOS or an admission
+        that changes the batch drops it (the next step drafts as usual)."""
+        if (fed is None or masks is not None or self.policy.adaptive or self.synthetic is not None
+                or not drafting.fusable(self.sampling, self.config.draft_conf_tau)
+                or any(s.state is None or s.grammar is not None or len(s.out) + g + 1 >= s.req.max_new_tokens
+                       for s in active)):
+            return None
+        start = self.clock.now()
+        drafts = drafting.launch_ahead(self.head, self.runner, fed[0], fed[1], v.accepted_dev,
+                                       [s.state for s in active], g)
+        return None if drafts is None else drafting.Ahead(list(active), g, drafts, start)
 
     def _choose_gamma(self, active: int) -> int:
         """This step's gamma for the whole batch (engine/gamma.py); under --tp rank 0's, broadcast."""
