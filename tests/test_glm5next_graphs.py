@@ -53,9 +53,18 @@ def _run(rt, gamma, mode, slots, sampling=SamplingParams(), device="cpu"):
 
 @pytest.mark.parametrize("gamma", [0, 3])
 @pytest.mark.parametrize("slots", [1, 3])
-def test_static_forwards_equal_eager(rt, gamma, slots):
+def test_static_forwards_equal_eager(rt, gamma, slots, monkeypatch):
+    """Static forwards give eager's tokens; at gamma 3 most steps take the draft chain the step
+    before launched ahead (drafting.launch_ahead), from the KDA target's device verdict."""
+    from glm5mtp_cli.engine import drafting
+
+    taken = []
+    settle = drafting.settle_ahead
+    monkeypatch.setattr(drafting, "settle_ahead", lambda *a: taken.append(1) or settle(*a))
     eager = _run(rt, gamma, "eager", slots)
+    assert not taken  # eager forwards have no fused chain to launch ahead
     static = _run(rt, gamma, "static", slots)
+    assert bool(taken) == (gamma > 0)
     assert [r.tokens for r in static] == [r.tokens for r in eager]
     assert [(r.acceptance.proposed, r.acceptance.accepted) for r in static] == \
            [(r.acceptance.proposed, r.acceptance.accepted) for r in eager]

@@ -192,10 +192,11 @@ class SpecEngine:
         self.runner.step([s.slot for s in active])
         masks = self._masks(active, g)
         ahead, run.ahead = run.ahead, None
-        if ahead is not None and ahead.applies(active, g):
-            drafts, p0 = drafting.settle_ahead(ahead.drafts, self._feed(active), [s.state for s in active]), ahead.start
-        else:
-            drafts = self.draft(active, g, masks if self.config.draft_mask else None) if g > 0 else None
+        if ahead is not None and not ahead.applies(active, g):
+            ahead = None  # dropped: its rows lie past the drafters' real ones
+        if ahead is not None:
+            p0 = ahead.start  # this step's propose started before its chain, in the last step
+        drafts = self.draft(active, g, masks if self.config.draft_mask else None, ahead) if g > 0 else None
         v0 = self.clock.now()
         if self.hooks is not None:
             self.hooks.before_verify(active)
@@ -404,11 +405,15 @@ class SpecEngine:
             if self.on_tokens is not None:
                 self.on_tokens(req.request_id, list(seq.out))
 
-    def draft(self, active: list[LiveSequence], g: int, masks: StepMasks | None = None) -> Drafts:
+    def draft(self, active: list[LiveSequence], g: int, masks: StepMasks | None = None,
+              ahead: drafting.Ahead | None = None) -> Drafts:
         """The proposer's drafts for the active sequences' next verify (g of them each), under the
-        grammar masks when given."""
-        drafts = drafting.propose(self.head, self.runner, self._feed(active), [s.state for s in active], g,
-                                  self.config.draft_conf_tau, masks)
+        grammar masks when given; ahead: the chain the last step launched for them, settled."""
+        feed, states = self._feed(active), [s.state for s in active]
+        if ahead is not None:
+            drafts = drafting.settle_ahead(ahead.drafts, feed, states)
+        else:
+            drafts = drafting.propose(self.head, self.runner, feed, states, g, self.config.draft_conf_tau, masks)
         if self.config.check_invariants:
             for s in active:
                 assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
