@@ -66,26 +66,30 @@ def test_a_greedy_static_verify_computes_its_verdict(rt, gamma, monkeypatch):
         assert matched
 
 
-def test_a_greedy_static_step_launches_the_next_draft_chain_ahead(rt, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_greedy_static_step_launches_the_next_draft_chain_ahead(rt, batch, monkeypatch):
     """A greedy static engine launches the next step's draft chain before the step's read, from the
-    verify's device verdict (speculate._draft_ahead). The next step takes it where its batch is
-    the same; a sequence ending on an EOS changes the batch, and that chain is dropped (the step
-    drafts as usual). Tokens and acceptance equal the eager engine's, with the EOS and without."""
+    verify's device verdict (speculate._draft_ahead), and the next step takes it. A sequence ending
+    on an EOS leaves the others their rows of it (batch 3); a request admitted into its slot has
+    none, so that chain is dropped and the step drafts as usual (batch 1). Tokens and acceptance
+    equal the eager engine's."""
     from glm5mtp_cli.engine import drafting
 
-    free = _run(rt, 3, "eager", 3)
-    eos = free[0].tokens[6]  # ends request 0 early, while the others run on
-    eager = _run(rt, 3, "eager", 3, eos=[eos])
+    eos = _run(rt, 3, "eager", batch)[0].tokens[6]  # ends request 0 early
+    eager = _run(rt, 3, "eager", batch, eos=[eos])
     launched, taken = [], []
     launch, settle = drafting.launch_ahead, drafting.settle_ahead
-    monkeypatch.setattr(drafting, "launch_ahead", lambda *a: launched.append(1) or launch(*a))
-    monkeypatch.setattr(drafting, "settle_ahead", lambda *a: taken.append(1) or settle(*a))
-    static = _run(rt, 3, "static", 3, eos=[eos])
+    monkeypatch.setattr(drafting, "launch_ahead", lambda *a: launched.append(len(a[5])) or launch(*a))
+    monkeypatch.setattr(drafting, "settle_ahead", lambda *a: taken.append(len(a[2])) or settle(*a))
+    static = _run(rt, 3, "static", batch, eos=[eos])
     assert [r.tokens for r in static] == [r.tokens for r in eager]
     assert [(r.acceptance.proposed, r.acceptance.accepted) for r in static] == \
         [(r.acceptance.proposed, r.acceptance.accepted) for r in eager]
-    assert len(static[0].tokens) < len(free[0].tokens)  # the EOS ended it
-    assert 0 < len(taken) < len(launched)  # most steps took the chain; the one at the EOS dropped it
+    assert len(static[0].tokens) == eager[0].tokens.index(eos) + 1 < REQUESTS[0][1]  # the EOS ended it
+    if batch == 3:
+        assert 3 in taken and 2 in taken  # whole chains, and two sequences' rows of a chain for three
+    else:
+        assert 0 < len(taken) < len(launched)  # the chain launched at the EOS was dropped
 
 
 def test_static_sampling_and_ceiling_equal_eager(rt):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5mtp_cli.engine.cache import to_device
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState, check_aligned
 
 
@@ -82,17 +83,24 @@ def _chain(head: DraftProposer, runner, feed: Feed, caches: list, states: list[P
 @dataclass
 class Ahead:
     """The next step's greedy draft chain, launched at the end of this one before its host read
-    (`launch_ahead`): the sequences it drafts for, in order, its gamma, its drafts, and the clock
-    mark before it (where the next step's propose starts)."""
+    (`launch_ahead`): the sequences it drafts for, in order, its gamma, its drafts [A, g], and the
+    clock mark before it (where the next step's propose starts)."""
 
     seqs: list
     g: int
     drafts: Drafts
     start: object
 
-    def applies(self, seqs: list, g: int) -> bool:
-        """Whether the next step drafts for the same sequences, in the same order, at the same gamma."""
-        return g == self.g and len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs))
+    def take(self, seqs: list, g: int) -> Drafts | None:
+        """The drafts of `seqs` at gamma g, where the chain drafted for every one of them (a batch
+        some sequences left since: their rows), else None (the chain is dropped)."""
+        at = {id(s): i for i, s in enumerate(self.seqs)}
+        rows = [at.get(id(s)) for s in seqs]
+        if g != self.g or None in rows:
+            return None
+        if rows == list(range(len(self.seqs))):
+            return self.drafts
+        return Drafts(self.drafts.tokens[to_device(rows, self.drafts.tokens.device)], [g] * len(seqs))
 
 
 def launch_ahead(head: DraftProposer, runner, tokens: torch.Tensor, hiddens: torch.Tensor, accepted: torch.Tensor,

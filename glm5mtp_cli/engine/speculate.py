@@ -191,11 +191,10 @@ class SpecEngine:
         h0, p0 = time.perf_counter(), self.clock.now()  # h0: the step's cost for the gamma policy
         self.runner.step([s.slot for s in active])
         masks = self._masks(active, g)
-        ahead, run.ahead = run.ahead, None
-        if ahead is not None and not ahead.applies(active, g):
-            ahead = None  # dropped: its rows lie past the drafters' real ones
+        ahead = run.ahead.take(active, g) if run.ahead is not None and g > 0 else None
         if ahead is not None:
-            p0 = ahead.start  # this step's propose started before its chain, in the last step
+            p0 = run.ahead.start  # this step's propose started before its chain, in the last step
+        run.ahead = None  # taken, or dropped: its rows lie past the drafters' real ones
         drafts = self.draft(active, g, masks if self.config.draft_mask else None, ahead) if g > 0 else None
         v0 = self.clock.now()
         if self.hooks is not None:
@@ -406,12 +405,12 @@ class SpecEngine:
                 self.on_tokens(req.request_id, list(seq.out))
 
     def draft(self, active: list[LiveSequence], g: int, masks: StepMasks | None = None,
-              ahead: drafting.Ahead | None = None) -> Drafts:
+              ahead: Drafts | None = None) -> Drafts:
         """The proposer's drafts for the active sequences' next verify (g of them each), under the
-        grammar masks when given; ahead: the chain the last step launched for them, settled."""
+        grammar masks when given; ahead: theirs from the chain the last step launched, settled."""
         feed, states = self._feed(active), [s.state for s in active]
         if ahead is not None:
-            drafts = drafting.settle_ahead(ahead.drafts, feed, states)
+            drafts = drafting.settle_ahead(ahead, feed, states)
         else:
             drafts = drafting.propose(self.head, self.runner, feed, states, g, self.config.draft_conf_tau, masks)
         if self.config.check_invariants:
@@ -431,11 +430,11 @@ class SpecEngine:
     def _draft_ahead(self, active: list[LiveSequence], g: int, v: Verdict, fed, masks: StepMasks | None
                      ) -> drafting.Ahead | None:
         """The next step's greedy draft chain, launched before this step's read where the next step
-        will most likely draft for the same batch at the same gamma: the device runs it while the
-        host reads the verdict and does the step's bookkeeping, instead of idling until the next
-        step launches it. Only where the drafts are fused into one forward and unmasked, gamma is
-        fixed, and no sequence can reach its token budget in this step; an EOS or an admission
-        that changes the batch drops it (the next step drafts as usual)."""
+        will most likely draft for the same sequences at the same gamma: the device runs it while
+        the host reads the verdict and does the step's bookkeeping, instead of idling until the
+        next step launches it. Only where the drafts are fused into one forward and unmasked, gamma
+        is fixed, and no sequence can reach its token budget in this step. A sequence ending on an
+        EOS leaves the others their rows of it; an admission drops it (drafting.Ahead.take)."""
         if (fed is None or masks is not None or self.policy.adaptive or self.synthetic is not None
                 or not drafting.fusable(self.sampling, self.config.draft_conf_tau)
                 or any(s.state is None or s.grammar is not None or len(s.out) + g + 1 >= s.req.max_new_tokens
