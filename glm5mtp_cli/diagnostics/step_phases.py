@@ -28,8 +28,8 @@ from glm5mtp_cli.engine import speculate
 from glm5mtp_cli.engine.accept import Verdict
 from glm5mtp_cli.engine.graphs import ForwardRunner
 
-STEP_PHASES = ("_schedule", "_catch_up_backlog", "draft", "_verify_ids", "_accept", "_commit_device", "_commit",
-               "_finish")
+STEP_PHASES = ("_schedule", "_catch_up_backlog", "draft", "_verify_ids", "_accept", "_commit_device", "_draft_ahead",
+               "_commit", "_finish")
 RUNNER_PHASES = ("step", "verify", "commit")
 PREFILLS = ("prefill_targets", "prefill_drafters")
 
