@@ -157,13 +157,21 @@ def test_greedy_constrained_equals_constrained_gamma0_for_every_gamma(nano, prom
 
 
 @pytest.mark.parametrize("draft_mask", [True, False])
-def test_static_forwards_mask_their_outputs_alike(nano, prompt_set, draft_mask):
+def test_static_forwards_mask_their_outputs_alike(nano, prompt_set, draft_mask, monkeypatch):
     """The runner's static forwards (what CUDA graphs replay; unmasked drafting there is the fused
-    chain): masks applied in place to their output buffers give eager's constrained tokens."""
+    chain): masks applied in place to their output buffers give eager's constrained tokens. Under
+    --no-draft-mask most steps take the chain the step before launched ahead of its read (it needs
+    no matcher state); masked drafting never does."""
+    from glm5mtp_cli.engine import drafting
+
+    taken = []
+    settle = drafting.settle_ahead
+    monkeypatch.setattr(drafting, "settle_ahead", lambda *a: taken.append(1) or settle(*a))
     ids, rules = prompt_set
     base = _run(nano, ids, rules, gamma=0, batch_size=2)
     got = _run(nano, ids, rules, gamma=3, batch_size=2, draft_mask=draft_mask, graphs="static")
     assert [r.tokens for r in got] == [r.tokens for r in base]
+    assert bool(taken) != draft_mask
 
 
 @pytest.mark.parametrize("draft_mask", [True, False])

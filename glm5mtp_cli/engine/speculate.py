@@ -432,13 +432,13 @@ class SpecEngine:
         """The next step's greedy draft chain, launched before this step's read where the next step
         will most likely draft for the same sequences at the same gamma: the device runs it while
         the host reads the verdict and does the step's bookkeeping, instead of idling until the
-        next step launches it. Only where the drafts are fused into one forward and unmasked, gamma
-        is fixed, and no sequence can reach its token budget in this step. A sequence ending on an
-        EOS leaves the others their rows of it; an admission drops it (drafting.Ahead.take)."""
-        if (fed is None or masks is not None or self.policy.adaptive or self.synthetic is not None
-                or not drafting.fusable(self.sampling, self.config.draft_conf_tau)
-                or any(s.state is None or s.grammar is not None or len(s.out) + g + 1 >= s.req.max_new_tokens
-                       for s in active)):
+        next step launches it. Only where the drafts are fused into one forward and unmasked (no
+        sequence constrained, or --no-draft-mask: the chain needs no matcher state), gamma is fixed,
+        and no sequence can reach its token budget in this step. A sequence ending (EOS, grammar)
+        leaves the others their rows of it; an admission drops it (drafting.Ahead.take)."""
+        if (fed is None or (masks is not None and self.config.draft_mask) or self.policy.adaptive
+                or self.synthetic is not None or not drafting.fusable(self.sampling, self.config.draft_conf_tau)
+                or any(s.state is None or len(s.out) + g + 1 >= s.req.max_new_tokens for s in active)):
             return None
         start = self.clock.now()
         drafts = drafting.launch_ahead(self.head, self.runner, fed[0], fed[1], v.accepted_dev,
