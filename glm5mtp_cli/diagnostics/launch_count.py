@@ -9,7 +9,7 @@ kernels' branch (kernels/_triton.PATH "all"). Each call of a kernels/ dispatcher
 launch, as its Triton kernel would on the GPU; every other aten op counts as one, except views and
 allocations, which launch nothing. An estimate, close but not exact: some aten ops launch two
 kernels on a GPU (topk), and copies of host values into static buffers are counted where the
-engine makes them. Prints each phase's launches in the run's last step (--ops: by op).
+engine makes them. Prints each phase's launches at its last call (--ops: by op).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from kernels._triton import kernel_path
 NO_LAUNCH = {"view", "_unsafe_view", "t", "slice", "select", "expand", "unsqueeze", "squeeze", "as_strided",
              "permute", "transpose", "detach", "alias", "empty", "empty_strided", "split", "split_with_sizes",
              "unbind", "narrow", "lift_fresh", "_reshape_alias", "diagonal", "unflatten", "reshape"}
-PHASES = ((ForwardRunner, "fused_chain", "draft chain"), (ForwardRunner, "catchup", "draft catch-up"),
+PHASES = ((ForwardRunner, "fused_chain", "draft chain"), (ForwardRunner, "fused_chain_ahead", "draft chain ahead"),
+          (ForwardRunner, "catchup", "draft catch-up"),
           (ForwardRunner, "chain_step", "draft chain step"), (speculate.SpecEngine, "_verify_ids", "verify ids"),
           (ForwardRunner, "verify", "verify"), (speculate.SpecEngine, "_accept", "accept"),
           (ForwardRunner, "commit", "commit"))
@@ -87,7 +88,7 @@ def _patch(owner, name: str, value, saved: list) -> None:
 
 
 def count_launches(model: str = DEFAULT_MODEL, gamma: int = 3, new_tokens: int = 24) -> dict[str, collections.Counter]:
-    """Each phase's launches (by op) in the last step of a greedy static-mode generate of
+    """Each phase's launches (by op) at its last call in a greedy static-mode generate of
     `new_tokens` tokens after a 64-token prompt, on the CPU."""
     from glm5mtp_cli.engine.runtime import load_runtime, make_engine
     from glm5mtp_cli.engine.sequence import Request
