@@ -9,7 +9,9 @@ static forwards runs the whole chain as one forward (the fused chain), unless a 
 drafts: each position's logits are then masked by the state after the drafts before it
 (engine/grammar.StepMasks), so the chain runs position by position. The proposer describes the
 forwards and turns their logits into draft ids (`choose`); the runner runs them; this loop knows
-neither how.
+neither how. A fused chain can also start a step early (`launch_ahead`): launched from the verify's
+device verdict before that step's host read, it runs while the host reads and keeps its books, and
+the next step settles it on the host (`settle_ahead`) instead of proposing.
 """
 
 from __future__ import annotations
