@@ -79,7 +79,7 @@ def test_a_greedy_static_step_launches_the_next_draft_chain_ahead(rt, batch, mon
     eager = _run(rt, 3, "eager", batch, eos=[eos])
     launched, taken = [], []
     launch, settle = drafting.launch_ahead, drafting.settle_ahead
-    monkeypatch.setattr(drafting, "launch_ahead", lambda *a: launched.append(len(a[5])) or launch(*a))
+    monkeypatch.setattr(drafting, "launch_ahead", lambda *a: launched.append(len(a[2])) or launch(*a))
     monkeypatch.setattr(drafting, "settle_ahead", lambda *a: taken.append(len(a[2])) or settle(*a))
     static = _run(rt, 3, "static", batch, eos=[eos])
     assert [r.tokens for r in static] == [r.tokens for r in eager]

@@ -41,6 +41,11 @@ def propose(head: DraftProposer, runner, feed: Feed, states: list[ProposerState]
     fused = runner.fused_chain(feed, caches, g) if g and masks is None else None
     drafts = (Drafts(fused, [g] * len(states)) if fused is not None
               else _chain(head, runner, feed, caches, states, g, tau, masks))
+    return _record(drafts, feed, states)
+
+
+def _record(drafts: Drafts, feed: Feed, states: list[ProposerState]) -> Drafts:
+    """Each drafter state holds its feed's rows as real and the drafts it proposed."""
     for j, st in enumerate(states):
         st.add_real(feed.tokens, j, feed.counts[j])
         st.last_drafts, st.row = drafts, j
@@ -105,17 +110,18 @@ class Ahead:
         return Drafts(self.drafts.tokens[to_device(rows, self.drafts.tokens.device)], [g] * len(seqs))
 
 
-def launch_ahead(head: DraftProposer, runner, tokens: torch.Tensor, hiddens: torch.Tensor, accepted: torch.Tensor,
-                 states: list[ProposerState], g: int) -> Drafts | None:
-    """The fused chain of the next propose, from this verify's device verdict: feed row j is tokens[j],
-    hiddens[j], its first accepted[j] + 1 real (the drafter's next feed, accept.drafter_feed).
-    Nothing on the host moves until `settle_ahead`, so a chain the next step does not take is
-    dropped as it is: its rows lie past each drafter's real ones. None where the runner has no
-    fused chain for it."""
+def launch_ahead(head: DraftProposer, runner, seqs: list, fed: tuple, accepted: torch.Tensor, g: int,
+                 start) -> Ahead | None:
+    """The fused chain of the next propose for `seqs` (engine sequences), from this verify's device
+    verdict: feed row j is fed's (tokens, hiddens) row j, its first accepted[j] + 1 real (the
+    drafter's next feed, accept.drafter_feed); start: the clock mark before it. Nothing on the host
+    moves until `settle_ahead`, so a chain the next step does not take is dropped as it is: its
+    rows lie past each drafter's real ones. None where the runner has no fused chain for it."""
+    states = [s.state for s in seqs]
     head.start_propose()
-    fused = runner.fused_chain_ahead(tokens, hiddens, accepted, [st.cache for st in states],
+    fused = runner.fused_chain_ahead(fed[0], fed[1], accepted, [st.cache for st in states],
                                      [st.real_rows for st in states], g)
-    return None if fused is None else Drafts(fused, [g] * len(states))
+    return None if fused is None else Ahead(list(seqs), g, Drafts(fused, [g] * len(states)), start)
 
 
 def settle_ahead(drafts: Drafts, feed: Feed, states: list[ProposerState]) -> Drafts:
@@ -126,6 +132,4 @@ def settle_ahead(drafts: Drafts, feed: Feed, states: list[ProposerState]) -> Dra
     for j, st in enumerate(states):
         check_aligned(st.real_rows, st)
         st.cache.length += feed.counts[j] + g - 1
-        st.add_real(feed.tokens, j, feed.counts[j])
-        st.last_drafts, st.row = drafts, j
-    return drafts
+    return _record(drafts, feed, states)

@@ -11,7 +11,7 @@ from glm5mtp_cli.constraint import Constraint
 from glm5mtp_cli.engine.cache import SequenceCache
 from glm5mtp_cli.engine.carry import Carry
 from glm5mtp_cli.engine.metrics import Acceptance
-from glm5mtp_cli.engine.proposer import ProposerState
+from glm5mtp_cli.engine.proposer import Feed, ProposerState
 
 
 @dataclass
@@ -105,6 +105,13 @@ def whole_batch(rows: list[BatchRow]) -> tuple | None:
     return None
 
 
+def pending_feed(rows: list[BatchRow]) -> Feed:
+    """The drafters' pending rows as one Feed: an unchanged batch's are the last step's tensors as
+    they are (no per-sequence views), a changed one's gathered."""
+    whole = whole_batch(rows)
+    return Feed(*whole, [r.n for r in rows]) if whole is not None else Feed.gather(rows)
+
+
 @dataclass
 class LiveSequence:
     req: Request
@@ -141,6 +148,24 @@ class LiveSequence:
             rows = [self.pend.tensors(), *(r.tensors() for r in self.backlog)]
             self.pend = BatchRow.own(torch.cat([t for t, _ in rows]), torch.cat([h for _, h in rows]))
             self.backlog = []
+
+    def finalize(self, clock) -> None:
+        """Its result's finish reason and times from its records (clock: the engine's marks)."""
+        res = self.res
+        res.finish_reason = self.done
+        start, end = self.prefill_marks
+        res.prefill_s = clock.seconds(start, end)
+        res.queue_s = clock.seconds(self.arrive, start) if self.arrive is not None else 0.0
+        res.ttft_s = res.queue_s + res.prefill_s
+        decode = 0.0
+        for r in self.records:
+            prop, ver = r.times.read(clock)
+            decode += prop + ver
+            if r.drafts:
+                res.propose_s.append(prop / r.drafts)
+            res.verify_s.append(ver)
+        res.decode_s = decode
+        res.records = self.records
 
 
 def budget_tokens(prompt_len: int, max_new_tokens: int, gamma: int) -> int:

@@ -46,10 +46,10 @@ from glm5mtp_cli.engine.graphs import ForwardRunner, table_blocks
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_drafters, prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import graph_rows
-from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts
 from glm5mtp_cli.engine.sampling import choose, request_stream
 from glm5mtp_cli.engine.sequence import (BatchRow, LiveSequence, Request, SeqResult, StepRecord, budget_tokens,
-                                         reserve_tokens, whole_batch)
+                                         pending_feed, reserve_tokens, whole_batch)
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
 from glm5mtp_cli.errors import UserError
 from kernels.bitmask import apply_bitmask
@@ -408,7 +408,7 @@ class SpecEngine:
               ahead: Drafts | None = None) -> Drafts:
         """The proposer's drafts for the active sequences' next verify (g of them each), under the
         grammar masks when given; ahead: theirs from the chain the last step launched, settled."""
-        feed, states = self._feed(active), [s.state for s in active]
+        feed, states = pending_feed([s.pend for s in active]), [s.state for s in active]
         if ahead is not None:
             drafts = drafting.settle_ahead(ahead, feed, states)
         else:
@@ -417,15 +417,6 @@ class SpecEngine:
             for s in active:
                 assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
         return drafts
-
-    @staticmethod
-    def _feed(active: list[LiveSequence]) -> Feed:
-        """The drafters' pending rows as one Feed. An unchanged batch passes the last step's feed as
-        it is (one Feed over its rows): no per-sequence views."""
-        whole = whole_batch([s.pend for s in active])
-        if whole is not None:
-            return Feed(*whole, [s.pend.n for s in active])
-        return Feed.gather([s.pend for s in active])
 
     def _draft_ahead(self, active: list[LiveSequence], g: int, v: Verdict, fed, masks: StepMasks | None
                      ) -> drafting.Ahead | None:
@@ -440,10 +431,7 @@ class SpecEngine:
                 or self.synthetic is not None or not drafting.fusable(self.sampling, self.config.draft_conf_tau)
                 or any(s.state is None or len(s.out) + g + 1 >= s.req.max_new_tokens for s in active)):
             return None
-        start = self.clock.now()
-        drafts = drafting.launch_ahead(self.head, self.runner, fed[0], fed[1], v.accepted_dev,
-                                       [s.state for s in active], g)
-        return None if drafts is None else drafting.Ahead(list(active), g, drafts, start)
+        return drafting.launch_ahead(self.head, self.runner, active, fed, v.accepted_dev, g, self.clock.now())
 
     def _choose_gamma(self, active: int) -> int:
         """This step's gamma for the whole batch (engine/gamma.py); under --tp rank 0's, broadcast."""
@@ -569,29 +557,12 @@ class SpecEngine:
         if s.done is None and self.hooks is not None and self.hooks.cancels(s):
             s.done = "cancelled"
         if s.done is not None:
-            self._finalize(s)
+            s.finalize(self.clock)
+            if s.grammar is not None:
+                self._judge(s)
             if s.done in ("eos", "length") and req.carry_mode != "none":
                 hand_back(s, self.head, self.pools)
             self.release(s)
-
-    def _finalize(self, s: LiveSequence) -> None:
-        res = s.res
-        res.finish_reason = s.done
-        start, end = s.prefill_marks
-        res.prefill_s = self.clock.seconds(start, end)
-        res.queue_s = self.clock.seconds(s.arrive, start) if s.arrive is not None else 0.0
-        res.ttft_s = res.queue_s + res.prefill_s
-        decode = 0.0
-        for r in s.records:
-            prop, ver = r.times.read(self.clock)
-            decode += prop + ver
-            if r.drafts:
-                res.propose_s.append(prop / r.drafts)
-            res.verify_s.append(ver)
-        res.decode_s = decode
-        res.records = s.records
-        if s.grammar is not None:
-            self._judge(s)
 
     def _judge(self, s: LiveSequence) -> None:
         """A constrained result's verdict: complete where the grammar ended it (or an EOS it accepted),
