@@ -19,7 +19,7 @@ from glm5mtp_cli.engine.compiled import compile_forward
 from glm5mtp_cli.engine.static import sequences_forward
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
-from kernels import fp8_block, moe, moe_grouped, paged, pool_keys, rmsnorm, rope, router
+from kernels import fp8_block, moe, moe_grouped, paged, pool_keys, rmsnorm, rope, router, swiglu
 from kernels._triton import kernel_path
 
 pytestmark = pytest.mark.compile  # inductor's C++ compiles: minutes cold, the second test command
@@ -167,6 +167,8 @@ def _op_cases():
         "mla_pools": (paged.mla_attention_paged_op, (torch.randn(g, t, h, lat), torch.randn(g, t, h, 0),
                                                      torch.randn(n, lat), slots, starts, None, 0.3,
                                                      torch.rand(g, t, nl // 4) < 0.5, 4, True)),
+        "swiglu": (swiglu.swiglu_op, (*torch.randn(3, 16).split(8, dim=-1), 1.5)),
+        "swiglu_free": (swiglu.swiglu_op, (torch.randn(2, 3, 6), torch.randn(2, 3, 6), None)),
         "route": (router.route_op, (torch.randn(3, 16), torch.randn(16), 2, 2, 1, True, 2.5)),
         "pool_keys": (pool_keys.write_pool_keys_op, (torch.randn(2, n, 2), torch.randn(2, n, 16), 1,
                                                      torch.randperm(n)[:nl].view(1, nl), torch.randperm(n)[:nl].view(1, nl),

@@ -33,6 +33,7 @@ from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_a
 from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
 from kernels.router import route, route_ref  # noqa: E402
+from kernels.swiglu import swiglu, swiglu_ref  # noqa: E402
 from kernels.table_slots import table_slots, table_slots_ref  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -314,6 +315,21 @@ def case_route_groups(device, big):
 def case_route_groups_many(device, big):
     # more groups than kept, several kept: DeepSeek-V3's 8 groups, 4 kept
     return _route(device, 64 if big else 4, 256 if big else 32, 8 if big else 4, 8, 4)
+
+
+def case_swiglu_joined_bf16_limit(device, big):
+    # GLM-5-Next's clamped form on the two halves of a joined gate-up projection (strided rows),
+    # values past the limit on both sides; more columns than one program's block when big
+    n, inner = (8, 2048) if big else (3, 40)
+    gate_up = _rand(n, 2 * inner, device=device, dtype=BF16, scale=8.0)
+    gate, up = gate_up[:, :inner], gate_up[:, inner:]
+    return swiglu(gate, up, 10.0, force_triton=True), swiglu_ref(gate, up, 10.0)
+
+
+def case_swiglu_fp32(device, big):
+    # GLM-5's form: no clamp
+    x = _rand(2, 3, 1536 if big else 24, device=device, scale=4.0)
+    return swiglu(x, x.flip(-1), force_triton=True), swiglu_ref(x, x.flip(-1))
 
 
 def _table_slots(device, *args, **kwargs):

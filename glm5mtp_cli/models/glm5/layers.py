@@ -18,6 +18,7 @@ from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
 from kernels.rmsnorm import rmsnorm
 from kernels.router import route
+from kernels.swiglu import swiglu as swiglu_kernel, swiglu_ref
 
 from glm5mtp_cli.engine import sync_free
 from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, joined, scale_grid
@@ -49,10 +50,9 @@ def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """silu(gate) * up; with `limit` (GLM-5-Next) the clamp is asymmetric: gate only from above,
     up to [-limit, limit]. GLM-5 has no clamp (limit None)."""
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-    return F.silu(gate) * up
+    if use_kernels(gate) and not torch.is_grad_enabled():
+        return swiglu_kernel(gate, up, limit)  # one launch instead of four (inference only)
+    return swiglu_ref(gate, up, limit)
 
 
 class MLP(nn.Module):
