@@ -48,10 +48,13 @@ class PagedContext:
     slots: dict[str, CachedSlots] = field(default_factory=dict)
     kda_mode: str = "replay"
     real: torch.Tensor | None = None
+    _positions: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def positions(self) -> torch.Tensor:
-        """[B, t] position of each new row."""
-        return self.starts[:, None] + torch.arange(self.t, device=self.starts.device)
+        """[B, t] position of each new row (computed once a forward: each op is a graph launch)."""
+        if self._positions is None:
+            self._positions = self.starts[:, None] + torch.arange(self.t, device=self.starts.device)
+        return self._positions
 
 
 def indexer_scores(qi: torch.Tensor, w: torch.Tensor, ctx: PagedContext, layer: int, pool: int) -> torch.Tensor:
@@ -99,12 +102,11 @@ def attend(attn: MlaLayer, q_lat: torch.Tensor, pools: Pools, ctx: PagedContext,
     return torch.einsum("bthl,blr->bthr", att, latent)
 
 
-def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
-              reuse: tuple[torch.Tensor, torch.Tensor] | None = None):
+def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int, reuse: torch.Tensor | None = None):
     """An indexed layer over the pools: a [B, T, D] normed rows -> (out [B, T, D], pool selection
     [B, T, L//P], visible pools [B, T]). reuse (MTP chaining, MlaLayer.forward's reuse_selection):
-    (selection [B, W], its width [B]) of each sequence's draft step 0; pools past the width are
-    all selected."""
+    [B, L//P] each sequence's draft-step-0 selection with every pool past that step's visible ones
+    selected (chain_selection); each row keeps of it the pools it sees."""
     b, t = a.shape[:2]
     P = attn.pool
     q_a, kv_a, wk_a = attn.project(a)
@@ -116,18 +118,13 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int,
     pool, raw = ctx.rows["pool"], ctx.rows["raw"]
     ape = attn.indexer.index_kpool_compress_ape
     write_pool_keys(pool.data, raw.data, layer, pool.all, raw.all, ctx.starts, t, ape)
-    pos = ctx.positions()
-    visible = (pos + 1) // P
-    ids = torch.arange(pool.all.shape[1] // P, device=a.device)
+    visible = (ctx.positions() + 1) // P
     if reuse is None:
         qi, w = attn.indexer.queries(a, cq, wq_cq)
         sel = select_pools(indexer_scores(qi, w, ctx, layer, P), visible, attn.indexer.n_select)
     else:
-        step0, width = reuse
-        n = min(step0.shape[1], ids.shape[0])
-        padded = torch.zeros(b, ids.shape[0], dtype=torch.bool, device=a.device)
-        padded[:, :n] = step0[:, :n]
-        sel = torch.where(ids < width[:, None], padded, True)[:, None, :] & (ids < visible[..., None])
+        ids = torch.arange(reuse.shape[1], device=a.device)
+        sel = reuse[:, None, :] & (ids < visible[..., None])
     wkv = attn.kv_b_proj.weight.view(attn.heads, attn.dn + attn.dv, attn.rank)
     q_lat = torch.einsum("bthd,hdr->bthr", q, wkv[:, : attn.dn])
     o_lat = attend(attn, q_lat, Pools(sel, P, attn.indexer.always_tail), ctx, layer)
@@ -156,12 +153,25 @@ def target_forward(model, ids: torch.Tensor, ctx: PagedContext) -> tuple[torch.T
     return model.norm(contract_streams(streams)), KdaBatchPending.stack(list(pending.values()), ctx.slots) if pending else None
 
 
+def chain_selection(step0: torch.Tensor, width: torch.Tensor, np_: int) -> torch.Tensor:
+    """What a chained draft step reuses (mla_paged's reuse), [B, np_]: step0 [B, W] each
+    sequence's draft-step-0 selection over its first width[b] pools, every pool past them selected
+    (they completed after step 0: each chained row keeps those it sees). Built once a chain."""
+    n = min(step0.shape[1], np_)
+    chosen = step0[:, :n]
+    if n < np_:
+        chosen = torch.cat([chosen, chosen.new_zeros(chosen.shape[0], np_ - n)], dim=1)
+    return chosen | (torch.arange(np_, device=step0.device) >= width[:, None])
+
+
 def mtp_forward(layer, ids: torch.Tensor, hidden: torch.Tensor, ctx: PagedContext, embed,
-                reuse: tuple[torch.Tensor, torch.Tensor] | None = None):
+                reuse: torch.Tensor | None = None, chained: bool = False):
     """Glm5NextMtpLayer over the drafter's pools: ids [B, T] (t[i+1]), hidden [B, T, D] (h[i]) ->
-    (g [B, T, D] post shared_head.norm, pool selection [B, T, Np], visible pools [B, T])."""
+    (g [B, T, D] post shared_head.norm, pool selection [B, T, Np], visible pools [B, T]). chained:
+    the rows are a chain's drafts, which follow a sequence's real rows, so none is row 0."""
     e = embed(ids)
-    e = e.masked_fill((ctx.positions() == 0)[..., None], 0.0)  # no embedding at row 0 (mtp.py)
+    if not chained:
+        e = e.masked_fill((ctx.positions() == 0)[..., None], 0.0)  # no embedding at row 0 (mtp.py)
     x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden.to(e.dtype))], dim=-1))
     y, sel, visible = mla_paged(layer.self_attn, layer.input_layernorm(x), ctx, 0, reuse)
     x = x + y

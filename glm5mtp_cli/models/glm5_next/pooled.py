@@ -51,7 +51,7 @@ from glm5mtp_cli.models.glm5_next.decoder import DEFAULT_ROLLBACK, Glm5NextForCa
 from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
 from glm5mtp_cli.models.glm5_next.layout import LM_HEAD, PREFIX
 from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
-from glm5mtp_cli.models.glm5_next.paged import PagedContext, mtp_forward, target_forward
+from glm5mtp_cli.models.glm5_next.paged import PagedContext, chain_selection, mtp_forward, target_forward
 
 # Forwards up to this many rows keep what a partial commit needs (a verify is gamma + 1 <= 17 rows).
 MAX_VERIFY_ROWS = 17
@@ -165,7 +165,7 @@ class PooledMtp(torch.nn.Module):
         # row-0 slot -> [Np] selection of that sequence's last unchained row, for the chained steps
         # of the same propose (MtpHead.start_propose empties it: nothing outlives its sequence)
         self._step0: dict[int, torch.Tensor] = {}
-        self._step0_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # static: ([B, Np], widths [B])
+        self._step0_rows: torch.Tensor | None = None  # static: [B, Np], chain_selection's
         self.register_state_dict_post_hook(_unwrap_names)  # keys relative to `layers.{N}.`
 
     def start_propose(self) -> None:
@@ -204,13 +204,14 @@ class PooledMtp(torch.nn.Module):
         reuse = None
         if self.share_topk and self._chaining:
             reuse = self._step0_rows if static else self._reused(ctx)
-            if reuse is None or reuse[0].shape[0] != token_ids.shape[0]:
+            if reuse is None or reuse.shape != (token_ids.shape[0], self._pools(ctx)):
                 raise UserError("a static chained draft step reuses the step-0 pool selection of its own fused "
                                 "chain only: run the chain in one forward, or pass --no-mtp-index-share")
-        g_all, sel, visible = mtp_forward(self.layer, token_ids, hidden, ctx, embed, reuse)
+        g_all, sel, visible = mtp_forward(self.layer, token_ids, hidden, ctx, embed, reuse, self._chaining)
         if self.share_topk and not self._chaining:
             if static:
-                self._step0_rows = (_rows(sel, rows)[:, -1], _rows(visible[..., None], rows)[:, -1, 0])
+                self._step0_rows = chain_selection(_rows(sel, rows)[:, -1], _rows(visible[..., None], rows)[:, -1, 0],
+                                                   sel.shape[-1])
             else:
                 self._keep_step0(ctx, sel, visible, rows)
                 self._step0_rows = None
@@ -228,9 +229,14 @@ class PooledMtp(torch.nn.Module):
         for b, (key, r) in enumerate(zip(self._keys(ctx), last)):
             self._step0[key] = sel[b, r, : int(visible[b, r])].clone()  # not a view pinning the whole batch's
 
-    def _reused(self, ctx: PagedContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pools(self, ctx: PagedContext) -> int:
+        """The pools a forward's tables span (its selections' width)."""
+        return ctx.rows["pool"].all.shape[1] // self.layer.self_attn.pool
+
+    def _reused(self, ctx: PagedContext) -> torch.Tensor:
         kept = [self._step0[key] for key in self._keys(ctx)]
         step0 = torch.zeros(len(kept), max([k.shape[0] for k in kept] + [1]), dtype=torch.bool, device=ctx.starts.device)
         for b, k in enumerate(kept):
             step0[b, : k.shape[0]] = k
-        return step0, torch.tensor([k.shape[0] for k in kept], device=ctx.starts.device)
+        return chain_selection(step0, torch.tensor([k.shape[0] for k in kept], device=ctx.starts.device),
+                               self._pools(ctx))
