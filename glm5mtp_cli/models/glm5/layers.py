@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels._triton import use_kernels
+from kernels._triton import as_op, use_kernels
 from kernels.fp8_block import fp8_block_dequant_ref
 from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
@@ -38,6 +38,14 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def after_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of h, h) for h = x + residual: on the kernels' path (inference, not traced by
+        torch.compile, whose inductor fuses the add itself) one launch for both."""
+        if use_kernels(x) and not torch.is_grad_enabled() and not as_op():
+            return rmsnorm(x, self.weight, self.eps, residual)
+        h = x + residual
+        return self(h), h
 
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,6 +174,6 @@ def mtp_forward(layer, ids: torch.Tensor, hidden: torch.Tensor, ctx: PagedContex
         e = e.masked_fill((ctx.positions() == 0)[..., None], 0.0)  # no embedding at row 0 (mtp.py)
     x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden.to(e.dtype))], dim=-1))
     y, sel, visible = mla_paged(layer.self_attn, layer.input_layernorm(x), ctx, 0, reuse)
-    x = x + y
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return layer.shared_head.norm(x), sel, visible
+    normed, x = layer.post_attention_layernorm.after_add(y, x)
+    g, _ = layer.shared_head.norm.after_add(layer.mlp(normed), x)
+    return g, sel, visible
