@@ -21,6 +21,7 @@ from .paged import indexer_scores_paged_ref, indexer_scores_paged_triton, mla_at
 from .moe import moe_experts_ref, moe_experts_triton
 from .rmsnorm import rmsnorm_ref, rmsnorm_triton
 from .rope import rope_interleaved_ref, rope_interleaved_triton
+from .swiglu import swiglu_ref, swiglu_triton
 
 HBM_PEAK_GBS = 4800.0  # H200 HBM3e, for the "% of peak" column only
 BF16 = torch.bfloat16
@@ -65,6 +66,12 @@ def _cases(dev):
     lat, w2 = kv[:, :512], rnd(512)
     yield ("rmsnorm_latent[4x512 strided]", lambda: rmsnorm_triton(lat, w2, 1e-5), lambda: rmsnorm_ref(lat, w2, 1e-5),
            2 * s_dec * 512 * 2 + _nbytes(w2), 1e-2)
+
+    # SwiGLU on the shared expert's joined gate-up projection [4, 2 x 2048], GLM-5-Next's clamp at 10
+    gu = rnd(s_dec, 2 * 2048, scale=4.0)
+    sg, su = gu[:, :2048], gu[:, 2048:]
+    yield ("swiglu_shared[4x2048 clamped]", lambda: swiglu_triton(sg, su, 10.0), lambda: swiglu_ref(sg, su, 10.0),
+           _nbytes(gu) + s_dec * 2048 * 2, 1e-2)
 
     # interleaved rope on q's rope slice [S, 64 heads, 64] of [S, 64, 256]
     q = rnd(s_dec, 64, 256)
