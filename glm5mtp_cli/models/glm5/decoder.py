@@ -45,8 +45,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, bc, kv_layer, idx_layer, prev_topk, indexer_losses=None):
         a, topk = self.self_attn(self.input_layernorm(h), bc, kv_layer, idx_layer, prev_topk, indexer_losses)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), topk
+        normed, h = self.post_attention_layernorm.after_add(a, h)
+        return h + self.mlp(normed), topk
 
 
 def rope_context(cfg: ModelConfig, starts: torch.Tensor, t: int, mla=None, indexer=None) -> BatchContext:
