@@ -100,6 +100,55 @@ def _(x, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
+# ---- the MTP layer's input: two norms side by side ---------------------------------------------------
+
+def rmsnorm_pair_ref(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., 2 N]: rmsnorm_ref(a, wa) beside rmsnorm_ref(b, wb) (a, b [..., N] of one dtype): the MTP
+    layer's [enorm(embedding) ; hnorm(hidden)] before eh_proj."""
+    return torch.cat([rmsnorm_ref(a, wa, eps), rmsnorm_ref(b, wb, eps)], dim=-1)
+
+
+@jit
+def _rmsnorm_pair_kernel(a_ptr, b_ptr, wa_ptr, wb_ptr, y_ptr, N, stride_a, stride_b, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    for half in tl.static_range(2):
+        if half == 0:
+            x = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(wa_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(b_ptr + row * stride_b + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(wb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        normed = (x * rstd).to(a_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + row * 2 * N + half * N + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_pair_triton(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton version of :func:`rmsnorm_pair_ref`; one program per row writes both halves."""
+    n = a.shape[-1]
+    assert b.shape == a.shape and b.dtype == a.dtype, "a and b must match"
+    assert wa.shape == wb.shape == (n,) and wa.dtype == wb.dtype and wa.is_contiguous() and wb.is_contiguous()
+    a2, b2 = a.reshape(-1, n), b.reshape(-1, n)
+    assert a2.stride(-1) == 1 and b2.stride(-1) == 1, "a and b need a unit stride in their last dimension"
+    y = alloc((*a.shape[:-1], 2 * n), dtype=torch.promote_types(a.dtype, wa.dtype), device=a.device)
+    if a2.shape[0]:
+        block = next_pow2(n)
+        _rmsnorm_pair_kernel[(a2.shape[0],)](a2, b2, wa, wb, y, n, a2.stride(0), b2.stride(0), eps, BLOCK_N=block,
+                                             num_warps=min(16, max(1, block // 512)))
+    return y
+
+
+def rmsnorm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float,
+                 force_triton: bool = False) -> torch.Tensor:
+    """rmsnorm_pair_ref's result: the Triton kernel for CUDA tensors (or `force_triton` in the
+    interpreter), else the reference. Compiled forwards trace the reference: inductor fuses it."""
+    if not torch.compiler.is_compiling() and use_triton(a, wa, b, wb, force=force_triton):
+        return rmsnorm_pair_triton(a, wa, b, wb, eps)
+    return rmsnorm_pair_ref(a, wa, b, wb, eps)
+
+
 # ---- KDA's output gate -----------------------------------------------------------------------------
 
 def gated_rmsnorm_ref(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,

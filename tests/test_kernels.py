@@ -30,7 +30,7 @@ from kernels.fp8_block import (fp8_block_dequant, fp8_block_dequant_ref, fp8_blo
 from kernels.moe import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref  # noqa: E402
 from kernels.paged import (indexer_scores_paged, indexer_scores_paged_ref, mla_attention_paged,  # noqa: E402
                            mla_attention_paged_ref)
-from kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
+from kernels.rmsnorm import rmsnorm, rmsnorm_pair, rmsnorm_pair_ref, rmsnorm_ref  # noqa: E402
 from kernels.rope import rope_interleaved, rope_interleaved_ref  # noqa: E402
 from kernels.router import route, route_ref  # noqa: E402
 from kernels.swiglu import swiglu, swiglu_ref  # noqa: E402
@@ -74,6 +74,14 @@ def case_rmsnorm_strided_fp32_weight(device, big):
     x, w = fused[:, :lat], _rand(lat, device=device)
     # fp32 output, but the normalised value is rounded to bf16 before the weight: bf16 tolerance
     return rmsnorm(x, w, 1e-6, force_triton=True), rmsnorm_ref(x, w, 1e-6), 1e-2
+
+
+def case_rmsnorm_pair_bf16(device, big):
+    # an MTP layer's input: a [B, T, D] embedding beside a strided hidden, bf16 weights
+    b, t, d = (8, 4, 6144) if big else (2, 3, 48)
+    e, h = _rand(b, t, d, device=device, dtype=BF16), _rand(b, t, 2 * d, device=device, dtype=BF16)[..., d:]
+    we, wh = _rand(d, device=device, dtype=BF16), _rand(d, device=device, dtype=BF16)
+    return rmsnorm_pair(e, we, h, wh, 1e-5, force_triton=True), rmsnorm_pair_ref(e, we, h, wh, 1e-5)
 
 
 def case_rope_3d(device, big):

@@ -16,7 +16,7 @@ from torch import nn
 from glm5mtp_cli.engine.cache import CachedRows, cached_rows
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.attention import BatchContext, MLAttention
-from glm5mtp_cli.models.glm5.layers import MLP, MoE, RMSNorm, rope_cos_sin
+from glm5mtp_cli.models.glm5.layers import MLP, MoE, RMSNorm, norm_pair, rope_cos_sin
 
 
 @dataclass
@@ -169,7 +169,7 @@ class Glm5MtpLayer(nn.Module):
         # Row i sits at position i; the embedding of the row at position 0 is zeroed (vLLM, SGLang).
         pos = bc.starts[:, None] + torch.arange(t, device=token_ids.device)
         e = e.masked_fill((pos == 0)[..., None], 0.0)
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], dim=-1))
+        x = self.eh_proj(norm_pair(self.enorm, e, self.hnorm, hidden.to(e.dtype)))
         y, _ = self.block(x, bc, 0, 0, None, indexer_losses)
         return y
 

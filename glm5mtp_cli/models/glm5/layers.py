@@ -16,7 +16,7 @@ from kernels._triton import as_op, use_kernels
 from kernels.fp8_block import fp8_block_dequant_ref
 from kernels.moe import moe_experts, moe_experts_fp8
 from kernels.moe_grouped import moe_experts_grouped, moe_experts_grouped_fp8, pays
-from kernels.rmsnorm import rmsnorm
+from kernels.rmsnorm import rmsnorm, rmsnorm_pair
 from kernels.router import route
 from kernels.swiglu import swiglu as swiglu_kernel, swiglu_ref
 
@@ -46,6 +46,13 @@ class RMSNorm(nn.Module):
             return rmsnorm(x, self.weight, self.eps, residual)
         h = x + residual
         return self(h), h
+
+
+def norm_pair(na: RMSNorm, a: torch.Tensor, nb: RMSNorm, b: torch.Tensor) -> torch.Tensor:
+    """[na(a) ; nb(b)] (an MTP layer's input to eh_proj): one launch on the kernels' path (inference)."""
+    if use_kernels(a) and not torch.is_grad_enabled() and na.eps == nb.eps:
+        return rmsnorm_pair(a, na.weight, b, nb.weight, na.eps)
+    return torch.cat([na(a), nb(b)], dim=-1)
 
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

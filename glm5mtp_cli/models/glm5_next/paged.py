@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glm5mtp_cli.engine.cache import CachedRows, CachedSlots
+from glm5mtp_cli.models.glm5.layers import norm_pair
 from glm5mtp_cli.models.glm5_next.attention import MlaLayer
 from glm5mtp_cli.models.glm5_next.indexer import pool_scores, select_pools
 from glm5mtp_cli.models.glm5_next.kda import KERNEL_ROWS, KdaBatchPending
@@ -172,7 +173,7 @@ def mtp_forward(layer, ids: torch.Tensor, hidden: torch.Tensor, ctx: PagedContex
     e = embed(ids)
     if not chained:
         e = e.masked_fill((ctx.positions() == 0)[..., None], 0.0)  # no embedding at row 0 (mtp.py)
-    x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden.to(e.dtype))], dim=-1))
+    x = layer.eh_proj(norm_pair(layer.enorm, e, layer.hnorm, hidden.to(e.dtype)))
     y, sel, visible = mla_paged(layer.self_attn, layer.input_layernorm(x), ctx, 0, reuse)
     normed, x = layer.post_attention_layernorm.after_add(y, x)
     g, _ = layer.shared_head.norm.after_add(layer.mlp(normed), x)
