@@ -183,9 +183,10 @@ def _chain_with_selections(models, share: bool, prompt: torch.Tensor, hiddens: t
     mtp.share_topk = share
     sels = []
 
-    def spy(*args, **kw):
-        y, sel, visible = mla_paged(*args, **kw)
-        sels.append(sel[0, -1, : int(visible[0, -1])].clone())
+    def spy(attn, a, ctx, layer, reuse=None):
+        y, sel, visible = mla_paged(attn, a, ctx, layer, reuse)
+        seen = (ctx.positions()[0, -1] + 1) // attn.pool  # the pools the drafting row sees
+        sels.append(sel[0, -1, : int(seen)].clone())
         return y, sel, visible
 
     try:

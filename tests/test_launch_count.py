@@ -25,8 +25,9 @@ def test_glm5next_nano_step_phases():
     chain, verify = phases["draft chain"], phases["verify"]
     assert chain["kernels.mla_attention_paged"] == 3 and chain["kernels.indexer_scores_paged"] == 1
     assert verify["kernels.kda_slots"] == 3 and verify["kernels.mla_attention_paged"] == 1
-    # each MLP's activation is one launch; only the catch-up can hold a row 0 (its embedding zeroed);
-    # the chained steps' shared selection is built once a chain (one ge), each step only cuts it
+    # each MLP's activation is one launch; only the catch-up can hold a row 0 (its embedding zeroed)
+    # or needs its rows' visible pools: the chained steps' shared selection is built once a chain
+    # (one ge) and read uncut
     assert chain["kernels.swiglu"] == 3 and verify["kernels.swiglu"] == 4
-    assert chain["eq"] == 1 and chain["ge"] == 1 and "where" not in chain
+    assert chain["eq"] == 1 and chain["floor_divide"] == 1 and chain["ge"] == 1 and "where" not in chain
     assert sum(chain.values()) > sum(verify.values()) > 50

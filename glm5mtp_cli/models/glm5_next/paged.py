@@ -73,11 +73,13 @@ def indexer_scores(qi: torch.Tensor, w: torch.Tensor, ctx: PagedContext, layer: 
 
 
 def key_mask(sel: torch.Tensor, pos: torch.Tensor, length: int, pool: int, always_tail: bool) -> torch.Tensor:
-    """[B, T, L]: keys of the selected pools, plus each query's tail {P floor((s+1)/P) .. s}."""
+    """[B, T, L]: keys of the selected pools up to the query itself (a chained draft's selection may
+    name pools past it: mla_paged), plus each query's tail {P floor((s+1)/P) .. s}."""
     tok = torch.arange(length, device=pos.device)
     np_ = sel.shape[-1]
     if np_:
-        mask = sel.gather(-1, (tok // pool).clamp(max=np_ - 1).expand(*sel.shape[:-1], length)) & (tok < np_ * pool)
+        mask = sel.gather(-1, (tok // pool).clamp(max=np_ - 1).expand(*sel.shape[:-1], length))
+        mask &= (tok < np_ * pool) & (tok <= pos[..., None])
     else:
         mask = torch.zeros(*pos.shape, length, dtype=torch.bool, device=pos.device)
     if always_tail:
@@ -105,9 +107,10 @@ def attend(attn: MlaLayer, q_lat: torch.Tensor, pools: Pools, ctx: PagedContext,
 
 def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int, reuse: torch.Tensor | None = None):
     """An indexed layer over the pools: a [B, T, D] normed rows -> (out [B, T, D], pool selection
-    [B, T, L//P], visible pools [B, T]). reuse (MTP chaining, MlaLayer.forward's reuse_selection):
-    [B, L//P] each sequence's draft-step-0 selection with every pool past that step's visible ones
-    selected (chain_selection); each row keeps of it the pools it sees."""
+    [B, T, L//P], visible pools [B, T] or None where a chained step needs none). reuse (MTP
+    chaining, MlaLayer.forward's reuse_selection): [B, L//P] each sequence's draft-step-0 selection
+    with every pool past that step's visible ones selected (chain_selection); each row keeps of it
+    the pools it sees."""
     b, t = a.shape[:2]
     P = attn.pool
     q_a, kv_a, wk_a = attn.project(a)
@@ -119,13 +122,17 @@ def mla_paged(attn: MlaLayer, a: torch.Tensor, ctx: PagedContext, layer: int, re
     pool, raw = ctx.rows["pool"], ctx.rows["raw"]
     ape = attn.indexer.index_kpool_compress_ape
     write_pool_keys(pool.data, raw.data, layer, pool.all, raw.all, ctx.starts, t, ape)
-    visible = (ctx.positions() + 1) // P
-    if reuse is None:
-        qi, w = attn.indexer.queries(a, cq, wq_cq)
-        sel = select_pools(indexer_scores(qi, w, ctx, layer, P), visible, attn.indexer.n_select)
+    if reuse is not None and attn.indexer.always_tail:
+        # past the pools a row sees lie only its tail pool, attended anyway, and rows after it, which
+        # attention never reads (key_mask, the kernel): the chain's selection serves every row uncut
+        sel, visible = reuse[:, None, :], None
     else:
-        ids = torch.arange(reuse.shape[1], device=a.device)
-        sel = reuse[:, None, :] & (ids < visible[..., None])
+        visible = (ctx.positions() + 1) // P
+        if reuse is None:
+            qi, w = attn.indexer.queries(a, cq, wq_cq)
+            sel = select_pools(indexer_scores(qi, w, ctx, layer, P), visible, attn.indexer.n_select)
+        else:
+            sel = reuse[:, None, :] & (torch.arange(reuse.shape[1], device=a.device) < visible[..., None])
     wkv = attn.kv_b_proj.weight.view(attn.heads, attn.dn + attn.dv, attn.rank)
     q_lat = torch.einsum("bthd,hdr->bthr", q, wkv[:, : attn.dn])
     o_lat = attend(attn, q_lat, Pools(sel, P, attn.indexer.always_tail), ctx, layer)
