@@ -175,8 +175,9 @@ def chain_selection(step0: torch.Tensor, width: torch.Tensor, np_: int) -> torch
 def mtp_forward(layer, ids: torch.Tensor, hidden: torch.Tensor, ctx: PagedContext, embed,
                 reuse: torch.Tensor | None = None, chained: bool = False):
     """Glm5NextMtpLayer over the drafter's pools: ids [B, T] (t[i+1]), hidden [B, T, D] (h[i]) ->
-    (g [B, T, D] post shared_head.norm, pool selection [B, T, Np], visible pools [B, T]). chained:
-    the rows are a chain's drafts, which follow a sequence's real rows, so none is row 0."""
+    (g [B, T, D] post shared_head.norm, pool selection [B, T, Np], visible pools [B, T] or None: as
+    mla_paged's). chained: the rows are a chain's drafts, which follow a sequence's real rows, so
+    none is row 0."""
     e = embed(ids)
     if not chained:
         e = e.masked_fill((ctx.positions() == 0)[..., None], 0.0)  # no embedding at row 0 (mtp.py)
