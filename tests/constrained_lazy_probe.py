@@ -12,6 +12,12 @@ only where the fallback is rare. Counts, per sequence-step:
 - fallback: a position 1..k (k: the drafts the masked verify accepted) whose unmasked argmax is banned;
 - steps_with_fallback: steps where any sequence needs a fallback (each costs a round trip).
 
+Its wider form reads the target's top K candidates per position instead of its argmax: the first
+the grammar allows (in argmax's order: value, then lower id) is the masked argmax wherever the
+masked argmax is among them, checked by consuming a token, no mask. `within_top_k` gives, over every
+position the masked verdict reaches (0..k), the share whose masked argmax ranks below K in the
+unmasked order; `steps_with_fallback_top_k` the steps where some sequence's does not.
+
     OMP_NUM_THREADS=1 python3 tests/constrained_lazy_probe.py --model glm5-nano --batch-size 8
 """
 
@@ -36,22 +42,30 @@ from glm5mtp_cli.prompts import encode_prompts, read_file  # noqa: E402
 from kernels.bitmask import unpack  # noqa: E402
 
 COUNTS: collections.Counter = collections.Counter()
-SEEN: dict[str, torch.Tensor] = {}  # the current verify's unmasked argmax [A, g + 1] and allowed [A, g + 1, V]
+SEEN: dict[str, torch.Tensor] = {}  # the current verify's unmasked logits [A, g + 1, V] and allowed [A, g + 1, V]
+RANKS: list[int] = []  # per position the masked verdict reaches: the masked argmax's rank unmasked
+TOP_K = (1, 4, 16, 64, 256, 1024)
 
 
 def _recording(apply):
     def recorded(logits, mask):
-        SEEN["argmax"], SEEN["allowed"] = logits.argmax(-1), unpack(mask, logits.shape[-1])
+        SEEN["raw"], SEEN["allowed"] = logits.clone(), unpack(mask, logits.shape[-1])
         return apply(logits, mask)
     return recorded
 
 
 def _counting(accept):
     def counted(self, drafts, logits, active, masked):
-        if masked and drafts is not None and "argmax" in SEEN:
-            raw, allowed = SEEN.pop("argmax"), SEEN.pop("allowed")
+        if masked and drafts is not None and "raw" in SEEN:
+            logits_raw, allowed = SEEN.pop("raw"), SEEN.pop("allowed")
+            raw = logits_raw.argmax(-1)
             d = drafts.tokens
-            k = (logits.argmax(-1)[:, :-1] == d).long().cumprod(1).sum(1).tolist()
+            chosen = logits.argmax(-1)  # the masked verdict's tokens [A, g + 1]
+            k = (chosen[:, :-1] == d).long().cumprod(1).sum(1).tolist()
+            rank = _ranks(logits_raw, chosen)
+            worst = [max(rank[b, : k[b] + 1].tolist()) for b in range(d.shape[0])]
+            RANKS.extend(r for b in range(d.shape[0]) for r in rank[b, : k[b] + 1].tolist())
+            COUNTS.update({f"steps_with_fallback_top_{n}": int(max(worst) >= n) for n in TOP_K})
             banned = ~allowed.gather(-1, raw[..., None])[..., 0]  # [A, g + 1]
             fallbacks = [bool(banned[b, 1:k[b] + 1].any()) for b in range(d.shape[0])]
             COUNTS.update(sequence_steps=d.shape[0], row0_banned=int(banned[:, 0].sum()),
@@ -60,6 +74,13 @@ def _counting(accept):
         SEEN.clear()
         return accept(self, drafts, logits, active, masked)
     return counted
+
+
+def _ranks(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[A, g + 1]: how many tokens precede `chosen` in argmax's order (value, then lower id)."""
+    v = logits.gather(-1, chosen[..., None])
+    ids = torch.arange(logits.shape[-1])
+    return (logits > v).sum(-1) + ((logits == v) & (ids < chosen[..., None])).sum(-1)
 
 
 def main() -> None:
@@ -80,7 +101,8 @@ def main() -> None:
     with torch.no_grad():
         run_generate(rt, ids, config, constraints=[p.constraint for p in items])
     print(json.dumps({"command": " ".join(["python3", "tests/constrained_lazy_probe.py"] + sys.argv[1:]),
-                      "model": a.model, **COUNTS}))
+                      "model": a.model, **COUNTS, "positions_reached": len(RANKS),
+                      "within_top_k": {n: round(sum(r < n for r in RANKS) / len(RANKS), 4) for n in TOP_K}}))
 
 
 if __name__ == "__main__":
