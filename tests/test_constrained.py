@@ -142,6 +142,55 @@ def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeyp
             assert torch.equal(fast[0][b, i], _first_rows(grammars, [SimpleNamespace(matcher=m)])[0]), (b, i)
 
 
+def test_template_copies_mask_as_freshly_compiled_matchers(nano, monkeypatch):
+    """Matchers are copies of one compiled template per constraint: along each shipped prompt's
+    constrained reply (its constrained gamma-0 output) a copy's mask at every position equals a
+    freshly compiled matcher's, also for a second copy made after the first walked; each constraint
+    compiles once, and the engine keeps at most TEMPLATES of them."""
+    import glm5mtp_cli.engine.grammar as grammar
+
+    items = read_file(PROMPTS)
+    ids = encode_prompts(items, nano.tokenizer)
+    rules = [p.constraint for p in items]
+    replies = _run(nano, ids, rules, gamma=0, max_new_tokens=32)
+    compile_ = grammar.llguidance().LLMatcher
+    texts = {rule: rule.grammar() for rule in rules}
+    compiled = []
+    monkeypatch.setattr(Constraint, "grammar", lambda self: compiled.append(self) or texts[self])
+    grammars = _grammars(nano)
+    n = words(nano.cfg.vocab_size)
+    for rule, res in zip(rules, replies):
+        first, second = grammars._matcher(rule), None
+        fresh = compile_(grammars.tokenizer(), texts[rule], log_level=0)
+        tokens = [t for t in res.tokens if t not in nano.cfg.eos_token_id]
+        for i, tok in enumerate(tokens + [None]):
+            rows = torch.zeros((2, n), dtype=torch.int32)
+            grammars.fill_rows(rows, [(first, 0), (fresh, 1)])
+            assert torch.equal(rows[0], rows[1]), (rule.describe(), i)
+            if tok is None or first.try_consume_tokens([tok]) != 1:
+                break
+            assert fresh.try_consume_tokens([tok]) == 1
+            if i == 2:
+                second = grammars._matcher(rule)  # a copy made while another copy is mid-walk
+        if second is not None:
+            assert second.consume_tokens(tokens[:3])
+            rows = torch.zeros((1, n), dtype=torch.int32)
+            grammars.fill_rows(rows, [(second, 0)])
+            again = compile_(grammars.tokenizer(), texts[rule], log_level=0)
+            assert again.consume_tokens(tokens[:3])
+            expected = torch.zeros((1, n), dtype=torch.int32)
+            grammars.fill_rows(expected, [(again, 0)])
+            assert torch.equal(rows, expected), rule.describe()
+    assert len(compiled) == len(set(rules))
+    monkeypatch.undo()
+    monkeypatch.setattr(grammar, "TEMPLATES", 2)
+    grammars = _grammars(nano)
+    for pattern in ("[0-9]{2}", "[a-z]{2}", "[0-9]{2}", "x+"):
+        grammars._matcher(Constraint("regex", pattern))
+    assert list(grammars._templates)[-2:] == [Constraint("regex", "[0-9]{2}"), Constraint("regex", "x+")]
+    assert len(grammars._templates) == 2
+
+
 # ---- lossless under a grammar ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft_mask", [True, False])
