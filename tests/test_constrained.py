@@ -143,10 +143,12 @@ def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeyp
 
 
 def test_template_copies_mask_as_freshly_compiled_matchers(nano, monkeypatch):
-    """Matchers are copies of one compiled template per constraint: along each shipped prompt's
-    constrained reply (its constrained gamma-0 output) a copy's mask at every position equals a
-    freshly compiled matcher's, also for a second copy made after the first walked; each constraint
-    compiles once, and the engine keeps at most TEMPLATES of them."""
+    """Matchers are copies of one compiled template per constraint, and a freed sequence's matcher,
+    reset, becomes the next template: along each shipped prompt's constrained reply (its
+    constrained gamma-0 output) a copy's mask at every position equals a freshly compiled
+    matcher's, for a copy of the first template, one made while another copy is mid-walk, and one
+    of the template a walked copy retired into; each constraint compiles once, and the engine keeps
+    at most TEMPLATES of them."""
     import glm5mtp_cli.engine.grammar as grammar
 
     items = read_file(PROMPTS)
@@ -159,36 +161,40 @@ def test_template_copies_mask_as_freshly_compiled_matchers(nano, monkeypatch):
     monkeypatch.setattr(Constraint, "grammar", lambda self: compiled.append(self) or texts[self])
     grammars = _grammars(nano)
     n = words(nano.cfg.vocab_size)
-    for rule, res in zip(rules, replies):
-        first, second = grammars._matcher(rule), None
+
+    def masks_along(m, rule, tokens, done=()) -> int:
+        """Walk m (already past `done`) along tokens, its mask against a fresh matcher's at every
+        position; -> the positions compared."""
         fresh = compile_(grammars.tokenizer(), texts[rule], log_level=0)
-        tokens = [t for t in res.tokens if t not in nano.cfg.eos_token_id]
+        assert fresh.consume_tokens(list(done))
         for i, tok in enumerate(tokens + [None]):
             rows = torch.zeros((2, n), dtype=torch.int32)
-            grammars.fill_rows(rows, [(first, 0), (fresh, 1)])
+            grammars.fill_rows(rows, [(m, 0), (fresh, 1)])
             assert torch.equal(rows[0], rows[1]), (rule.describe(), i)
-            if tok is None or first.try_consume_tokens([tok]) != 1:
-                break
+            if tok is None or m.try_consume_tokens([tok]) != 1:
+                return i + 1
             assert fresh.try_consume_tokens([tok]) == 1
-            if i == 2:
-                second = grammars._matcher(rule)  # a copy made while another copy is mid-walk
-        if second is not None:
-            assert second.consume_tokens(tokens[:3])
-            rows = torch.zeros((1, n), dtype=torch.int32)
-            grammars.fill_rows(rows, [(second, 0)])
-            again = compile_(grammars.tokenizer(), texts[rule], log_level=0)
-            assert again.consume_tokens(tokens[:3])
-            expected = torch.zeros((1, n), dtype=torch.int32)
-            grammars.fill_rows(expected, [(again, 0)])
-            assert torch.equal(rows, expected), rule.describe()
+
+    for rule, res in zip(rules, replies):
+        tokens = [t for t in res.tokens if t not in nano.cfg.eos_token_id]
+        first = grammars._matcher(rule)
+        assert first.consume_tokens(tokens[:2])
+        second = grammars._matcher(rule)  # a copy made while another is mid-walk
+        assert masks_along(second, rule, tokens) > 2
+        grammars.retire(rule, second)
+        assert grammars._templates[rule] is second
+        assert masks_along(grammars._matcher(rule), rule, tokens) > 2
+        masks_along(first, rule, tokens[2:], tokens[:2])
     assert len(compiled) == len(set(rules))
     monkeypatch.undo()
     monkeypatch.setattr(grammar, "TEMPLATES", 2)
     grammars = _grammars(nano)
     for pattern in ("[0-9]{2}", "[a-z]{2}", "[0-9]{2}", "x+"):
         grammars._matcher(Constraint("regex", pattern))
-    assert list(grammars._templates)[-2:] == [Constraint("regex", "[0-9]{2}"), Constraint("regex", "x+")]
-    assert len(grammars._templates) == 2
+    assert list(grammars._templates) == [Constraint("regex", "[0-9]{2}"), Constraint("regex", "x+")]
+    gone = grammars.open(Constraint("regex", "[a-z]{2}"), set())  # compiled again, then dropped
+    gone.free()
+    assert Constraint("regex", "[a-z]{2}") in grammars._templates and len(grammars._templates) == 2
 
 
 # ---- lossless under a grammar ------------------------------------------------------------------------------
