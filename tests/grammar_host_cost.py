@@ -1,5 +1,7 @@
-"""Host cost of the grammar work in a constrained step, per call: one mask in each state of a
-function-call object's walk (one thread); --no-draft-mask's verify walk
+"""Host cost of the grammar work in a constrained step, per call: a matcher compiled against one
+opened from its constraint's template, and a walk from a fresh template against one from a template
+a walked matcher retired into; one mask in each state of a function-call object's walk (one
+thread); --no-draft-mask's verify walk
 (batch 8, 3 drafts each, JSON-schema matchers at different depths of one object) on llguidance
 pools of 1 to 12 threads and on the pool the engine picks (`Grammars.executor`), and on CUDA the
 bitmask's application (the Triton kernel's launch against the PyTorch reference's ops).
@@ -84,6 +86,47 @@ def mask_costs(rt) -> list[tuple[str, float]]:
     return costs
 
 
+def open_costs(rt) -> tuple[float, float, float, float]:
+    """Median seconds, over the shipped constraints, of compiling a matcher and of opening one as the
+    engine does (a copy of its constraint's template); and OBJECT's walk (a mask before each token,
+    one thread) by a copy of a fresh template and by a copy of the template a walked matcher
+    retired into."""
+    rules = list(dict.fromkeys(p.constraint for p in read_file(ROOT / "profiles" / "constrained" / "prompts.jsonl")))
+    g = Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+    compile_, copy_ = [], []
+    for rule in rules:
+        text = rule.grammar()
+        for _ in range(5):
+            t0 = time.perf_counter()
+            llguidance().LLMatcher(g.tokenizer(), text, log_level=0)
+            compile_.append(time.perf_counter() - t0)
+        g.open(rule, set()).free()  # its template compiled
+        for _ in range(5):
+            t0 = time.perf_counter()
+            opened = g.open(rule, set())
+            copy_.append(time.perf_counter() - t0)
+            opened.free()
+    ids = rt.tokenizer.encode(OBJECT)
+    row = torch.empty(g.words, dtype=torch.int32)
+
+    def walk(m) -> float:
+        t0 = time.perf_counter()
+        for tok in ids:
+            m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            assert m.try_consume_tokens([tok]) == 1
+        return time.perf_counter() - t0
+
+    first, retired = [], []
+    for _ in range(5):
+        g = Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+        s = g.open(rules[0], set())
+        first.append(walk(s.matcher))
+        s.free()
+        retired.append(walk(g.open(rules[0], set()).matcher))
+    return (statistics.median(compile_), statistics.median(copy_), statistics.median(first),
+            statistics.median(retired))
+
+
 def apply_cost(fn, dtype) -> float:
     logits = torch.randn(8, 4, 4096, device="cuda", dtype=dtype)
     mask = torch.randint(-2**31, 2**31 - 1, (8, 4, words(4096)), dtype=torch.int32, device="cuda")
@@ -101,6 +144,10 @@ def apply_cost(fn, dtype) -> float:
 
 def main() -> None:
     rt = load_runtime(ModelSpec("glm5-nano", "cpu", "fp32"), progress=False)
+    compiled, copied, first, retired = open_costs(rt)
+    print(f"a matcher for a shipped constraint: compiled {1e6 * compiled:.0f} us, opened from its template "
+          f"{1e6 * copied:.0f} us; the object's walk ({len(rt.tokenizer.encode(OBJECT))} masks) by a copy of a fresh "
+          f"template {1e6 * first:.0f} us, of a retired one {1e6 * retired:.0f} us")
     costs = mask_costs(rt)
     print("one mask before each token of the object, us: " + " ".join(f"{t!r} {1e6 * c:.0f}" for t, c in costs))
     for threads in (1, 2, 4, 8, 12, None):
