@@ -80,9 +80,9 @@ class Grammars:
         t = self._templates.pop(c, None)
         if t is None:
             t = llguidance().LLMatcher(self.tokenizer(), c.grammar(), log_level=0)
+            t.compute_bitmask()  # builds the lexer states its copies start from; the state stays
             if t.is_error():  # checked before loading (Constraint.check); this is a tokenizer-specific failure
                 raise RuntimeError(f"the {c.kind} grammar does not build over this tokenizer: {t.get_error()}")
-            t.compute_bitmask()  # builds the lexer states its copies start from; the state stays
         self._templates[c] = t  # now the most recently used
         if len(self._templates) > TEMPLATES:
             del self._templates[next(iter(self._templates))]
