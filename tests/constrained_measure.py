@@ -9,7 +9,7 @@ steps that ran with every slot full. Constrained replies are shorter than free o
 step (decode time / steps) mixes in more half-empty steps of admission and tails; full steps compare
 like with like. Grammar host time:
 the wall time of the step's grammar work (masks filled, copied and applied, matchers walked and
-committed) per step; on the CPU the masks' application is host work too, on CUDA the drafts'
+committed, finished outputs validated) per step; on the CPU the masks' application is host work too, on CUDA the drafts'
 host read inside it also waits for the device.
 
     python3 tests/constrained_measure.py --model glm5-nano --device cpu --threads 1 > out.json
@@ -35,7 +35,7 @@ from glm5mtp_cli.engine.config import EngineConfig, ModelSpec  # noqa: E402
 from glm5mtp_cli.engine.run import run_generate  # noqa: E402
 from glm5mtp_cli.engine.runtime import load_runtime, set_threads  # noqa: E402
 import glm5mtp_cli.engine.speculate as speculate  # noqa: E402
-from glm5mtp_cli.engine.grammar import SeqGrammar, StepMasks  # noqa: E402
+from glm5mtp_cli.engine.grammar import Grammars, SeqGrammar, StepMasks  # noqa: E402
 from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
 from glm5mtp_cli.prompts import encode_prompts, read_file  # noqa: E402
 
@@ -90,6 +90,7 @@ SpecEngine._masks = _host(SpecEngine._masks, "masks")
 StepMasks.draft, StepMasks.verify = _host(StepMasks.draft, "draft"), _host(StepMasks.verify, "verify")
 StepMasks._read = _host(StepMasks._read, "wait", total=False)
 SeqGrammar.commit = _host(SeqGrammar.commit, "commit")
+Grammars.validates = _host(Grammars.validates, "validate")  # a finished sequence's check, inside its last step
 speculate.apply_bitmask = _host(speculate.apply_bitmask, "apply")
 
 
