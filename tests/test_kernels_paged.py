@@ -191,16 +191,20 @@ def case_mla_paged_indexed(device, big):
             mla_attention_paged_ref(qn, qr, pool, slots, starts, idx, scale))
 
 
-def _mla_paged_pools(device, big, dtype, tail, nl_small=48, visible_only=True):
+def _mla_paged_pools(device, big, dtype, tail, nl_small=48, visible_only=True, strided_q=False):
     """GLM-5-Next's NoPE layer (R = 0): the chosen pools' rows and the tail, a verify's 4 queries;
     sequence 0 chooses no pool for its first query (the tail alone, or nothing: zeros). The
     kernel reads the chosen pools 64 at a time (nl_small 600: three such chunks, several tiles
     each); visible_only False: pools past a query's complete ones chosen too, which the reference
-    reads only up to the query."""
+    reads only up to the query. strided_q: q as the absorbed product leaves it, a [G, T, H] view of
+    an [H, G * T] batched GEMM's output."""
     g, t, p = 2, 4, 4
     h, lkv, nl = (64, 512, 2048) if big else (6, 40, nl_small)
     pool, slots = _paged(device, g, nl, lkv, dtype)
-    qn = _rand(g, t, h, lkv, device=device, dtype=dtype, scale=0.5)
+    if strided_q:
+        qn = _rand(h, g * t, lkv, device=device, dtype=dtype, scale=0.5).transpose(0, 1).view(g, t, h, lkv)
+    else:
+        qn = _rand(g, t, h, lkv, device=device, dtype=dtype, scale=0.5)
     starts = torch.tensor([nl - t, 13], device=device)
     n_pools = nl // p
     visible = (starts[:, None] + torch.arange(t, device=device) + 1) // p  # complete pools each query sees
@@ -215,6 +219,10 @@ def _mla_paged_pools(device, big, dtype, tail, nl_small=48, visible_only=True):
 
 def case_mla_paged_pools(device, big):
     return _mla_paged_pools(device, big, torch.float32, True)
+
+
+def case_mla_paged_pools_strided_q_bf16(device, big):
+    return _mla_paged_pools(device, big, BF16, True, strided_q=True)
 
 
 def case_mla_paged_pools_no_tail(device, big):

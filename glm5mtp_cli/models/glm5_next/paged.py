@@ -96,8 +96,8 @@ def attend(attn: MlaLayer, q_lat: torch.Tensor, pools: Pools, ctx: PagedContext,
     data = mla.data[layer]
     selected = attn.indexer.n_select * pools.size + pools.size - 1  # the chosen pools' rows and a tail
     if use_kernels(q_lat) and selected <= MAX_SELECTED and q_lat.shape[1] <= KERNEL_ROWS:
-        return mla_attention_paged(q_lat.contiguous(), q_lat[..., :0], data, mla.all, ctx.starts, None, attn.scale,
-                                   pools)
+        # the kernel reads q through its strides: the absorbed product's [B, T, H] view needs no copy
+        return mla_attention_paged(q_lat, q_lat[..., :0], data, mla.all, ctx.starts, None, attn.scale, pools)
     latent = data.index_select(0, mla.all.reshape(-1)).view(*mla.all.shape, -1).to(q_lat.dtype)
     mask = key_mask(pools.chosen, ctx.positions(), latent.shape[1], pools.size, pools.tail)
     att = torch.einsum("bthr,blr->bthl", q_lat, latent).float() * attn.scale
