@@ -50,7 +50,9 @@ TEMPLATES = 64  # distinct constraints an engine keeps compiled (Grammars._match
 
 class Grammars:
     """An engine's matchers: the llguidance tokenizer, built from tokenizer.json's text at the first
-    constrained request, and every live matcher counted (leak-check: freed with their sequences)."""
+    constrained request; a compiled template per constraint, which sequences' matchers are copies
+    of (`_matcher`, `retire`); and every live matcher counted (leak-check: freed with their
+    sequences)."""
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids, trigger: int | None):
         self.tokenizer_file = tokenizer_file
