@@ -192,9 +192,11 @@ def test_template_copies_mask_as_freshly_compiled_matchers(nano, monkeypatch):
     for pattern in ("[0-9]{2}", "[a-z]{2}", "[0-9]{2}", "x+"):
         grammars._matcher(Constraint("regex", pattern))
     assert list(grammars._templates) == [Constraint("regex", "[0-9]{2}"), Constraint("regex", "x+")]
-    gone = grammars.open(Constraint("regex", "[a-z]{2}"), set())  # compiled again, then dropped
-    gone.free()
-    assert Constraint("regex", "[a-z]{2}") in grammars._templates and len(grammars._templates) == 2
+    seq = grammars.open(Constraint("regex", "[a-z]{2}"), set())  # compiled again: [0-9]{2}'s dropped
+    matcher = seq.matcher
+    seq.free()
+    assert list(grammars._templates) == [Constraint("regex", "x+"), Constraint("regex", "[a-z]{2}")]
+    assert grammars._templates[Constraint("regex", "[a-z]{2}")] is matcher and grammars.live == 0
 
 
 # ---- lossless under a grammar ------------------------------------------------------------------------------
