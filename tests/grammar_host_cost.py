@@ -34,12 +34,17 @@ OBJECT = '{"name":"get_weather","arguments":{"city":"Paris is a lovely place","u
 STARTS = [0, 2, 5, 9, 14, 18, 22, 28]  # each sequence's tokens of OBJECT consumed before the step
 
 
+def _grammars(rt) -> Grammars:
+    """A fresh engine's matchers over rt's tokenizer (no templates yet)."""
+    return Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+
+
 def walk_cost(rt, threads: int | None) -> tuple[float, float]:
     """Median seconds of row 0's fill and of the verify's walk of rows 1-3; threads None: the
     engine's pool choice, else every call on a pool of that many threads."""
     rule = read_file(ROOT / "profiles" / "constrained" / "prompts.jsonl")[0].constraint
     ids = rt.tokenizer.encode(OBJECT)
-    g = Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+    g = _grammars(rt)
     if threads is not None:
         pool = llguidance().LLExecutor(num_threads=threads)
         g.executor = lambda items: pool
@@ -71,7 +76,7 @@ def mask_costs(rt) -> list[tuple[str, float]]:
     walk, on one thread: where the schema forces the next bytes (keys, constants) a mask costs more
     than inside a free string."""
     rule = read_file(ROOT / "profiles" / "constrained" / "prompts.jsonl")[0].constraint
-    g = Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+    g = _grammars(rt)
     m = g.open(rule, set(rt.cfg.eos_token_id)).matcher
     row = torch.empty(g.words, dtype=torch.int32)
     costs = []
@@ -92,7 +97,7 @@ def open_costs(rt) -> tuple[float, float, float, float]:
     one thread) by a copy of a fresh template and by a copy of the template a walked matcher
     retired into."""
     rules = list(dict.fromkeys(p.constraint for p in read_file(ROOT / "profiles" / "constrained" / "prompts.jsonl")))
-    g = Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+    g = _grammars(rt)
     compile_, copy_ = [], []
     for rule in rules:
         text = rule.grammar()
@@ -118,7 +123,7 @@ def open_costs(rt) -> tuple[float, float, float, float]:
 
     first, retired = [], []
     for _ in range(5):
-        g = Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
+        g = _grammars(rt)
         s = g.open(rules[0], set())
         first.append(walk(s.matcher))
         s.free()
