@@ -36,6 +36,7 @@ from glm5mtp_cli.engine.run import run_generate  # noqa: E402
 from glm5mtp_cli.engine.runtime import load_runtime, set_threads  # noqa: E402
 import glm5mtp_cli.engine.speculate as speculate  # noqa: E402
 from glm5mtp_cli.engine.grammar import Grammars, SeqGrammar, StepMasks  # noqa: E402
+from glm5mtp_cli.engine.graphs import ForwardRunner  # noqa: E402
 from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
 from glm5mtp_cli.prompts import encode_prompts, read_file  # noqa: E402
 
@@ -91,7 +92,8 @@ StepMasks.draft, StepMasks.verify = _host(StepMasks.draft, "draft"), _host(StepM
 StepMasks._read = _host(StepMasks._read, "wait", total=False)
 SeqGrammar.commit = _host(SeqGrammar.commit, "commit")
 Grammars.validates = _host(Grammars.validates, "validate")  # a finished sequence's check, inside its last step
-speculate.apply_bitmask = _host(speculate.apply_bitmask, "apply")
+speculate.apply_bitmask = _host(speculate.apply_bitmask, "apply")  # an admission's first masks
+ForwardRunner.mask = _host(ForwardRunner.mask, "apply")  # a step's: copied and applied (a masked verdict's replay)
 
 
 def one(rt, ids, rules, mode: str, batch: int, gamma: int, max_new: int) -> dict:

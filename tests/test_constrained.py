@@ -231,6 +231,28 @@ def test_static_forwards_mask_their_outputs_alike(nano, prompt_set, draft_mask, 
     assert bool(taken) != draft_mask
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["glm5-nano", "glm5next-nano"])
+def test_cuda_graphs_verdicts_under_masks_equal_eager_constrained_gamma0(model, monkeypatch):
+    """On CUDA (fp32) a greedy engine's constrained runs replay each verify's masked verdict
+    (static.StaticVerdict: the host's masks copied in, applied to the verify's logits, matched);
+    its tokens equal eager constrained gamma 0's, masked drafting or not."""
+    from glm5mtp_cli.engine.runtime import load_runtime
+    from glm5mtp_cli.engine.static import StaticVerdict
+
+    rt = load_runtime(ModelSpec(model, "cuda", "fp32"), progress=False)
+    items = read_file(PROMPTS)[::3]
+    ids, rules = encode_prompts(items, rt.tokenizer), [p.constraint for p in items]
+    replays = []
+    run = StaticVerdict.run
+    monkeypatch.setattr(StaticVerdict, "run", lambda self, rows: replays.append(1) or run(self, rows))
+    base = _run(rt, ids, rules, gamma=0, batch_size=3, graphs="eager")
+    for draft_mask in (True, False):
+        got = _run(rt, ids, rules, gamma=3, batch_size=3, draft_mask=draft_mask, graphs="cuda")
+        assert [r.tokens for r in got] == [r.tokens for r in base], draft_mask
+    assert replays
+
+
 @pytest.mark.parametrize("draft_mask", [True, False])
 def test_constrained_and_free_requests_share_a_batch(nano, prompt_set, draft_mask):
     ids, rules = prompt_set

@@ -351,7 +351,7 @@ class StepMasks:
             self.drafted(drafts.tokens[:, len(self.landed):k])
 
     def verify(self, drafts) -> torch.Tensor:
-        """The verify's masks [A, k + 1, W] on the device (k: the drafts' columns, 0 without drafts):
+        """The verify's masks [A, k + 1, W] on the host (k: the drafts' columns, 0 without drafts):
         the rows drafting did not fill, filled now from the drafts' copies (`read_drafts`)."""
         k = drafts.tokens.shape[1] if drafts is not None else 0
         counts = drafts.counts if k else None
@@ -368,7 +368,7 @@ class StepMasks:
         for b, n in enumerate(self.valid):  # drafting may have walked past a confidence stop
             if n is not None and drafts is not None:
                 self.valid[b] = min(n, drafts.counts[b])
-        return self.host[:, : k + 1].to(self.device, non_blocking=True)
+        return self.host[:, : k + 1]
 
     def _walk_plain(self, cols: list[list[int]], counts: list[int] | None) -> None:
         """Rows 1.. of the sequences whose walk needs nothing of the engine's (constrained, drafts

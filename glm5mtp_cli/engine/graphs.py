@@ -63,8 +63,9 @@ from glm5mtp_cli.engine.accept import greedy_verdict
 from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, copy_ints, copy_ints_many, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
-from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, Table, sequences_forward
+from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, StaticVerdict, Table, sequences_forward
 from glm5mtp_cli.errors import UserError
+from kernels.bitmask import apply_bitmask
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -107,10 +108,15 @@ class _Bucket:
     catchup: StaticForward | None = None
     chain: StaticForward | None = None
     commit: dict | None = None  # verify[g]'s StaticCommit, for targets with fixed-size state
+    verdicts: dict | None = None  # verify[g]'s StaticVerdict, captured for a greedy engine's constrained runs
     idx_slots: list[int] | None = None  # the engine slots `idx` points its rows at now
 
     def forwards(self) -> list[StaticForward]:
         return [*self.verify.values(), *self.draft.values(), *(f for f in (self.catchup, self.chain) if f)]
+
+    def after_verify(self) -> list:
+        """What is captured after its verify and reads its outputs: the commits, the masked verdicts."""
+        return [*(self.commit or {}).values(), *(self.verdicts or {}).values()]
 
 
 class EngineGraphs:
@@ -118,12 +124,16 @@ class EngineGraphs:
 
     def __init__(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
                  hidden: tuple[int, torch.dtype] | None, device: torch.device, mempool, greedy: bool,
-                 stepwise: bool = False):
+                 stepwise: bool = False, mask_words: int | None = None):
         """mempool: the runner's graph pool (None: static forwards run eagerly, nothing captured).
         greedy: the fused chain; stepwise: the catch-up and chain step too (a greedy engine's
-        drafts under a grammar mask, engine/grammar.py, run position by position)."""
+        drafts under a grammar mask, engine/grammar.py, run position by position); mask_words: a
+        grammar mask's int32 words, for the verifies' masked verdicts (StaticVerdict: captured
+        for a greedy engine's constrained runs)."""
         self.slots = slots
         self.stepwise = stepwise or not greedy  # whether the buckets hold catch-up and chain forwards
+        self.mask_words = mask_words
+        self.masked = bool(mask_words) and greedy and mempool is not None  # the buckets hold masked verdicts
         self.max_blocks = max_blocks  # the tables' width: the longest sequence they can name
         self.device = device
         self.mempool = mempool
@@ -170,7 +180,8 @@ class EngineGraphs:
         verify = {g: StaticForward(target.context, verify_forward(target, greedy), b, g + 1, tt, dev, idx=idx, slots=ts)
                   for g in gammas}
         commit = {g: StaticCommit(target, f) for g, f in verify.items()} if target.reads_slots else None
-        bucket = _Bucket(b, idx, verify, {}, commit=commit)
+        verdicts = {g: StaticVerdict(f, self.mask_words) for g, f in verify.items()} if self.masked else None
+        bucket = _Bucket(b, idx, verify, {}, commit=commit, verdicts=verdicts)
         if proposer is None or max(gammas) == 0:
             return bucket
         td, ds = self.tables["drafter"], self.slot_index["drafter"]
@@ -209,7 +220,7 @@ class EngineGraphs:
             bucket = self.buckets[b]
             for f in bucket.forwards():
                 f.capture(self.mempool)
-            for c in (bucket.commit or {}).values():
+            for c in bucket.after_verify():
                 c.capture(self.mempool)
 
     def occupy(self, slots: list[int], caches: list[dict[str, object]]) -> None:
@@ -239,7 +250,7 @@ class EngineGraphs:
     def close(self) -> None:
         """Destroy the graphs, then give the scratch blocks and slots back."""
         for bucket in self.buckets.values():
-            for f in [*bucket.forwards(), *(bucket.commit or {}).values()]:
+            for f in [*bucket.forwards(), *bucket.after_verify()]:
                 f.close()
         self.buckets = {}
         for name, blocks in self.scratch.items():
@@ -295,13 +306,14 @@ class ForwardRunner:
 
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
-             hidden: tuple[int, torch.dtype] | None, greedy: bool, stepwise: bool = False) -> None:
+             hidden: tuple[int, torch.dtype] | None, greedy: bool, stepwise: bool = False,
+             mask_words: int | None = None) -> None:
         """Build (compile, and on CUDA capture) the engine's static forwards; a no-op when eager
-        (greedy and stepwise: EngineGraphs')."""
+        (greedy, stepwise and mask_words: EngineGraphs')."""
         if self.mode == "eager" or self.graphs is not None:
             return
         self.graphs = EngineGraphs(target, proposer, pools, slots, max_blocks, gammas, hidden, self.device,
-                                   self.mempool, greedy=greedy, stepwise=stepwise)
+                                   self.mempool, greedy=greedy, stepwise=stepwise, mask_words=mask_words)
         try:
             if self.compile != "off":
                 self.compile_s += self.graphs.compile_all(self.compile, self.compile_mode)
@@ -401,6 +413,18 @@ class ForwardRunner:
         # kept a step (the next verify's first ids; a backlog's rows): copied out
         self.verdict = verdict[:a].clone() if verdict is not None else None
         return type(out)(out.logits[:a], None, hidden_all=out.hidden_all[:a].clone())
+
+    def mask(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+        """The step's grammar masks, host rows [A, T, W] (engine/grammar.py), applied in place to the
+        last verify's logits [A, T, V]. Where that verify was captured with its masked verdict, that
+        is one replay and becomes `verdict`; else the masks go to the device and the verdict is left
+        to the accept."""
+        v = self.bucket.verdicts.get(rows.shape[1] - 1) if self.graphs is not None and self.bucket.verdicts else None
+        if v is None:
+            apply_bitmask(logits, rows.to(logits.device, non_blocking=True))
+            self.verdict = None
+            return
+        self.verdict = v.run(rows).clone()
 
     def commit(self, target, accepted: torch.Tensor) -> None:
         """The last verify's fixed-size state keeps each sequence's accepted drafts and the row

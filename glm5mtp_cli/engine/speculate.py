@@ -52,7 +52,7 @@ from glm5mtp_cli.engine.sequence import (BatchRow, LiveSequence, Request, SeqRes
                                          pending_feed, reserve_tokens, whole_batch)
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
 from glm5mtp_cli.errors import UserError
-from kernels.bitmask import apply_bitmask
+from kernels.bitmask import apply_bitmask, words
 
 @dataclass
 class Run:
@@ -111,6 +111,7 @@ class SpecEngine:
         self.head = proposer if config.gamma > 0 else None
         self.grammars = grammars
         self._stepwise = False  # this generate call masks drafts (_open_graphs builds the forwards it needs)
+        self._mask_words = None  # a grammar mask's words where this call has constrained requests (the masked verdicts)
 
     # ---- sizing -----------------------------------------------------------------------------
     def budget_tokens(self, req: Request) -> int:
@@ -167,9 +168,12 @@ class SpecEngine:
         built = self.runner.graphs  # a rebuild for more slots keeps the width (it never narrows)
         width = max(self._table_blocks(requests), built.max_blocks if built is not None else 0)
         # masked drafting runs the chain position by position: a greedy engine's graphs need those forwards too
-        self._stepwise = self.config.draft_mask and any(self._constraint(r) is not None for r in requests)
+        constrained = any(self._constraint(r) is not None for r in requests)
+        self._stepwise = self.config.draft_mask and constrained
+        self._mask_words = words(self.cfg.vocab_size) if constrained else None
         if built is not None and (built.slots < batch_size or built.max_blocks < width
-                                  or (self._stepwise and not built.stepwise)):
+                                  or (self._stepwise and not built.stepwise)
+                                  or (self._mask_words and not built.mask_words)):
             self.runner.close()
         if self.config.prefill_graphs:
             self.runner.open_prefill(self.target, self.head, self.pools, width, graph_rows(self.cfg.hidden_size))
@@ -204,8 +208,8 @@ class SpecEngine:
         starts = [s.cache.length for s in active]
         out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
         if masks is not None:
-            apply_bitmask(out.logits, masks.verify(drafts))
-        verdict = self._accept(drafts, out.logits, active, masked=masks is not None)
+            self.runner.mask(out.logits, masks.verify(drafts))
+        verdict = self._accept(drafts, out.logits, active)
         times = StepTimes(p0, v0, self.clock.now())
         fed = self._commit_device(verdict, drafts, out.hidden_all)
         verdict.fetch()
@@ -303,7 +307,7 @@ class SpecEngine:
         hidden = (h.shape[-1], h.dtype) if h is not None else None
         self.runner.open(self.target, self.head, self.pools, slots, width, self.policy.gammas(),
                          hidden, greedy=drafting.fusable(self.sampling, self.config.draft_conf_tau),
-                         stepwise=self._stepwise)
+                         stepwise=self._stepwise, mask_words=self._mask_words)
         self.runner.occupy([s.slot for s in active], [self._slot_caches(s) for s in active])
 
     def close(self) -> None:
@@ -362,7 +366,7 @@ class SpecEngine:
                                           self.config.prefill_chunk, self.config.prefill_tokens, self.device, self.runner.prefill)
         masks = self._masks(seqs, 0)
         if masks is not None:
-            apply_bitmask(logits[:, None], masks.verify(None))
+            apply_bitmask(logits[:, None], masks.verify(None).to(self.device, non_blocking=True))
         if self.sampling.greedy:
             first = logits.argmax(-1)
         else:
@@ -532,13 +536,13 @@ class SpecEngine:
         whole = whole_batch([s.last_row for s in active])
         return whole[0][:, 0] if whole is not None else torch.cat([s.last_dev for s in active])
 
-    def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence], masked: bool) -> Verdict:
-        """This step's Verdict (engine/accept.py): the models' or, under --synthetic-acceptance, drawn.
-        masked: the logits were masked after the forward, so the verify graph's verdict is not theirs."""
+    def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence]) -> Verdict:
+        """This step's Verdict (engine/accept.py): the models' or, under --synthetic-acceptance, drawn;
+        the runner's where its verify (masked, if a grammar masked the step) decided it."""
         gens = [s.gen for s in active]
         if self.synthetic is not None and drafts is not None:
             return accept_synthetic(drafts, logits, gens, self.sampling, self.synthetic)
-        return accept(drafts, logits, gens, self.sampling, None if masked else self.runner.verdict)
+        return accept(drafts, logits, gens, self.sampling, self.runner.verdict)
 
     def _maybe_finish(self, s: LiveSequence, fresh_from: int = 0) -> None:
         """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""
