@@ -148,6 +148,19 @@ class StaticForward:
         self.out = None
 
 
+def capture_after(fn, device: torch.device, mempool) -> tuple:
+    """fn (what runs after a verify, reading its outputs) run once on the warm-up side stream, then
+    captured; -> (its graph, the outputs the capture left)."""
+    side = warmup_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), sync_free():
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool), sync_free():
+        out = fn()
+    return graph, out
+
 
 class StaticCommit:
     """The target's commit after one static verify forward (Target.commit), as a function of a
@@ -167,14 +180,7 @@ class StaticCommit:
         At engine start every row names the scratch slot and the buffer keeps no rows: no state moves."""
         self.verify.run()
         pending = self.verify.out[0].pending  # (outputs, verdict): graphs.verify_forward
-        side = warmup_stream(self.verify.device)
-        side.wait_stream(torch.cuda.current_stream(self.verify.device))
-        with torch.cuda.stream(side), sync_free():
-            self.target.commit(pending, self.kept)
-        torch.cuda.current_stream(self.verify.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool), sync_free():
-            self.target.commit(pending, self.kept)
+        self.graph, _ = capture_after(lambda: self.target.commit(pending, self.kept), self.verify.device, mempool)
 
     def run(self, pending, accepted: torch.Tensor) -> None:
         """Commit `pending` (the verify's last outputs): row b keeps accepted[b] + 1 rows (the
@@ -213,14 +219,7 @@ class StaticVerdict:
     def capture(self, mempool) -> None:
         """After verify.capture: warm up (the mask kernel compiles) on the side stream, then capture.
         Both read the verify's outputs as its capture left them; nothing they write is kept."""
-        side = warmup_stream(self.verify.device)
-        side.wait_stream(torch.cuda.current_stream(self.verify.device))
-        with torch.cuda.stream(side), sync_free():
-            self._verdict()
-        torch.cuda.current_stream(self.verify.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool), sync_free():
-            self.out = self._verdict()
+        self.graph, self.out = capture_after(self._verdict, self.verify.device, mempool)
 
     def run(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [A, T, W] (host, pinned) -> the verdict's rows [A, 2 + T - 1] (the replay's buffer:
