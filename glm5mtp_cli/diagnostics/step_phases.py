@@ -24,13 +24,14 @@ import time
 
 import torch
 
-from glm5mtp_cli.engine import speculate
+from glm5mtp_cli.engine import grammar, speculate
 from glm5mtp_cli.engine.accept import Verdict
 from glm5mtp_cli.engine.graphs import ForwardRunner
 
 STEP_PHASES = ("_schedule", "_catch_up_backlog", "draft", "_verify_ids", "_accept", "_commit_device", "_draft_ahead",
-               "_commit", "_finish")
-RUNNER_PHASES = ("step", "verify", "commit")
+               "_commit", "_finish", "_masks", "_judge")
+RUNNER_PHASES = ("step", "verify", "commit", "mask")
+GRAMMAR_PHASES = ((grammar.StepMasks, "read_drafts"), (grammar.StepMasks, "verify"), (grammar.SeqGrammar, "commit"))
 PREFILLS = ("prefill_targets", "prefill_drafters")
 
 
@@ -103,6 +104,8 @@ def install(phases: Phases, device_sync) -> list[tuple[object, str, object]]:
         patch(speculate.SpecEngine, name, phases.timed(getattr(speculate.SpecEngine, name), name))
     for name in RUNNER_PHASES:
         patch(ForwardRunner, name, phases.timed(getattr(ForwardRunner, name), f"runner.{name}"))
+    for owner, name in GRAMMAR_PHASES:  # a constrained step's host work (_finish holds the commit, _judge)
+        patch(owner, name, phases.timed(getattr(owner, name), f"{owner.__name__}.{name}"))
     patch(Verdict, "read", phases.timed(Verdict.read, "read"))
     patch(speculate.SpecEngine, "_admit_into", phases.admission(speculate.SpecEngine._admit_into))
     for name in PREFILLS:
