@@ -2,7 +2,7 @@
 opened from its constraint's template, and a walk from a fresh template against one from a template
 a walked matcher retired into; one mask in each state of a function-call object's walk (one
 thread); --no-draft-mask's verify walk
-(batch 8, 3 drafts each, JSON-schema matchers at different depths of one object) on llguidance
+(rows 0-3 at batch 8, 3 drafts each, JSON-schema matchers at different depths of one object) on llguidance
 pools of 1 to 12 threads and on the pool the engine picks (`Grammars.executor`), and on CUDA the
 bitmask's application (the Triton kernel's launch against the PyTorch reference's ops).
 Medians of 100 calls (a mask) or 300 (the rest); prints one line per measurement (profiles/constrained/RESULTS.md).
@@ -39,9 +39,9 @@ def _grammars(rt) -> Grammars:
     return Grammars(rt.resolved.folder / "tokenizer.json", rt.cfg.vocab_size, rt.cfg.eos_token_id, None)
 
 
-def walk_cost(rt, threads: int | None) -> tuple[float, float]:
-    """Median seconds of row 0's fill and of the verify's walk of rows 1-3; threads None: the
-    engine's pool choice, else every call on a pool of that many threads."""
+def walk_cost(rt, threads: int | None) -> float:
+    """Median seconds of the verify's walk (rows 0-3, the drafts' copy read first); threads None:
+    the engine's pool choice, else every call on a pool of that many threads."""
     rule = read_file(ROOT / "profiles" / "constrained" / "prompts.jsonl")[0].constraint
     ids = rt.tokenizer.encode(OBJECT)
     g = _grammars(rt)
@@ -53,22 +53,19 @@ def walk_cost(rt, threads: int | None) -> tuple[float, float]:
         assert s.matcher.try_consume_tokens(ids[:n]) == n
     drafts = SimpleNamespace(tokens=torch.tensor([ids[n:n + 3] for n in STARTS]), counts=[3] * len(STARTS))
 
-    def once() -> tuple[float, float]:
+    def once() -> float:
         m = StepMasks(g, seqs, 3, torch.device("cpu"))
-        t0 = time.perf_counter()
-        m._fill_row(0, None)
-        t1 = time.perf_counter()
         m.read_drafts(drafts)
+        t0 = time.perf_counter()
         m.verify(drafts)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         for s in seqs:
             s.rollback()
-        return t1 - t0, t2 - t1
+        return t1 - t0
 
     for _ in range(30):
         once()
-    runs = [once() for _ in range(300)]
-    return statistics.median(a for a, _ in runs), statistics.median(b for _, b in runs)
+    return statistics.median(once() for _ in range(300))
 
 
 def mask_costs(rt) -> list[tuple[str, float]]:
@@ -156,9 +153,8 @@ def main() -> None:
     costs = mask_costs(rt)
     print("one mask before each token of the object, us: " + " ".join(f"{t!r} {1e6 * c:.0f}" for t, c in costs))
     for threads in (1, 2, 4, 8, 12, None):
-        row0, walk = walk_cost(rt, threads)
         name = f"{threads:2d} threads" if threads else "engine's pool"
-        print(f"walk, batch 8, gamma 3, {name}: row 0 {1e6 * row0:.0f} us, rows 1-3 {1e6 * walk:.0f} us")
+        print(f"walk, batch 8, gamma 3, {name}: rows 0-3 {1e6 * walk_cost(rt, threads):.0f} us")
     if torch.cuda.is_available():
         for dtype in (torch.bfloat16, torch.float32):
             for name, fn in (("Triton", apply_bitmask), ("PyTorch reference", apply_bitmask_ref)):

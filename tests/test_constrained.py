@@ -92,7 +92,7 @@ def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeyp
     """--no-draft-mask's verify walks every plain sequence in one llguidance call: its rows, the
     drafts it counts as allowed and the matchers' states after it equal the row by row walk's, for
     drafts rejected at every position, a grammar completed mid-draft, fewer drafts than columns (one
-    draft: its walk is a single row) and an end token among the drafts (that sequence walks row by
+    draft: its walk is two rows) and an end token among the drafts (that sequence walks row by
     row in both); whole walks (1 thread) and walks cut in pieces of two rows, a rejection at a
     piece's boundary among them (64). Each row is a fresh matcher's mask after the drafts before it."""
     from types import SimpleNamespace
@@ -140,6 +140,37 @@ def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeyp
             m = grammars._matcher(Constraint("regex", r"[0-9]{3}"))
             assert m.consume_tokens(toks[:i])
             assert torch.equal(fast[0][b, i], _first_rows(grammars, [SimpleNamespace(matcher=m)])[0]), (b, i)
+
+
+def test_commit_in_one_call_equals_token_by_token(nano):
+    """A step's emitted tokens without an end token go to the matcher in one call: the same stop
+    index, state and count of emitted tokens as the token-by-token commit, for a grammar completed
+    at a step's last token and mid-step (the tokens after the stop not fed), and a token the grammar
+    rejects."""
+    tok = nano.tokenizer
+    digit = [tok.encode(str(d))[0] for d in range(10)]
+    eos = nano.cfg.eos_token_id[0] if isinstance(nano.cfg.eos_token_id, list) else nano.cfg.eos_token_id
+    grammars = _grammars(nano)
+
+    def commits(steps, one_call: bool):
+        g = grammars.open(Constraint("regex", r"[0-9]{3}"), {eos})
+        if not one_call:
+            g.enders = set(range(nano.cfg.vocab_size))  # every token takes the token-by-token path
+        out = []
+        for new in steps:
+            try:
+                out.append((g.commit(new), g.emitted, g.matcher.is_accepting()))
+            except RuntimeError:
+                out.append("rejected")
+        g.free()
+        return out
+
+    for steps in ([[digit[1], digit[2]], [digit[3]]], [[digit[1]], [digit[2], digit[3]]],
+                  [[digit[1], digit[2], digit[3], digit[4]]], [[digit[1], tok.encode("x")[0]]]):
+        assert commits(steps, True) == commits(steps, False)
+    assert commits([[digit[1]], [digit[2], digit[3]]], True) == [(None, 1, False), (1, 3, True)]
+    assert commits([[digit[1], digit[2], digit[3], digit[4]]], True) == [(2, 3, True)]
+    assert commits([[digit[1], tok.encode("x")[0]]], True) == ["rejected"]
 
 
 def test_template_copies_mask_as_freshly_compiled_matchers(nano, monkeypatch):

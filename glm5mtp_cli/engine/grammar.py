@@ -8,13 +8,13 @@ the verify's layout): row i is the matcher's state after drafts d1..di, so verif
 masked by the state after the prefix before it. With masked drafting (the default) row i is filled
 before draft i+1 is chosen, so the drafter's logits are masked too: each draft's copy to the host
 is queued the moment it is chosen, before the next forward is launched, so the row after it waits
-for that draft alone. With --no-draft-mask only the verify is masked: row 0, which needs no draft,
-is filled while the device drafts; the drafts are then read once, and the other rows filled while
-the verify forward runs, every sequence's in one call on llguidance's thread pool (each matcher
-walks its drafts, filling a row per position, and is rolled back), where the walk needs nothing of
-the engine's own (no end token among the drafts, already constrained). A walk is a chain of masks
-one after another, so where the pool has threads to spare (small batches) each is cut into pieces
-that start from copies of the matcher advanced to their first row.
+for that draft alone. With --no-draft-mask only the verify is masked: the drafts are read once
+(their copy queued before the verify is launched), and every row is filled while the verify
+forward runs, every sequence's in one call on llguidance's thread pool (each matcher walks its
+drafts from row 0, filling a row per position, and ends where it started), where the walk needs
+nothing of the engine's own (no end token among the drafts, already constrained). A walk is a chain
+of masks one after another, so where the pool has threads to spare (small batches) each is cut into
+pieces that start from copies of the matcher advanced to their first row.
 A draft the grammar rejects ends the walk: the target's masked token replaces it, later rows stay
 open (no position past it can be accepted). After the verdict each matcher rolls its walk back and consumes
 the tokens the step emitted (`SeqGrammar.commit`): where the grammar then admits nothing more, the
@@ -200,6 +200,7 @@ class SeqGrammar:
         self.owner, self.constraint, self.matcher = owner, constraint, matcher
         self.trigger, self.ends = trigger, ends
         self.own_ends = own_ends  # the engine's end tokens llguidance does not know as EOS
+        self.enders = set(ends) | set(owner.eos_ids)  # every token that may end the sequence or its grammar
         self.armed = trigger is None
         self.ended = False
         self.spec: list[str] = []
@@ -244,6 +245,8 @@ class SeqGrammar:
         """The step's emitted tokens replace its walk. Returns the index in `new` after which the
         grammar admits nothing more (the sequence ends there), or None."""
         self.rollback()
+        if self.masking and self.enders.isdisjoint(new):
+            return self._consume(new)
         for j, tok in enumerate(new):
             if not self.advance(tok):
                 raise RuntimeError(f"the grammar rejected emitted token {tok}: a mask was not applied")
@@ -257,6 +260,17 @@ class SeqGrammar:
         self.spec = []
         self.emitted += len(new)
         return None
+
+    def _consume(self, new: list[int]) -> int | None:
+        """commit's common case in one call to the matcher, not one and the walk's bookkeeping per
+        token: armed, no end token among them. Where the grammar stops, the tokens after it are
+        not fed (as commit's token by token)."""
+        n = self.matcher.try_consume_tokens(new)
+        stopped = self.matcher.is_stopped()
+        if n < len(new) and not (n and stopped):
+            raise RuntimeError(f"the grammar rejected emitted token {new[n]}: a mask was not applied")
+        self.emitted += n
+        return n - 1 if stopped else None
 
     def constrained_part(self, out: list[int]) -> list[int] | None:
         """The tokens of `out` the constraint covers (None: its trigger never came), end tokens dropped."""
@@ -356,13 +370,11 @@ class StepMasks:
         k = drafts.tokens.shape[1] if drafts is not None else 0
         counts = drafts.counts if k else None
         if self.filled <= k:
-            walk = self.filled == 0
-            if walk:
-                self._fill_row(0, None)  # needs no draft: filled before the read waits for drafting
-            first = self.filled - 1  # the draft column before the first row still to fill
+            first = max(self.filled - 1, 0)  # the draft column before the first row still to fill
             cols = self._read(first, k) if k else []
-            if walk:
+            if self.filled == 0:  # drafting masked nothing: the walk, from row 0
                 self._walk_plain(cols, counts)
+                self._fill_row(0, None)  # the other sequences' row 0
             for i in range(self.filled, k + 1):
                 self._fill_row(i, [c[i - 1 - first] for c in cols], counts)
         for b, n in enumerate(self.valid):  # drafting may have walked past a confidence stop
@@ -371,24 +383,22 @@ class StepMasks:
         return self.host[:, : k + 1]
 
     def _walk_plain(self, cols: list[list[int]], counts: list[int] | None) -> None:
-        """Rows 1.. of the sequences whose walk needs nothing of the engine's (constrained, drafts
-        and no end token among them, no end tokens of the engine's own) in one call (Grammars.fill_walks), each matcher advanced by
-        its first draft here (row 0 is filled), their allowed drafts counted from the rows; the
-        rest are left walking for the row by row fill."""
-        members, plain = [], []
+        """Rows 0.. of the sequences whose walk needs nothing of the engine's (constrained, drafts
+        and no end token among them, no end tokens of the engine's own) in one call
+        (Grammars.fill_walks), their allowed drafts counted from the rows; the rest are left
+        walking for the row by row fill. The matchers end where they started."""
+        members = []
         positions = self.host.shape[1]
         for b, g in enumerate(self.seqs):
             toks = cols[b][: counts[b]] if counts is not None else []
             if g is None or not toks or not g.masking or g.own_ends or g.ends.intersection(toks):
                 continue
             self.ok[b] = False  # walked here
-            if g.advance(toks[0]):  # else row 0 bans the first draft: none is allowed
-                members.append((g.matcher, b * positions + 1, toks[1:]))
-                plain.append((b, toks))
+            members.append((g.matcher, b * positions, toks))
         self.grammars.fill_walks(self.host, members)
         rows = self.host.numpy()
-        for b, toks in plain:
-            n = 1
+        for m, r, toks in members:
+            b, n = r // positions, 0
             while n < len(toks) and rows[b, n, toks[n] >> 5] >> (toks[n] & 31) & 1:
                 n += 1  # draft n + 1 is allowed by the row before it
             self.valid[b] = n
