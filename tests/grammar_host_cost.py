@@ -1,11 +1,11 @@
 """Host cost of the grammar work in a constrained step, per call: a matcher compiled against one
 opened from its constraint's template, and a walk from a fresh template against one from a template
 a walked matcher retired into; one mask in each state of a function-call object's walk (one
-thread); --no-draft-mask's verify walk
-(rows 0-3 at batch 8, 3 drafts each, JSON-schema matchers at different depths of one object) on llguidance
-pools of 1 to 12 threads and on the pool the engine picks (`Grammars.executor`), and on CUDA the
-bitmask's application (the Triton kernel's launch against the PyTorch reference's ops).
-Medians of 100 calls (a mask) or 300 (the rest); prints one line per measurement (profiles/constrained/RESULTS.md).
+thread); --no-draft-mask's verify walk (rows 0-3 at batch 8, 3 drafts each, JSON-schema matchers at
+different depths of one object) on llguidance pools of 1 to 12 threads and as the engine computes
+it (on the calling thread at this batch: `grammar.ON_CALLER`); and on CUDA the bitmask's
+application (the Triton kernel's launch against the PyTorch reference's ops). Medians of 100 calls
+(a mask) or 300 (the rest); prints one line per measurement (profiles/constrained/RESULTS.md).
 
     python3 tests/grammar_host_cost.py
 """
@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from glm5mtp_cli.constraint import llguidance  # noqa: E402
 from glm5mtp_cli.engine.config import ModelSpec  # noqa: E402
+import glm5mtp_cli.engine.grammar as grammar  # noqa: E402
 from glm5mtp_cli.engine.grammar import Grammars, StepMasks  # noqa: E402
 from glm5mtp_cli.engine.runtime import load_runtime  # noqa: E402
 from glm5mtp_cli.prompts import read_file  # noqa: E402
@@ -41,13 +42,16 @@ def _grammars(rt) -> Grammars:
 
 def walk_cost(rt, threads: int | None) -> float:
     """Median seconds of the verify's walk (rows 0-3, the drafts' copy read first); threads None:
-    the engine's pool choice, else every call on a pool of that many threads."""
+    the engine's choice (8 sequences: on the calling thread), else every call on a pool of that
+    many threads."""
     rule = read_file(ROOT / "profiles" / "constrained" / "prompts.jsonl")[0].constraint
     ids = rt.tokenizer.encode(OBJECT)
     g = _grammars(rt)
+    on_caller = grammar.ON_CALLER
     if threads is not None:
         pool = llguidance().LLExecutor(num_threads=threads)
         g.executor = lambda items: pool
+        grammar.ON_CALLER = 0
     seqs = [g.open(rule, set(rt.cfg.eos_token_id)) for _ in STARTS]
     for s, n in zip(seqs, STARTS):
         assert s.matcher.try_consume_tokens(ids[:n]) == n
@@ -65,7 +69,9 @@ def walk_cost(rt, threads: int | None) -> float:
 
     for _ in range(30):
         once()
-    return statistics.median(once() for _ in range(300))
+    cost = statistics.median(once() for _ in range(300))
+    grammar.ON_CALLER = on_caller
+    return cost
 
 
 def mask_costs(rt) -> list[tuple[str, float]]:
@@ -153,7 +159,7 @@ def main() -> None:
     costs = mask_costs(rt)
     print("one mask before each token of the object, us: " + " ".join(f"{t!r} {1e6 * c:.0f}" for t, c in costs))
     for threads in (1, 2, 4, 8, 12, None):
-        name = f"{threads:2d} threads" if threads else "engine's pool"
+        name = f"{threads:2d} threads" if threads else "the engine's choice"
         print(f"walk, batch 8, gamma 3, {name}: rows 0-3 {1e6 * walk_cost(rt, threads):.0f} us")
     if torch.cuda.is_available():
         for dtype in (torch.bfloat16, torch.float32):

@@ -87,14 +87,16 @@ def test_pools_give_each_thread_two_items_at_the_least(nano):
     assert g.executor(64) is g.executor(1000)  # capped at `threads`
 
 
-@pytest.mark.parametrize("threads", [1, 64])
+@pytest.mark.parametrize("threads", [None, 1, 64])
 def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeypatch, threads):
-    """--no-draft-mask's verify walks every plain sequence in one llguidance call: its rows, the
-    drafts it counts as allowed and the matchers' states after it equal the row by row walk's, for
-    drafts rejected at every position, a grammar completed mid-draft, fewer drafts than columns (one
-    draft: its walk is two rows) and an end token among the drafts (that sequence walks row by
-    row in both); whole walks (1 thread) and walks cut in pieces of two rows, a rejection at a
-    piece's boundary among them (64). Each row is a fresh matcher's mask after the drafts before it."""
+    """--no-draft-mask's verify walks every plain sequence at once: its rows, the drafts it counts
+    as allowed and the matchers' states after it equal the row by row walk's, for drafts rejected
+    at every position, a grammar completed mid-draft, fewer drafts than columns (one draft: its
+    walk is two rows) and an end token among the drafts (that sequence walks row by row in both);
+    on the calling thread (None: 7 sequences, under ON_CALLER), and on llguidance's pool in one
+    call: whole walks (1 thread) and walks cut in pieces of two rows, a rejection at a piece's
+    boundary among them (64). Each row is a fresh matcher's mask after the drafts before it."""
+    import glm5mtp_cli.engine.grammar as grammar
     from types import SimpleNamespace
 
     tok = nano.tokenizer
@@ -110,7 +112,9 @@ def test_the_one_call_walk_fills_the_rows_the_row_by_row_walk_does(nano, monkeyp
 
     def walk(one_call: bool):
         grammars = _grammars(nano)
-        grammars.threads = threads
+        if threads is not None:
+            grammars.threads = threads
+            monkeypatch.setattr(grammar, "ON_CALLER", 0)
         seqs = [grammars.open(Constraint("regex", r"[0-9]{3}"), {eos}) for _ in drafts]
         if not one_call:
             monkeypatch.setattr(StepMasks, "_walk_plain", lambda self, cols, counts: None)

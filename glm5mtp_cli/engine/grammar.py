@@ -10,11 +10,12 @@ before draft i+1 is chosen, so the drafter's logits are masked too: each draft's
 is queued the moment it is chosen, before the next forward is launched, so the row after it waits
 for that draft alone. With --no-draft-mask only the verify is masked: the drafts are read once
 (their copy queued before the verify is launched), and every row is filled while the verify
-forward runs, every sequence's in one call on llguidance's thread pool (each matcher walks its
-drafts from row 0, filling a row per position, and ends where it started), where the walk needs
-nothing of the engine's own (no end token among the drafts, already constrained). A walk is a chain
-of masks one after another, so where the pool has threads to spare (small batches) each is cut into
-pieces that start from copies of the matcher advanced to their first row.
+forward runs: each matcher walks its drafts from row 0, filling a row per position, and ends where
+it started, where the walk needs nothing of the engine's own (no end token among the drafts,
+already constrained). Up to ON_CALLER sequences' masks are computed on this thread, more on
+llguidance's thread pool in one call; there a walk, a chain of masks one after another, is cut into
+pieces that start from copies of the matcher advanced to their first row where the pool has threads
+to spare.
 A draft the grammar rejects ends the walk: the target's masked token replaces it, later rows stay
 open (no position past it can be accepted). After the verdict each matcher rolls its walk back and consumes
 the tokens the step emitted (`SeqGrammar.commit`): where the grammar then admits nothing more, the
@@ -46,6 +47,10 @@ from kernels.bitmask import apply_bitmask, unpack, words
 
 MATCHED, TRIGGER, FREE, END = "m", "t", "f", "e"  # what one walked token did (SeqGrammar.spec)
 TEMPLATES = 64  # distinct constraints an engine keeps compiled (Grammars._matcher)
+# Masks of at most this many matchers are computed on the calling thread: at batch 8 on an H100 host
+# a call on llguidance's pool (its threads woken and joined) cost more than the masks it spread
+# (profiles/constrained/RESULTS.md, "Masks on the calling thread")
+ON_CALLER = 8
 
 
 class Grammars:
@@ -107,19 +112,28 @@ class Grammars:
 
     def fill_rows(self, rows: torch.Tensor, members: list[tuple[object, int]]) -> None:
         """rows [..., W] int32 (host, contiguous), read as R rows of W: row r gets the mask of
-        matcher m, for each (m, r) of members, computed on llguidance's thread pool (the matchers
-        release the GIL): a batch's masks cost about one mask's time, not one per sequence (vLLM
-        fills its bitmask the same way)."""
-        if members:
+        matcher m, for each (m, r) of members. Up to ON_CALLER members on this thread, one after
+        another; more in one call on llguidance's thread pool (the matchers release the GIL), where
+        a batch's masks cost about one mask's time, not one per sequence (vLLM fills its bitmask
+        the same way)."""
+        if len(members) <= ON_CALLER:
+            for m, r in members:
+                _mask_into(m, rows, r)
+        else:
             self.executor(len(members)).unsafe_compute_mask_ptr(
                 members, rows.data_ptr(), rows.shape[-1] * rows.element_size(), rows.numel() // rows.shape[-1])
 
     def fill_walks(self, rows: torch.Tensor, members: list[tuple[object, int, list[int]]]) -> None:
         """rows as fill_rows'; for each (m, r, tokens) of members, row r gets matcher m's mask and
         rows r + 1.. the masks after each of `tokens` in turn, up to the first the grammar rejects
-        (its row and those after it are left as they were); m ends where it started. One call on
-        the thread pool for the whole batch (llguidance's speculative walk), each walk cut into
-        pieces of about rows / threads masks (`_pieces`)."""
+        (its row and those after it are left as they were); m ends where it started. Up to
+        ON_CALLER members on this thread (`_walk`); more in one call on the thread pool
+        (llguidance's speculative walk), each walk cut into pieces of about rows / threads masks
+        (`_pieces`)."""
+        if len(members) <= ON_CALLER:
+            for m, r, toks in members:
+                _walk(m, rows, r, toks)
+            return
         per = max(2, -(-sum(len(toks) + 1 for _, _, toks in members) // self.threads))
         pieces = [p for m, r, toks in members if toks for p in _pieces(m, r, toks, per)]
         if pieces:
@@ -162,6 +176,26 @@ class Grammars:
             buf = self._buffers["drafts", positions] = torch.empty(positions * rows, dtype=torch.long,
                                                                    pin_memory=device.type == "cuda")
         return buf[: positions * rows].view(positions, rows)
+
+
+def _mask_into(m, rows: torch.Tensor, r: int) -> None:
+    """Matcher m's mask into row r of rows (fill_rows' layout), on this thread."""
+    size = rows.shape[-1] * rows.element_size()
+    m.unsafe_compute_mask_ptr(rows.data_ptr() + r * size, size)
+
+
+def _walk(m, rows: torch.Tensor, r: int, tokens: list[int]) -> None:
+    """One member of fill_walks on this thread: m's mask into row r, then after each of tokens in
+    turn into the rows after it, up to the first the grammar rejects; m rolled back."""
+    _mask_into(m, rows, r)
+    n = 0
+    for tok in tokens:
+        if m.try_consume_tokens([tok]) != 1:
+            break
+        n += 1
+        _mask_into(m, rows, r + n)
+    if n:
+        m.rollback(n)
 
 
 def _clear_bits(row: torch.Tensor, ids: list[int]) -> None:
