@@ -296,9 +296,9 @@ class SeqGrammar:
         return None
 
     def _consume(self, new: list[int]) -> int | None:
-        """commit's common case in one call to the matcher, not one and the walk's bookkeeping per
-        token: armed, no end token among them. Where the grammar stops, the tokens after it are
-        not fed (as commit's token by token)."""
+        """commit's common case (armed, no end token among the tokens): the step's tokens in one
+        call to the matcher, not one call and its bookkeeping per token. Where the grammar stops,
+        the tokens after it are not fed, as in the token-by-token path."""
         n = self.matcher.try_consume_tokens(new)
         stopped = self.matcher.is_stopped()
         if n < len(new) and not (n and stopped):
@@ -431,7 +431,7 @@ class StepMasks:
             members.append((g.matcher, b * positions, toks))
         self.grammars.fill_walks(self.host, members)
         rows = self.host.numpy()
-        for m, r, toks in members:
+        for _, r, toks in members:
             b, n = r // positions, 0
             while n < len(toks) and rows[b, n, toks[n] >> 5] >> (toks[n] & 31) & 1:
                 n += 1  # draft n + 1 is allowed by the row before it
