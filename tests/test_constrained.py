@@ -554,3 +554,22 @@ def test_bench_and_acceptance_run_prompt_lines_constrained(tmp_path):
     assert doc["lossless"] is True and "--no-draft-mask" in doc["command"]
     c = next(run for run in doc["runs"] if run["gamma"] == 3)["constrained"]
     assert c["requests"] == 4 and c["valid"] == c["complete"]
+
+
+def test_step_phases_times_the_grammar_work_and_takes_its_wrappers_off(tmp_path, capsys):
+    """diagnostics/step_phases around a constrained bench (--no-draft-mask): the drafts' copy, the
+    walk, the commit and the outputs' check are timed, and the engine's grammar classes are as they
+    were after."""
+    from glm5mtp_cli.diagnostics import step_phases
+    from glm5mtp_cli.engine.grammar import SeqGrammar
+
+    lines = PROMPTS.read_text().splitlines()[:2]
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    before = StepMasks.verify, StepMasks.read_drafts, SeqGrammar.commit
+    assert step_phases.main(["bench", "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl"), "--no-transformers",
+                             "--batch-sizes", "2", "--gammas", "3", "--repeats", "1", "--max-new-tokens", "8",
+                             "--target-layers", "0", "--no-draft-mask", "--json"]) == 0
+    row = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    for phase in ("StepMasks.read_drafts", "StepMasks.verify", "SeqGrammar.commit", "_judge", "runner.mask"):
+        assert row[f"{phase}_us"] > 0, phase
+    assert (StepMasks.verify, StepMasks.read_drafts, SeqGrammar.commit) == before
