@@ -142,10 +142,11 @@ class Grammars:
         self.fill_rows(rows, [(m, r) for m, r, toks in members if not toks])  # a walk needs a token
 
     def executor(self, items: int):
-        """llguidance's thread pool for a call of `items` masks or walks: two items a thread at the
-        least, in powers of two up to `threads`. Idle threads are not free: on an H100 host's 16
-        cores a batch-8 walk (8 pieces) took 0.40 ms on 4 threads and 0.54 ms on 12
-        (tests/grammar_host_cost.py)."""
+        """llguidance's thread pool for a call of `items` masks or walks (more than ON_CALLER
+        members): two items a thread at the least, in powers of two up to `threads`. Idle threads
+        are not free: on an H100 host's 16 cores a batch-8 walk (8 pieces) took 0.40 ms on 4
+        threads and 0.54 ms on 12 (tests/grammar_host_cost.py, before such walks moved to the
+        calling thread)."""
         n = min(self.threads, 1 << max(0, (items // 2).bit_length() - 1))
         if n not in self._executors:
             self._executors[n] = llguidance().LLExecutor(num_threads=n)
