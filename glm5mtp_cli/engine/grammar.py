@@ -169,14 +169,16 @@ class Grammars:
                                                                   pin_memory=device.type == "cuda")
         return buf[:rows].fill_(-1)
 
-    def draft_buffer(self, positions: int, rows: int, device: torch.device) -> torch.Tensor:
-        """[positions, rows] int64 host draft ids, contiguous (the drafts of several positions land
-        in one copy), reused as host_buffer's."""
-        buf = self._buffers.get(("drafts", positions))
+    def draft_buffer(self, positions: int, rows: int, device: torch.device, by_sequence: bool = False) -> torch.Tensor:
+        """Host draft ids, int64, contiguous, reused as host_buffer's: [positions, rows] (masked
+        drafting copies one position at a time), or by_sequence [rows, positions] (the drafts read
+        whole: a copy of the device's [A, g] as it is, where the other layout's transposed copy
+        first made a contiguous copy on the device, a launch and an allocation a step)."""
+        key = ("drafts", positions, by_sequence)
+        buf = self._buffers.get(key)
         if buf is None or buf.numel() < positions * rows:
-            buf = self._buffers["drafts", positions] = torch.empty(positions * rows, dtype=torch.long,
-                                                                   pin_memory=device.type == "cuda")
-        return buf[: positions * rows].view(positions, rows)
+            buf = self._buffers[key] = torch.empty(positions * rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        return buf[: positions * rows].view(*((rows, positions) if by_sequence else (positions, rows)))
 
 
 def _mask_into(m, rows: torch.Tensor, r: int) -> None:
@@ -332,6 +334,7 @@ class StepMasks:
         self.device = device
         self.host = grammars.host_buffer(gamma + 1, len(seqs), device)  # [A, gamma + 1, W]
         self.drafts = grammars.draft_buffer(gamma, len(seqs), device)  # [gamma, A]: draft i + 1 of each
+        self.whole: torch.Tensor | None = None  # [A, g]: every draft of each, where they were read in one copy
         self.landed: list[torch.cuda.Event | None] = []  # per draft position queued: its copy's event
         self.vocab_size = grammars.vocab_size
         self.ok = [g is not None for g in seqs]  # still walking: every draft so far allowed
@@ -362,9 +365,14 @@ class StepMasks:
 
     def drafted(self, cols: torch.Tensor) -> None:
         """The next draft positions' ids [A, n], chosen on the device: their copy to the host is
-        queued now, before another forward is launched, so a read of them waits for them alone."""
+        queued now, before another forward is launched, so a read of them waits for them alone.
+        Every position at once (the fused chain's drafts) lands in `whole` as the device holds it."""
         i, n = len(self.landed), cols.shape[1]
-        self.drafts[i:i + n].copy_(cols.T, non_blocking=True)
+        if i == 0 and n == self.drafts.shape[0] and n > 1:
+            self.whole = self.grammars.draft_buffer(n, cols.shape[0], self.device, by_sequence=True)
+            self.whole.copy_(cols, non_blocking=True)
+        else:
+            self.drafts[i:i + n].copy_(cols.T, non_blocking=True)
         done = None
         if cols.device.type == "cuda":
             done = torch.cuda.Event()
@@ -376,6 +384,8 @@ class StepMasks:
         done = self.landed[k - 1]  # queued last: the copies before it are done too
         if done is not None:
             done.synchronize()
+        if self.whole is not None:
+            return self.whole[:, first:k].tolist()
         return self.drafts[first:k].T.tolist()
 
     def draft(self, i: int, logits: torch.Tensor, subset=None) -> torch.Tensor:
