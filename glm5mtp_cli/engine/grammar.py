@@ -325,8 +325,9 @@ class SeqGrammar:
 class StepMasks:
     """One step's masks for the batch's constrained sequences (the module docstring): rows filled
     on the host, position by position while drafting, else in one walk before the verify; then
-    copied to the device per draft position or whole. The drafts reach the host through one pinned
-    buffer, each position's copy queued as soon as it is chosen (`drafted`)."""
+    copied to the device per draft position or whole. The drafts reach the host through pinned
+    buffers, each position's copy queued as soon as it is chosen (`drafted`), or all of them in one
+    copy where the fused chain chose them together."""
 
     def __init__(self, grammars: Grammars, seqs: list[SeqGrammar | None], gamma: int, device: torch.device):
         self.seqs = seqs
