@@ -366,16 +366,15 @@ class StepMasks:
 
     def drafted(self, cols: torch.Tensor) -> None:
         """The next draft positions' ids [A, n], chosen on the device: their copy to the host is
-        queued now, before another forward is launched, so a read of them waits for them alone.
-        Every position at once (the fused chain's drafts) lands in `whole` as the device holds it."""
+        queued now, before another forward is launched, so a read of them waits for them alone."""
         i, n = len(self.landed), cols.shape[1]
-        if i == 0 and n == self.drafts.shape[0] and n > 1:
-            self.whole = self.grammars.draft_buffer(n, cols.shape[0], self.device, by_sequence=True)
-            self.whole.copy_(cols, non_blocking=True)
-        else:
-            self.drafts[i:i + n].copy_(cols.T, non_blocking=True)
+        self.drafts[i:i + n].copy_(cols.T, non_blocking=True)
+        self._queued(cols.device, n)
+
+    def _queued(self, device: torch.device, n: int) -> None:
+        """n more draft positions' copies queued: their event (None off CUDA: the copy is done)."""
         done = None
-        if cols.device.type == "cuda":
+        if device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
         self.landed += [done] * n
@@ -407,7 +406,11 @@ class StepMasks:
         the walk overlaps the verify forward (a read enqueued after it would wait for the whole
         verify)."""
         k = drafts.tokens.shape[1] if drafts is not None else 0
-        if len(self.landed) < k:
+        if k and not self.landed:  # every draft at once: copied as the device holds them, [A, k]
+            self.whole = self.grammars.draft_buffer(k, drafts.tokens.shape[0], self.device, by_sequence=True)
+            self.whole.copy_(drafts.tokens, non_blocking=True)
+            self._queued(drafts.tokens.device, k)
+        elif len(self.landed) < k:
             self.drafted(drafts.tokens[:, len(self.landed):k])
 
     def verify(self, drafts) -> torch.Tensor:
