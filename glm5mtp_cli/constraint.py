@@ -1,4 +1,4 @@
-"""What a request's output must match: a JSON schema, any JSON value, a regex or a Lark grammar
+"""What a request's output must match: a JSON schema, a JSON object, a regex or a Lark grammar
 (`Constraint`), read from the flags or from a prompt line's OpenAI-style `response_format`, and
 checked by llguidance before any weights load. Torch-free; llguidance is imported only when a
 constraint is given (the `structured` extra).
@@ -17,9 +17,11 @@ from glm5mtp_cli.errors import UserError
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 INSTALL = "constraints need llguidance: pip install 'glm5mtp[structured]'"
-# JSON laid out as json.dumps does (", " and ": ", nothing else between tokens): a small model given
+# compact JSON (json.dumps with separators=(",", ":"), nothing between tokens): a small model given
 # free whitespace fills a reply with newlines; a schema's own "x-guidance" options override this
 JSON_LAYOUT = {"whitespace_flexible": False}
+# json_object is OpenAI's: an object, with any members; another JSON value takes a schema ({} for any)
+OBJECT_SCHEMA = '{"type": "object"}'
 
 
 def llguidance():
@@ -41,8 +43,8 @@ class Constraint:
     def grammar(self) -> str:
         """llguidance's grammar for this constraint (LLMatcher takes it with a tokenizer)."""
         m = llguidance().LLMatcher
-        if self.kind in ("json_schema", "json_object"):  # json_object: any JSON value
-            return m.grammar_from_json_schema(self.text or "{}", defaults=JSON_LAYOUT)
+        if self.kind in ("json_schema", "json_object"):
+            return m.grammar_from_json_schema(self.text or OBJECT_SCHEMA, defaults=JSON_LAYOUT)
         if self.kind == "regex":
             return m.grammar_from_regex(self.text)
         return m.grammar_from_lark(self.text)

@@ -309,6 +309,24 @@ def test_every_complete_output_validates(nano, prompt_set):
             json.loads(nano.tokenizer.decode(r.tokens))
 
 
+def test_json_object_is_an_object_not_any_json_value(nano):
+    """OpenAI's json_object: glm5-nano wrote `null` for the first prompt and a number for the second
+    when it meant any JSON value; now each reply is an object, or one being written (cut), and the
+    validity check refuses every other value."""
+    rule = Constraint("json_object")
+    ids = encode_prompts(read_file(PROMPTS)[13:14], nano.tokenizer) + [nano.tokenizer.encode("x = ")]
+    results = _run(nano, ids, [rule] * 2, gamma=3)
+    assert any(r.complete for r in results)
+    for r in results:
+        text = nano.tokenizer.decode(r.tokens)
+        assert text.startswith("{"), text
+        if r.complete:
+            assert r.valid and isinstance(json.loads(text), dict), text
+    g = _grammars(nano)
+    assert not any(g.validates(rule, nano.tokenizer.encode(v)) for v in ("null", "false", "[0]", '"x"', "1"))
+    assert all(g.validates(rule, nano.tokenizer.encode(v)) for v in ("{}", '{"a":{"b":[1,null]}}'))
+
+
 def test_sampled_constrained_outputs_match_their_grammar(nano, prompt_set):
     ids, rules = prompt_set
     for draft_mask in (True, False):

@@ -124,7 +124,8 @@ JsonSchemaOpt = Annotated[Optional[Path], typer.Option("--json-schema", metavar=
                                                        help="Every reply matches this JSON schema (a prompt line's "
                                                             "own response_format replaces it).")]
 JsonObjectOpt = Annotated[bool, typer.Option("--json-object", metavar="", rich_help_panel=CONSTRAINT,
-                                             help="Every reply is one JSON value.")]
+                                             help="Every reply is one JSON object (another JSON value: "
+                                                  "--json-schema).")]
 RegexOpt = Annotated[Optional[str], typer.Option("--regex", metavar="PATTERN", rich_help_panel=CONSTRAINT,
                                                  help="Every reply matches this regex (whole).")]
 GrammarOpt = Annotated[Optional[Path], typer.Option("--grammar", metavar="FILE", rich_help_panel=CONSTRAINT,
