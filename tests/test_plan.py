@@ -116,7 +116,7 @@ def test_one_speedup_model_with_bench():
 
 def test_exports_parse_and_name_the_gamma():
     batches = [{"batch_size": 1, "best_gamma": 3, "gammas": []}, {"batch_size": 64, "best_gamma": 1, "gammas": []}]
-    ex = exports(batches, 128)
+    ex = exports(batches, 128, None)
     assert ex["gamma"] == 3
     assert json.loads(ex["vllm"]) == {"method": "mtp", "num_speculative_tokens": 3}
     words = shlex.split(ex["sglang"])
@@ -201,7 +201,7 @@ def test_bad_input_is_one_line(tmp_path):
                          (base + ["--hardware-file", str(neg)], "link_latency_s"),
                          (["plan", "--model", "glm5-nano", "--acceptance", "0.9,x"], "--acceptance"),
                          (["plan", "--model", "glm5-nano", "--acceptance", "1.5"], "--acceptance"),
-                         (["plan", "--model", "glm5-nano"], "give the acceptance"),
+                         (["plan", "--model", "glm5-nano"], "--acceptance 0.9,0.8,0.7"),
                          (base + ["--batch-sizes", "0"], "--batch-sizes"),
                          (base + ["--acceptance-file", str(junk)], "one of them"),
                          (["plan", "--model", "glm5-nano", "--acceptance-file", str(junk)], "not JSON"),
@@ -312,3 +312,90 @@ def test_check_alone_predicts_with_a_calibration_on_other_hardware():
     assert r.exit_code == 2 and "--out goes with --calibrate" in r.output
     r = CliRunner().invoke(app, ["plan", "--check", "no/such.json"])
     assert r.exit_code == 2 and r.output.startswith("error: --check no/such.json")
+
+
+def test_plan_with_no_arguments_shows_an_example_in_one_line():
+    r = CliRunner().invoke(app, ["plan"])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "e.g. glm5mtp plan --model glm5 --fp8 --tp 8 --hardware b200 --acceptance 0.9,0.8,0.7" in r.output
+    assert "--acceptance-file FILE" in r.output and "Traceback" not in r.output
+
+
+def test_plan_clips_the_context_and_budget_to_the_models_limit_with_a_note():
+    """glm5-nano's limit is 2048 (max_position_embeddings): a longer context or budget is no request an
+    engine serves, so the plan is made at the limit and says so, as profile does."""
+    base = ["plan", "--model", "glm5-nano", "--acceptance", "0.9", "--batch-sizes", "1"]
+    r = CliRunner().invoke(app, base + ["--context", "100000", "--budget", "5000", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["context"] == 2048 and doc["memory"]["budget"] == 2048
+    assert ("--context: planned at 2048 (--context 100000 clipped to the model's limit, max_position_embeddings "
+            "2048)") in doc["notes"]
+    assert "--budget: planned at 2048 (--budget 5000 clipped to the model's limit, max_position_embeddings 2048)" \
+        in doc["notes"]
+    r = CliRunner().invoke(app, base + ["--json"])
+    doc = json.loads(r.output)
+    assert doc["context"] == 2048 and any("(the default 4096 clipped" in n for n in doc["notes"])
+    assert not any(n.startswith("--budget") for n in doc["notes"])  # the default 2048 is within the limit
+    r = CliRunner().invoke(app, base + ["--context", "512"])
+    assert r.exit_code == 0 and "context 512" in r.output and "clipped" not in r.output, r.output
+    r = CliRunner().invoke(app, base + ["--context", "100000"])
+    assert "--context 100000 clipped to the model's limit" in " ".join(r.output.split()), r.output
+
+
+def test_break_even_and_max_concurrency_stay_within_the_sequences_that_fit():
+    """GLM-5-FP8 at tp 8 on a B200 holds 361 sequences at --budget 2048: speculation still pays there,
+    so the plan says it does not stop paying up to them (not "stops at 4096"), and TensorRT-LLM gets no
+    max_concurrency past them."""
+    from glm5mtp_cli.diagnostics.plan import break_even_batch
+
+    args = ["plan", "--model", "glm5", "--fp8", "--tp", "8", "--hardware", "b200", "--acceptance", "0.9,0.8,0.7",
+            "--batch-sizes", "1,8,64,512"]
+    r = CliRunner().invoke(app, args + ["--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    fits = doc["memory"]["sequences_per_gpu"]
+    assert fits == 361 and doc["break_even_searched_up_to_batch"] == fits
+    assert doc["speculation_stops_paying_at_batch"] is None
+    assert "max_concurrency" not in doc["exports"]["trtllm"]
+    assert "draft_len_schedule: {1: 4, 8: 4, 64: 4}" in doc["exports"]["trtllm"]  # 512 does not fit
+    assert any(n.startswith("batch 512: past the 361 sequences that fit per GPU") for n in doc["notes"])
+    r = CliRunner().invoke(app, args)
+    assert "does not stop paying up to the 361 sequences that fit per GPU" in " ".join(r.output.split()), r.output
+    # where it does stop, the batch named is never past the limit searched
+    cfg, _ = resolve_config("glm5-nano")
+    c = _config("glm5-nano", acceptance=(0.5,))
+    s = model_sizes(cfg, c)
+    stop = break_even_batch(s, c, 4096)
+    assert stop is not None and stop > 2
+    assert break_even_batch(s, c, stop) == stop
+    assert break_even_batch(s, c, stop - 1) in (None, *range(1, stop))
+    ex = exports([{"batch_size": 1, "best_gamma": 1}, {"batch_size": 8, "best_gamma": 1}], 4, 3)
+    assert "max_concurrency: 3" in ex["trtllm"] and "draft_len_schedule: {1: 1}" in ex["trtllm"]
+    assert exports([{"batch_size": 8, "best_gamma": 1}], None, 0)["vllm"] is None
+
+
+def test_plan_tables_fit_80_columns_with_no_number_cut():
+    """The per-forward table at 80 columns: each number whole with its unit on its line (it cut
+    5,352,082 GFLOP to "5,352,0…" and wrapped "MiB" under "463.34")."""
+    import io
+
+    from rich.console import Console
+
+    from glm5mtp_cli.commands.plan import _print
+
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5", "--fp8", "--tp", "8", "--hardware", "b200",
+                                 "--acceptance", "0.9,0.8,0.7", "--batch-sizes", "1,8,64", "--json"])
+    doc = json.loads(r.output)
+    buf = io.StringIO()
+    _print(Console(file=buf, width=80), doc)
+    out = buf.getvalue()
+    tables = out[:out.index("settings for gamma")]  # the settings below are one line each, to paste
+    assert all(len(line) <= 80 for line in tables.splitlines()) and "…" not in out, out
+    rows = [line.split() for line in tables.splitlines()]
+    assert ["prefill", "65536", "104.56", "GiB", "5.35", "P", "5411", "2632.327", "compute"] in rows, out
+    assert ["1", "draft", "1", "463.34", "MiB", "3.09", "G", "98", "0.335", "launch"] in rows, out
+    r = CliRunner().invoke(app, ["plan", "--check", "profiles/glm5/plan_h100_f971bb8/steps_glm5next_bf16.json"],
+                           env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert all(len(line) <= 80 for line in r.output.splitlines()) and "…" not in r.output, r.output

@@ -26,6 +26,13 @@ if TYPE_CHECKING:  # the model's module imports torch: not for --help
 
 HARDWARE = "Hardware"
 CALIBRATION = "Calibration"
+FLOP_UNITS = (("M", 1e6), ("G", 1e9), ("T", 1e12), ("P", 1e15), ("E", 1e18))
+DEFAULT_CONTEXT = 4096
+DEFAULT_BUDGET = 2048
+# plan with no acceptance: the one input that has no honest default (a guessed one would print a
+# prediction nobody asked for), so the line shows how to give it
+NO_ACCEPTANCE = ("plan needs the drafter's acceptance, e.g. glm5mtp plan --model glm5 --fp8 --tp 8 --hardware b200 "
+                 "--acceptance 0.9,0.8,0.7 (or --acceptance-file FILE from `glm5mtp acceptance --json`)")
 
 
 def _ints(text: str, flag: str, least: int) -> tuple[int, ...]:
@@ -107,12 +114,14 @@ def plan_cmd(
     tp: Annotated[int, typer.Option("--tp", metavar="N", rich_help_panel=MODEL,
                                     help="Tensor/expert parallel ranks to plan for (heads, experts and vocabulary "
                                          "split as the family's sharding rules split them).")] = 1,
-    context: Annotated[int, typer.Option("--context", metavar="TOKENS",
-                                         help="Cached tokens a decode step reads (and each prompt's length, "
-                                              "for TTFT).")] = 4096,
-    budget: Annotated[int, typer.Option("--budget", metavar="TOKENS",
-                                        help="Tokens per request for the per-sequence state (sequences per "
-                                             "GPU).")] = 2048,
+    context: Annotated[Optional[int], typer.Option("--context", metavar="TOKENS", show_default=False,
+                                                   help="Cached tokens a decode step reads (and each prompt's "
+                                                        "length, for TTFT) (default: 4096; at most the model's "
+                                                        "limit).")] = None,
+    budget: Annotated[Optional[int], typer.Option("--budget", metavar="TOKENS", show_default=False,
+                                                  help="Tokens per request for the per-sequence state (sequences "
+                                                       "per GPU) (default: 2048; at most the model's "
+                                                       "limit).")] = None,
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST",
                                              help="Concurrent sequences to plan.")] = "1,8,32,64,128",
     calibration: Annotated[Optional[Path], typer.Option(
@@ -159,10 +168,13 @@ def plan_cmd(
         cal = cal_mod.load(calibration)
         _report(cal, _checked(_files(check), hw, cal), hw, json_out, fitted=False)
         return
-    if (acceptance is None) == (acceptance_file is None):
-        raise UserError("give the acceptance: --acceptance P1,P2,... or --acceptance-file FILE (one of them)")
-    if min(context, budget) < 1:
-        raise UserError("--context and --budget must be >= 1")
+    if acceptance is None and acceptance_file is None:
+        raise UserError(NO_ACCEPTANCE)
+    if acceptance is not None and acceptance_file is not None:
+        raise UserError("give the acceptance once: --acceptance P1,P2,... or --acceptance-file FILE (one of them)")
+    for flag, value in (("--context", context), ("--budget", budget)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
     if draft_vocab is not None and draft_vocab < 1:
         raise UserError(f"--draft-vocab must be >= 1, got {draft_vocab}")
     check_plot(plot)
@@ -172,9 +184,10 @@ def plan_cmd(
 
     rates, source = ((parse_rates(acceptance, "--acceptance"), "--acceptance") if acceptance is not None
                      else read_acceptance(acceptance_file))
-    c = PlanConfig(model, layers, fp8, draft_vocab, rates, source, hw, cal_mod.load(calibration), tp, context, budget,
+    c = PlanConfig(model, layers, fp8, draft_vocab, rates, source, hw, cal_mod.load(calibration), tp,
+                   DEFAULT_CONTEXT if context is None else context, DEFAULT_BUDGET if budget is None else budget,
                    _ints(batch_sizes, "--batch-sizes", 1), _ints(gammas, "--gammas", 0))
-    _plan(c, json_out, plot)
+    _plan(c, json_out, plot, given={"--context": context, "--budget": budget})
 
 
 def model_config(c: "PlanConfig"):
@@ -196,12 +209,31 @@ def model_config(c: "PlanConfig"):
     return cfg
 
 
-def _plan(c: "PlanConfig", json_out: bool, plot: Path | None) -> None:
+def within_limit(c: "PlanConfig", limit: int, given: dict) -> tuple["PlanConfig", list[str]]:
+    """--context and --budget at most the model's limit (max_position_embeddings): a longer request is
+    one no engine serves, so the plan is clipped to it, each clip said in a note (as profile says its
+    clipped --max-seq-len). given: each flag's value as typed (None: its default)."""
+    clipped, out = {}, []
+    for flag, field in (("--context", "context"), ("--budget", "budget")):
+        value = getattr(c, field)
+        if value > limit:
+            asked = f"{flag} {value}" if given[flag] is not None else f"the default {value}"
+            out.append(f"{flag}: planned at {limit} ({asked} clipped to the model's limit, max_position_embeddings "
+                       f"{limit})")
+            clipped[field] = limit
+    return dataclasses.replace(c, **clipped), out
+
+
+def _plan(c: "PlanConfig", json_out: bool, plot: Path | None, given: dict) -> None:
     from glm5mtp_cli.diagnostics.plan import run_plan
     from glm5mtp_cli.diagnostics.plan_exports import exports
 
-    doc = run_plan(model_config(c), c)
-    doc["exports"] = exports(doc["batches"], doc["speculation_stops_paying_at_batch"])
+    cfg = model_config(c)
+    c, clipped = within_limit(c, cfg.max_position_embeddings, given)
+    doc = run_plan(cfg, c)
+    doc["notes"] = clipped + doc["notes"]
+    doc["exports"] = exports(doc["batches"], doc["speculation_stops_paying_at_batch"],
+                             doc["memory"]["sequences_per_gpu"])
     if plot is not None:
         _plot(plot, doc)
         doc["plot"] = str(plot)
@@ -226,17 +258,16 @@ def _print(out: Console, doc: dict) -> None:
                       f"{g['tpot_ms']:.3f}", f"{g['tokens_per_s']:,.0f}", f"{g['speedup']:.2f}x",
                       f"{g['ttft_ms']:.1f}", end_section=i == len(b["gammas"]) - 1)
     out.print(t)
-    stop = doc["speculation_stops_paying_at_batch"]
-    out.print("speculation stops paying at batch " + (f"{stop} (no gamma beats 0 there)" if stop else
-                                                       "> 4096 (it pays at every batch up to 4096)"), highlight=False)
+    out.print(_stops_paying(doc), highlight=False)
     f = fit_table(out, "one forward each (batch 1 and the largest; verify at the largest gamma)",
-                  caption="bound: the largest of bandwidth, compute, communication, launch, host")
-    for col in ("batch", "forward", "rows", "bytes", "GFLOP", "kernels", "ms", "bound"):
-        f.add_column(col, justify="right")
+                  caption="bound: the largest of bandwidth, compute, communication, launch, host; "
+                          "FLOP: M, G, T, P, E = 1e6, 1e9, 1e12, 1e15, 1e18")
+    for col in ("batch", "forward", "rows", "bytes", "FLOP", "kernels", "ms", "bound"):
+        f.add_column(col, justify="right", no_wrap=True)  # a number and its unit on one line, never cut
     for batch, fwds in doc["steps"].items():
         for i, s in enumerate(fwds):
             f.add_row(batch if i == 0 else "", s["kind"], str(s["rows"]), fmt_bytes(s["bytes"]),
-                      f"{s['flops'] / 1e9:,.1f}", f"{s['kernels']:.0f}", f"{s['ms']:.3f}", s["bound"],
+                      _flop(s["flops"]), f"{s['kernels']:.0f}", f"{s['ms']:.3f}", s["bound"],
                       end_section=i == len(fwds) - 1)
     out.print(f)
     m = doc["memory"]
@@ -258,6 +289,29 @@ def _print(out: Console, doc: dict) -> None:
     out.print(f"vLLM ({ex['docs']['vllm']}):\n  --speculative-config '{ex['vllm']}'", highlight=False, markup=False, soft_wrap=True)
     out.print(f"SGLang ({ex['docs']['sglang']}):\n  {ex['sglang']}", highlight=False, markup=False, soft_wrap=True)
     out.print(f"TensorRT-LLM ({ex['docs']['trtllm']}):\n{ex['trtllm']}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _flop(n: float) -> str:
+    """FLOPs in at most 6 characters (3 significant digits and M, G, T, P or E), for the 80-column table."""
+    for unit, div in FLOP_UNITS:
+        text = f"{n / div:.3g}"
+        if float(text) < 1000:  # 999.9e6 rounds to 1e+03 M: that is 1 G
+            return f"{text} {unit}"
+    return f"{n / div:.0f} {unit}"
+
+
+def _stops_paying(doc: dict) -> str:
+    """The batch where speculation stops paying, searched only up to what fits in memory."""
+    stop, limit = doc["speculation_stops_paying_at_batch"], doc["break_even_searched_up_to_batch"]
+    fits = doc["memory"]["sequences_per_gpu"]
+    if stop is not None:
+        return f"speculation stops paying at batch {stop} (no gamma beats 0 there)"
+    if limit == 0:
+        return "speculation: no sequence fits on a GPU beside the weights, so no batch size is a deployment"
+    if limit == fits:
+        return (f"speculation does not stop paying up to the {fits} sequences that fit per GPU (at --budget "
+                f"{doc['memory']['budget']})")
+    return f"speculation pays at every batch up to {limit} (searched no further)"
 
 
 def _calibrate(files: list[str], check: list[str], hw, out: Path | None, json_out: bool) -> None:
@@ -308,8 +362,9 @@ def _report(cal, checked: list[dict], hw, json_out: bool, fitted: bool) -> None:
         if not rows:
             continue
         t = fit_table(console, title)
-        for col in ("file", "what", "measured ms", "predicted ms", "error"):
-            t.add_column(col, justify="right")
+        t.add_column("file", justify="right", overflow="fold")  # a long name folds onto lines, not cut
+        for col in ("what", "measured ms", "predicted ms", "error"):
+            t.add_column(col, justify="right", no_wrap=col != "what")
         for r in rows:
             t.add_row(Path(r["source"]).name, r["what"], f"{r['measured_ms']:.3f}", f"{r['predicted_ms']:.3f}",
                       f"{r['error']:+.1%}")

@@ -43,6 +43,7 @@ PREFILL_CHUNK = 1024  # rows of one prompt per prefill forward (EngineConfig.pre
 BLOCK_SIZE = 16  # tokens per cache block (the engine's default)
 DRAFTER = ("draft", "catchup")  # the MTP layer's forwards: a chained draft, a catch-up over prompt rows
 TERMS = ("bandwidth", "compute", "communication", "launch", "host")
+SEARCH_LIMIT = 4096  # the largest batch size break_even_batch tries
 UNVALIDATED = ("tp > 1: not validated on hardware here (no multi-GPU machine is lent; the 8-GPU figures are "
                "checked against published numbers only)")
 
@@ -243,18 +244,24 @@ def batch_row(seqs: int, s: ModelSizes, c: PlanConfig) -> dict:
     return {"batch_size": seqs, "best_gamma": best["gamma"], "gammas": gammas}
 
 
-def break_even_batch(s: ModelSizes, c: PlanConfig, limit: int = 4096) -> int | None:
-    """The smallest batch size (powers of two up to `limit`) at which no gamma > 0 beats gamma 0 (None:
-    speculation pays up to the limit): the concurrency above which it stops paying."""
+def break_even_batch(s: ModelSizes, c: PlanConfig, limit: int) -> int | None:
+    """The smallest batch size (powers of two below `limit`, then `limit`) at which no gamma > 0 beats
+    gamma 0 (None: speculation pays at each): the concurrency above which it stops paying. `limit`
+    is what fits in memory (at most SEARCH_LIMIT): a larger batch would be no deployment."""
     drafting = [g for g in c.gammas if g > 0] or [1]
-    b = 1
-    while b <= limit:
+    probes = [b for b in (2**i for i in range(SEARCH_LIMIT.bit_length())) if b < limit] + ([limit] if limit else [])
+    for b in probes:
         base = decode_tokens_per_s([], 0, step_seconds(b, 0, s, c), b)
         if all(decode_tokens_per_s(rates_for(c.acceptance, g), g, step_seconds(b, g, s, c), b) <= base
                for g in drafting):
             return b
-        b *= 2
     return None
+
+
+def search_limit(memory: dict) -> int:
+    """The largest batch break_even_batch may name: the sequences that fit per GPU, at most SEARCH_LIMIT."""
+    fits = memory["sequences_per_gpu"]
+    return SEARCH_LIMIT if fits is None else min(fits, SEARCH_LIMIT)
 
 
 def steps_doc(s: ModelSizes, c: PlanConfig) -> dict:
@@ -276,31 +283,39 @@ def memory_doc(s: ModelSizes, c: PlanConfig) -> dict:
             "sequences_per_gpu": max(0, int(free // s.state_bytes)) if s.state_bytes else None}
 
 
-def notes(c: PlanConfig) -> list[str]:
-    """What the prediction is not: measured at this tp, or on this hardware."""
+def notes(c: PlanConfig, fits: int | None) -> list[str]:
+    """What the prediction is not: measured at this tp, or on this hardware, or within one GPU's memory."""
     out = [UNVALIDATED] if c.tp > 1 else []
     if c.hardware.name != c.calibration.hardware:
         out.append(f"{c.hardware.name}: datasheet figures scaled by the {c.calibration.hardware}'s measured "
                    "efficiencies, not measured on it")
+    past = [b for b in c.batch_sizes if fits is not None and b > fits]
+    if past:
+        out.append(f"batch {', '.join(map(str, past))}: past the {fits} sequences that fit per GPU at --budget "
+                   f"{c.budget}, so no deployment runs it; its rows assume memory the GPU does not have")
     return out
 
 
 def run_plan(cfg, c: PlanConfig) -> dict:
     """The plan document: per batch size and gamma, the four forwards, memory, the break-even
-    concurrency (the command adds exports and prints it)."""
+    concurrency within what fits (the command adds exports and prints it)."""
     s = model_sizes(cfg, c)
     cal = c.calibration
+    memory = memory_doc(s, c)
+    limit = search_limit(memory)
     return {
         "model": c.model, "family": s.family, "layers": s.layers, "fp8": c.fp8, "draft_vocab": c.draft_vocab,
         "hardware": {"name": c.hardware.name, "sources": c.hardware.sources,
                      **{k: getattr(c.hardware, k) for k in ("memory_bytes_per_s", "bf16_flops", "fp8_flops",
                                                            "memory_bytes", "link_bytes_per_s", "link_latency_s",
                                                            "launch_s")}},
-        "tp": c.tp, "validated": c.tp == 1 and c.hardware.name == cal.hardware, "notes": notes(c),
+        "tp": c.tp, "validated": c.tp == 1 and c.hardware.name == cal.hardware,
+        "notes": notes(c, memory["sequences_per_gpu"]),
         "context": c.context, "acceptance": {"conditional": list(c.acceptance), "source": c.acceptance_source},
         "calibration": cal.summary(),
         "batches": [batch_row(b, s, c) for b in c.batch_sizes],
-        "speculation_stops_paying_at_batch": break_even_batch(s, c),
+        "speculation_stops_paying_at_batch": break_even_batch(s, c, limit),
+        "break_even_searched_up_to_batch": limit,
         "steps": steps_doc(s, c),
-        "memory": memory_doc(s, c),
+        "memory": memory,
     }

@@ -37,7 +37,7 @@ def sglang(gamma: int) -> str:
 
 def trtllm(gamma: int, batches: list[dict], stops_paying_at: int | None) -> str:
     """speculative_config YAML (extra LLM API options): the per-batch-size gamma as draft_len_schedule,
-    and max_concurrency where speculation stops paying."""
+    and max_concurrency where speculation stops paying (break_even_batch: never past what fits)."""
     lines = ["speculative_config:", "  decoding_type: MTP", f"  max_draft_len: {gamma}"]
     if stops_paying_at is not None:
         lines.append(f"  max_concurrency: {max(stops_paying_at - 1, 1)}")
@@ -46,13 +46,18 @@ def trtllm(gamma: int, batches: list[dict], stops_paying_at: int | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def exports(batches: list[dict], stops_paying_at: int | None) -> dict:
-    """{vllm, sglang, trtllm, gamma, docs}; the snippets are None when speculation pays at no batch size
-    planned (leave it off)."""
-    gamma = chosen_gamma(batches)
+def exports(batches: list[dict], stops_paying_at: int | None, fits: int | None) -> dict:
+    """{vllm, sglang, trtllm, gamma, docs} from the batch sizes that fit in memory (`fits` sequences per
+    GPU; None: no limit); the snippets are None when speculation pays at none of them (leave it off) or
+    none fits (nothing to deploy)."""
     docs = {"vllm": VLLM_DOC, "sglang": SGLANG_DOC, "trtllm": TRTLLM_DOC}
+    fitting = [b for b in batches if fits is None or b["batch_size"] <= fits]
+    if not fitting:
+        return {"gamma": None, "vllm": None, "sglang": None, "trtllm": None, "docs": docs,
+                "note": f"no batch size planned fits in a GPU's memory (it holds {fits} sequences): no settings"}
+    gamma = chosen_gamma(fitting)
     if gamma == 0:
         return {"gamma": 0, "vllm": None, "sglang": None, "trtllm": None, "docs": docs,
                 "note": "speculation does not pay at the smallest batch size planned: leave it off"}
     return {"gamma": gamma, "vllm": vllm(gamma), "sglang": sglang(gamma),
-            "trtllm": trtllm(gamma, batches, stops_paying_at), "docs": docs}
+            "trtllm": trtllm(gamma, fitting, stops_paying_at), "docs": docs}
