@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.input_file import read_text
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 INSTALL = "constraints need llguidance: pip install 'glm5mtp[structured]'"
@@ -75,7 +76,7 @@ def from_flags(json_schema: Path | None, json_object: bool, regex: str | None, g
     if len(given) > 1:
         raise UserError(f"give at most one constraint, got {' and '.join(given)}")
     if json_schema is not None:
-        text = _read(json_schema, "--json-schema")
+        text = read_text(json_schema, "--json-schema")
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
@@ -86,15 +87,8 @@ def from_flags(json_schema: Path | None, json_object: bool, regex: str | None, g
     if regex is not None:
         return Constraint("regex", regex).check("--regex")
     if grammar is not None:
-        return Constraint("grammar", _read(grammar, "--grammar")).check(f"--grammar {grammar}")
+        return Constraint("grammar", read_text(grammar, "--grammar")).check(f"--grammar {grammar}")
     return None
-
-
-def _read(path: Path, flag: str) -> str:
-    try:
-        return path.read_text()
-    except OSError as e:
-        raise UserError(f"{flag} {path}: {e.strerror.lower() if e.strerror else e}") from None
 
 
 def from_response_format(obj, where: str) -> Constraint:

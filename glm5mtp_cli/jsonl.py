@@ -8,13 +8,11 @@ import json
 from pathlib import Path
 
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.input_file import read_text
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise UserError(f"{path}: {e.strerror}") from None
+    lines = read_text(path).splitlines()
     items = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -33,9 +31,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_json(path: Path, flag: str, hint: str = ""):
     """The JSON document in `path`, given by `flag`; `hint` follows a parse error (what was expected)."""
+    text = read_text(path, flag)
     try:
-        return json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"{flag} {path}: {e.strerror}") from None
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"{flag} {path}: not JSON ({e.msg}, line {e.lineno}){hint}") from None

@@ -464,7 +464,7 @@ def bad_inputs(tmp_path):
 @pytest.mark.parametrize("cmd", ["generate", "bench", "acceptance"])
 @pytest.mark.parametrize("args, needle", [
     (["--json-schema", "{d}/bad.json"], "--json-schema {d}/bad.json: not JSON"),
-    (["--json-schema", "{d}/missing.json"], "no such file"),
+    (["--json-schema", "{d}/missing.json"], "--json-schema {d}/missing.json: No such file"),
     (["--json-schema", "{d}/list.json"], "a JSON schema must be a JSON object"),
     (["--json-schema", "{d}/unknown.json"], "invalid json schema"),
     (["--regex", "[a-"], "--regex: invalid regex"),

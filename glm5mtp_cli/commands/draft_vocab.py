@@ -11,6 +11,8 @@ from rich.console import Console
 
 from glm5mtp_cli.commands.options import DEFAULT_MODEL, ModelOpt
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.input_file import read_text
+from glm5mtp_cli.output_file import check_output
 from glm5mtp_cli.safe_write import staged_file
 
 COUNTS_FILE = "token_counts.json"  # engine.draft_vocab.COUNTS_FILE
@@ -22,10 +24,7 @@ def _texts(corpus: str):
 
         return iter_texts("train"), "python stdlib, train split (glm5mtp_cli.training.corpus)"
     path = Path(corpus)
-    try:
-        raw = path.read_text()
-    except OSError as e:
-        raise UserError(f"--corpus {corpus}: {e.strerror}") from None
+    raw = read_text(path, "--corpus")
     if path.suffix == ".jsonl":
         try:
             return [json.loads(line).get("prompt", "") for line in raw.splitlines() if line.strip()], str(path)
@@ -55,6 +54,7 @@ def draft_vocab_cmd(
 
       glm5mtp generate --draft-vocab 1024 --draft-vocab-file counts.json --prompt 'import os'
     """
+    check_output(out, "--out")  # the default path's cache folders are made as needed; --out's must exist
     from glm5mtp_cli.checkpoint.resolve import resolve_model
     from glm5mtp_cli.engine.draft_vocab import count_tokens, user_counts_path, write_counts
     from glm5mtp_cli.engine.runtime import Tokenizer

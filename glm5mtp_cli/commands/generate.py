@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from glm5mtp_cli.commands.options import (BATCHING, CONVERSATION, DEFAULT_MODEL,
                                           synthetic_rates)
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec, SamplingParams
 from glm5mtp_cli.errors import Interrupted, UserError
+from glm5mtp_cli.output_file import check_output
 from glm5mtp_cli.prompts import read_prompts
 from glm5mtp_cli.units import parse_size
 
@@ -55,20 +55,6 @@ CONVERSATION_REFUSES = {
     "constraint": "constraints: --conversation does not constrain replies; constrain single prompts (--prompts "
                   "lines may carry their own response_format)",
 }
-
-
-def check_output(path: Path | None, flag: str) -> None:
-    """An output file's folder must exist and be writable before any work starts."""
-    if path is None:
-        return
-    folder = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise UserError(f"{flag} {path}: is a folder; give a file name")
-    if not folder.is_dir():
-        raise UserError(f"{flag} {path}: {folder} is a file, not a folder" if folder.exists() else
-                        f"{flag} {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"{flag} {path}: not writable")
 
 
 def generate_cmd(

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.commands.generate import check_output
 from glm5mtp_cli.commands.options import MODEL, OUTPUT, SPECULATION, JsonOpt, LayersOpt
 from glm5mtp_cli.commands.plotting import check_plot, pyplot, save
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_json
+from glm5mtp_cli.output_file import check_output
 from glm5mtp_cli.units import fmt_bytes
 
 if TYPE_CHECKING:  # the model's module imports torch: not for --help

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.input_file import read_text
 from glm5mtp_cli.jsonl import read_json
 
 DEFAULT_PATH = Path(__file__).with_name("plan_calibration_h100.json")
@@ -81,11 +82,9 @@ def load(path: Path | None = None) -> Calibration:
     """The shipped calibration (an H100's, at the current kernels), or --calibration FILE (a `plan
     --calibrate --out` document)."""
     p = Path(path) if path is not None else DEFAULT_PATH
+    text = read_text(p, "--calibration")
     try:
-        raw = json.loads(p.read_text())
-        return Calibration(**raw)
-    except OSError as e:
-        raise UserError(f"--calibration {p}: {e.strerror}") from None
+        return Calibration(**json.loads(text))
     except (json.JSONDecodeError, TypeError) as e:
         raise UserError(f"--calibration {p}: not a `plan --calibrate` document ({e})") from None
 

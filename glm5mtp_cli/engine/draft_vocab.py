@@ -26,6 +26,7 @@ from torch import nn
 from glm5mtp_cli.checkpoint.resolve import profiles_dir
 from glm5mtp_cli.engine.parallel import vocab_range
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.input_file import read_text
 
 COUNTS_FILE = "token_counts.json"
 
@@ -100,7 +101,7 @@ def load_draft_ids(folder: Path, k: int, vocab_size: int, device, path: Path | N
 
 def _ranked_ids(path: Path, k: int, vocab_size: int, device) -> torch.Tensor:
     try:
-        ranking = json.loads(path.read_text())["ranking"]
+        ranking = json.loads(read_text(path))["ranking"]
     except (json.JSONDecodeError, KeyError, TypeError):
         raise UserError(f"{path}: not a token count file") from None
     if sorted(ranking) != list(range(vocab_size)):
