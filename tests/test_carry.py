@@ -95,3 +95,22 @@ def test_bad_carry_input(spec_ckpt, tmp_path, args, needle):
     assert r.exit_code != 0 and "Traceback" not in r.output
     lines = [line for line in r.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], r.output
+
+
+def test_drafting_turns_of_glm5next_nano_carry_the_whole_state():
+    """At gamma 3 a turn's last verify may accept past its budget; what the turn hands on is cut at
+    its reply (a KDA state cannot be cut back afterwards), so every later turn reuses all of it, at
+    every budget, with the tokens of turns run without carry. The shipped model: its trained head's
+    drafts are accepted, so last steps overshoot."""
+    from glm5mtp_cli.engine.runtime import ModelSpec, load_runtime
+
+    rt = load_runtime(ModelSpec("glm5next-nano", "cpu", "fp32"), progress=False)
+    convs = [["def add(a, b):\n", "def mul(a, b):\n", "class Point:\n"]]
+    for budget in range(9, 15):
+        config = EngineConfig(gamma=3, max_new_tokens=budget, sampling=SamplingParams(), max_seq_len=512,
+                              alloc="budget", eos_ids=(), graphs="eager")
+        fresh, _ = run_conversations(rt, convs, config, "none", None, use_template=False)
+        carried, _ = run_conversations(rt, convs, config, "all", None, use_template=False)
+        assert _turns(carried) == _turns(fresh), budget
+        for turn, before in zip(carried[0].turns[1:], carried[0].turns):
+            assert turn.carried_target_rows == len(before.prompt) + len(before.tokens) - 1, budget

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -266,3 +268,49 @@ def test_eos_just_past_the_budget_is_not_emitted(spec_rt):
             expected = expected[: expected.index(ref[budget]) + 1]
         assert res.tokens == expected, budget
         assert not any(pools.blocks_held().values())
+
+
+def _emitted(res) -> list[int]:
+    """The tokens a request's steps emitted, its prefill's first token first."""
+    return res.tokens[:1] + [t for r in res.records for t in r.emitted]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, seed=1)])
+def test_last_step_stops_at_the_budget_and_at_eos(spec_rt, sampling):
+    """A step's accepted drafts are cut where the reply ends (its budget, or a drafted EOS): what the
+    steps emitted, what they counted and the rows the target keeps are the reply's, never more."""
+    rt, _ = spec_rt
+    engine, _ = _engine(rt, 4, batch=1, sampling=sampling)
+    ref = engine.generate([Request(PROMPTS[1], 20, 0)])[0].tokens
+    for budget, eos, carry in itertools.product(range(1, 12), (False, True), ("none", "all")):
+        engine, pools = _engine(rt, 4, batch=1, sampling=sampling)
+        engine.eos = {ref[budget // 2 + 1]} if eos else set()
+        res = engine.generate([Request(PROMPTS[1], budget, 0, carry_mode=carry)])[0]
+        assert _emitted(res) == res.tokens and len(res.tokens) <= budget, (budget, eos, carry)
+        assert sum(r.accepted for r in res.records) == len(res.tokens) - 1 - len(res.records)
+        assert res.acceptance.accepted == sum(r.accepted for r in res.records)
+        if carry == "all":  # cut on the device too, before the commit
+            assert res.carry_out.target.length == len(PROMPTS[1]) + len(res.tokens) - 1
+            res.carry_out.release(engine.head)
+        assert not any(pools.blocks_held().values())
+
+
+def test_device_cut_is_the_host_cut():
+    """clip_rows (the device's cut, for what is committed before the read) against Verdict.clip."""
+    from glm5mtp_cli.engine.accept import clip_rows, unread
+
+    gen = torch.Generator().manual_seed(0)
+    for g in (0, 1, 3, 5):
+        for _ in range(50):
+            a_count = 6
+            drafts = torch.randint(0, 6, (a_count, g), generator=gen)
+            acc = torch.randint(0, g + 1, (a_count,), generator=gen)
+            rows = torch.cat([acc[:, None], torch.randint(0, 6, (a_count, 1), generator=gen), drafts], dim=1)
+            caps = torch.randint(0, g + 2, (a_count,), generator=gen)
+            eos = {int(e) for e in torch.randint(0, 6, (2,), generator=gen)}
+            host = unread([g] * a_count, rows.clone())
+            host.read()
+            host.clip(caps.tolist(), eos)
+            device = unread([g] * a_count, clip_rows(rows, caps, torch.tensor(sorted(eos))))
+            device.read()
+            assert (device.accepted, device.next) == (host.accepted, host.next)

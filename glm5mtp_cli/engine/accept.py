@@ -48,6 +48,38 @@ class Verdict:
             self.rows, self._host, self._landed = None, None, None
             self.accepted, self.next, self.draft_ids = [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
 
+    def clip(self, caps: list[int], eos: set[int]) -> None:
+        """Once read: each sequence's accepted drafts cut at its first drafted EOS and at caps[i] (the
+        most drafts its token budget still takes, one token being the target's own); where cut, the
+        next token is the draft it was cut at (an EOS, or the token the target chose there). So
+        nothing past a reply's end is emitted, counted or committed. clip_rows is the same rule on
+        the device, for what is committed before the read."""
+        for i, a in enumerate(self.accepted):
+            drafted = self.draft_ids[i]
+            cut = next((j for j in range(min(a, caps[i])) if drafted[j] in eos), min(a, caps[i]))
+            if cut < a:
+                self.accepted[i], self.next[i] = cut, drafted[cut]
+
+    def clip_device(self, caps: torch.Tensor, eos: torch.Tensor) -> None:
+        """`clip` on the unread rows (caps [A], the EOS ids [E] on the device), before the commit
+        queued from them: a carried fixed-size state must stop at the reply's end."""
+        if self.rows is not None:
+            self.rows = clip_rows(self.rows, caps, eos)
+            self.next_dev, self.accepted_dev = self.rows[:, 1], self.rows[:, 0]
+
+
+def clip_rows(rows: torch.Tensor, caps: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Verdict rows [A, 2 + g] cut as Verdict.clip cuts them (its host lists are the reference)."""
+    acc, drafts = rows[:, 0], rows[:, 2:]
+    g = drafts.shape[1]
+    if g == 0:
+        return rows  # the target's own token alone: always kept
+    pos = torch.arange(g, device=rows.device)
+    stop = torch.isin(drafts, eos) | (pos[None, :] >= caps[:, None])
+    cut = torch.minimum(acc, torch.where(stop, pos[None, :], g).amin(1))
+    at_cut = drafts.gather(1, cut.clamp(max=g - 1)[:, None])[:, 0]
+    return torch.cat([cut[:, None], torch.where(cut < acc, at_cut, rows[:, 1])[:, None], drafts], dim=1)
+
 
 def greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor, proposed: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy match on the device: [A, 2 + g] rows of (drafts accepted, the target's next token, the
@@ -83,9 +115,9 @@ def accept(drafts: Drafts | None, logits: torch.Tensor, gens: list, sampling,
         a, t = accept_rejection(d, q, logits[i], proposed[i], sampling, gen)
         acc.append(a)
         nxt.append(t)
-    both = torch.tensor([acc, nxt], dtype=torch.long, device=logits.device)  # one copy for both
-    return Verdict(proposed, both[1], both[0], accepted=acc, next=nxt,
-                   draft_ids=None if drafts is None else drafts.tokens.tolist())
+    both = torch.tensor([acc, nxt], dtype=torch.long, device=logits.device).T  # one copy for both
+    # rows as greedy's, read once (the drafts' one copy to the host)
+    return unread(proposed, both if drafts is None else torch.cat([both, drafts.tokens], dim=1))
 
 
 def accept_synthetic(drafts: Drafts, logits: torch.Tensor, gens: list, sampling,

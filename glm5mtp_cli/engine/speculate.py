@@ -69,6 +69,7 @@ class Run:
     prefill_s: float = 0.0
     capture_s: float = 0.0
     ahead: drafting.Ahead | None = None
+    carries: bool = False  # a request hands its caches to a next turn: its verdicts are cut on the device too
 
 
 class SpecEngine:
@@ -94,6 +95,7 @@ class SpecEngine:
                           if config.synthetic_acceptance is not None else None)
         self.max_seq_len = config.max_seq_len
         self.eos = set(model_cfg.eos_token_id if config.eos_ids is None else config.eos_ids)
+        self._eos_dev = to_device(sorted(self.eos), device)
         self.device = torch.device(device)
         self.policy = GammaPolicy(config.gamma, config.gamma_policy)
         self.comm = comm
@@ -178,7 +180,8 @@ class SpecEngine:
         if self.config.prefill_graphs:
             self.runner.open_prefill(self.target, self.head, self.pools, width, graph_rows(self.cfg.hidden_size))
         self.results = [None] * len(requests)
-        return Run(list(enumerate(requests))[::-1], [None] * batch_size, self.results, self.clock.now(), width)
+        return Run(list(enumerate(requests))[::-1], [None] * batch_size, self.results, self.clock.now(), width,
+                   carries=any(r.carry_mode != "none" for r in requests))
 
     def step(self, run: "Run") -> None:
         """One engine step, top-down: schedule (admit waiting requests into free slots), draft,
@@ -210,11 +213,14 @@ class SpecEngine:
         if masks is not None:
             self.runner.mask(out.logits, masks.verify(drafts))
         verdict = self._accept(drafts, out.logits, active)
+        if run.carries:
+            verdict.clip_device(to_device(self._caps(active), self.device), self._eos_dev)
         times = StepTimes(p0, v0, self.clock.now())
         fed = self._commit_device(verdict, drafts, out.hidden_all)
         verdict.fetch()
         run.ahead = self._draft_ahead(active, g, verdict, fed, masks)
         verdict.read()  # after the device work above is queued: it runs while the host waits
+        verdict.clip(self._caps(active), self.eos)
         self._commit(active, verdict, drafts, fed, out.hidden_all, starts)
         self._finish(active, verdict, times, starts, run.slots, masks)
         # a step ends in a host read of its tokens, so its host wall time is its device time plus the
@@ -461,6 +467,11 @@ class SpecEngine:
                 s.pend = BatchRow.own(t[e:], h[e:])
             self._wall()
 
+    @staticmethod
+    def _caps(active: list[LiveSequence]) -> list[int]:
+        """The most drafts each sequence's token budget still takes (its last token is the target's)."""
+        return [s.req.max_new_tokens - len(s.out) - 1 for s in active]
+
     def _masks(self, seqs: list[LiveSequence], g: int) -> StepMasks | None:
         """This step's grammar masks, or None when no sequence in it is constrained."""
         if self.grammars is None or all(s.grammar is None for s in seqs):
@@ -525,7 +536,7 @@ class SpecEngine:
             stop = s.grammar.commit(new)
             s.grammar_stop = before + stop if stop is not None else None
         s.out.extend(new)
-        self._maybe_finish(s, before)
+        self._maybe_finish(s)
         if self.on_tokens is not None and len(s.out) > before:
             self.on_tokens(s.req.request_id, s.out[before:])
 
@@ -544,18 +555,14 @@ class SpecEngine:
             return accept_synthetic(drafts, logits, gens, self.sampling, self.synthetic)
         return accept(drafts, logits, gens, self.sampling, self.runner.verdict)
 
-    def _maybe_finish(self, s: LiveSequence, fresh_from: int = 0) -> None:
-        """fresh_from: where this step's tokens start in s.out (the earlier ones held no EOS)."""
+    def _maybe_finish(self, s: LiveSequence) -> None:
+        """Whether s ended with its newest tokens (the verdict cut them at its budget or an EOS)."""
         req = s.req
-        del s.out[req.max_new_tokens:]  # a verify step may accept past the budget
         if s.grammar_stop is not None and s.grammar_stop < len(s.out):
             del s.out[s.grammar_stop + 1:]  # past it the mask admitted only EOS
             s.done = "grammar"
-        for j in range(fresh_from, len(s.out) if s.done is None else 0):
-            if s.out[j] in self.eos:
-                del s.out[j + 1:]
-                s.done = "eos"
-                break
+        if s.done is None and s.out[-1] in self.eos:  # the verdict's clip ends a step's tokens at an EOS
+            s.done = "eos"
         if s.done is None and len(s.out) >= req.max_new_tokens:
             s.done = "length"
         if s.done is None and self.hooks is not None and self.hooks.cancels(s):
