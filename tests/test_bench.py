@@ -46,16 +46,18 @@ def test_bench_json_rows_and_ratios(spec_ckpt, capfd):
             assert tokens / (row["wall_prefill_s"] + row["wall_decode_s"]) == pytest.approx(row["e2e_tokens_per_s"])
             assert (tokens - row["prompts"]) / row["wall_decode_s"] == pytest.approx(row["decode_tokens_per_s"])
     assert doc["draft_step"]["step_ms"] > 0 and doc["draft_step"]["floor_ms"] is None  # no floor on the CPU
-    # the gamma recommendation: gammas 0..2 predicted per batch size, beside each measured glm5mtp row
+    # the gamma recommendation: gammas 0..2 predicted per batch size; the recommended one is the table's
+    # fastest decode, the model's own pick beside it
     assert [rec["batch"] for rec in doc["recommendation"]] == [1, 2]
     for rec in doc["recommendation"]:
-        assert len(rec["by_gamma"]) == 3 and rec["predicted_tokens_per_s"] == max(rec["by_gamma"])
+        assert len(rec["by_gamma"]) == 3 and rec["model_best_tokens_per_s"] == max(rec["by_gamma"])
         assert rec["by_gamma"][rec["best_gamma"]] == rec["predicted_tokens_per_s"]
-    for row in doc["rows"]:
-        pred = row["predicted_decode_tokens_per_s"]
-        assert (pred is None) == (row["gamma"] is None)
-        if row["gamma"] == 0:  # E(0) = 1 over gamma 0's own step cost: its measurement
-            assert pred == pytest.approx(row["decode_tokens_per_s"], rel=1e-9)
+        decode = {row["gamma"]: row["decode_tokens_per_s"] for row in doc["rows"]
+                  if row["batch"] == rec["batch"] and row["gamma"] is not None}
+        assert rec["best_gamma"] == max(decode, key=decode.get)
+        assert rec["measured_tokens_per_s"] == decode[rec["best_gamma"]]
+    # two gammas: the cost line runs through both runs, so a row's "prediction" would echo its measurement
+    assert all(row["predicted_decode_tokens_per_s"] is None for row in doc["rows"])
 
 
 def test_bench_table_prints_the_recommendation(spec_ckpt):
@@ -66,8 +68,8 @@ def test_bench_table_prints_the_recommendation(spec_ckpt):
     assert r.exit_code == 0, r.output
     assert "pred." in r.output and "decode tokens/s (prefill excluded)" in r.output
     assert "capture" in r.output  # eager on the CPU: nothing captured, shown as "-"
-    assert re.search(r"recommended gamma [0-2] at batch 1: predicted [0-9.]+ tokens/s", " ".join(r.output.split())), \
-        r.output
+    assert re.search(r"recommended gamma [02] at batch 1: measured [0-9.]+ decode tokens/s, the fastest run",
+                     " ".join(r.output.split())), r.output
 
 
 def test_bench_table_shows_capture_seconds_apart_from_e2e():
@@ -327,7 +329,8 @@ def test_bench_tables_fit_80_columns_with_every_header_whole():
 
     rows = [_row(64, "transformers", None), _row(64, "gamma 0, static", 0, predicted=50000.0),
             _row(64, "gamma 3 adaptive, static", 3, "adaptive"), _row(64, "gamma 3, static", 3, predicted=61234.5)]
-    rec = {"batch": 64, "best_gamma": 3, "predicted_tokens_per_s": 61234.5, "measured_tokens_per_s": 52345.6}
+    rec = {"batch": 64, "best_gamma": 3, "predicted_tokens_per_s": 61234.5, "measured_tokens_per_s": 52345.6,
+           "model_best_gamma": 3, "model_best_tokens_per_s": 61234.5, "model_best_measured_tokens_per_s": 52345.6}
     out = _render(80, print_rows, _doc(rows, [rec]))
     lines = out.splitlines()
     assert all(len(line) <= 80 for line in lines) and "…" not in out, out
@@ -351,19 +354,25 @@ def test_bench_tables_fit_80_columns_with_every_header_whole():
     assert "gamma 3 adaptive," in out and "static" in out  # a long system name wraps, whole words
 
 
-def test_bench_says_an_unmeasured_recommendation_is_an_extrapolation_first():
+def test_bench_recommends_what_its_table_measured_fastest():
+    """The recommendation follows the table; the model's pick is said after it where it differs: a
+    gamma that measured slower, or one not run (extrapolated, to measure)."""
     from glm5mtp_cli.commands.bench import print_rows
 
-    rows = [_row(8, "gamma 0", 0, predicted=900.0), _row(8, "gamma 3", 3, predicted=1100.0)]
-    rec = {"batch": 8, "best_gamma": 2, "predicted_tokens_per_s": 1200.0, "measured_tokens_per_s": None}
+    rows = [_row(8, "gamma 0", 0), _row(8, "gamma 3", 3)]
+    rec = {"batch": 8, "best_gamma": 3, "predicted_tokens_per_s": 1100.0, "measured_tokens_per_s": 1000.0,
+           "model_best_gamma": 2, "model_best_tokens_per_s": 1200.0, "model_best_measured_tokens_per_s": None}
     out = " ".join(_render(80, print_rows, _doc(rows, [rec])).split())
-    said = out.index("extrapolated, not measured (gamma 2 was not run at batch 8; the runs of gammas 0, 3")
-    assert said < out.index("recommended gamma 2 at batch 8: predicted 1200.0 tokens/s"), out
-    assert "--gammas 2 --batch-sizes 8" in out
-    rec["best_gamma"], rec["measured_tokens_per_s"] = 3, 1000.0
+    said = out.index("recommended gamma 3 at batch 8: measured 1000.0 decode tokens/s, the fastest run (the model "
+                     "predicts 1100.0)")
+    assert said < out.index("the model predicts gamma 2, not run at batch 8, at 1200.0: extrapolated, not measured; "
+                            "measure it with --gammas 2 --batch-sizes 8"), out
+    rec.update(model_best_gamma=0, model_best_tokens_per_s=1150.0, model_best_measured_tokens_per_s=900.0)
     out = " ".join(_render(80, print_rows, _doc(rows, [rec])).split())
-    assert "recommended gamma 3 at batch 8: predicted 1200.0 tokens/s (measured 1000.0)" in out
-    assert "extrapolated" not in out
+    assert "the model's pick was gamma 0 (predicted 1150.0), but it measured 900.0: the measurement decides" in out
+    rec.update(model_best_gamma=3)
+    out = " ".join(_render(80, print_rows, _doc(rows, [rec])).split())
+    assert "the model's pick" not in out and "extrapolated" not in out
 
 
 def test_kernel_names_fold_at_80_columns():

@@ -27,10 +27,11 @@ def test_drafting_pays_at_batch_1():
     assert predict(PER_POSITION, verify, draft, 1) == pytest.approx([1000, 1900 / 1.4, 2700 / 1.8, 3400 / 2.2])
     rows = [_row(1, 0, 1.0, 1e-3), _row(1, 3, 3.4, 2.2e-3)]
     (rec,) = recommend(rows)
-    assert rec["batch"] == 1 and rec["best_gamma"] == 3
+    assert rec["batch"] == 1 and rec["best_gamma"] == 3 == rec["model_best_gamma"]
     assert rec["predicted_tokens_per_s"] == pytest.approx(3400 / 2.2) == rec["measured_tokens_per_s"]
     assert rec["verify_ms"] == pytest.approx(1.0) and rec["draft_ms"] == pytest.approx(0.4)
-    assert [r["predicted_decode_tokens_per_s"] for r in rows] == pytest.approx([1000, 3400 / 2.2])
+    # two gammas: each row's only other run cannot draw a line, so no row is predicted (it would echo itself)
+    assert [r["predicted_decode_tokens_per_s"] for r in rows] == [None, None]
 
 
 def test_drafting_does_not_pay_at_batch_8():
@@ -38,7 +39,7 @@ def test_drafting_does_not_pay_at_batch_8():
     = 8000, 6608.7, 6000, 5551.0 tokens/s: gamma 0 wins, and gamma 1 (not measured) is predicted."""
     rows = [_row(8, 0, 1.0, 1e-3), _row(8, 3, 3.4, 4.9e-3)]
     (rec,) = recommend(rows)
-    assert rec["best_gamma"] == 0 and rec["predicted_tokens_per_s"] == pytest.approx(8000)
+    assert rec["best_gamma"] == 0 == rec["model_best_gamma"] and rec["predicted_tokens_per_s"] == pytest.approx(8000)
     assert rec["by_gamma"] == pytest.approx([8000, 8 * 1900 / 2.3, 8 * 2700 / 3.6, 8 * 3400 / 4.9])
 
 
@@ -53,7 +54,28 @@ def test_unmeasured_best_and_a_fitted_line():
     assert rec["verify_ms"] == pytest.approx(verify * 1e3) and rec["draft_ms"] == pytest.approx(draft * 1e3)
     want = [e / (verify + g * draft) for g, e in enumerate([1.0, 1.9, 2.7, 2.8])]
     assert rec["by_gamma"] == pytest.approx(want)
-    assert rec["best_gamma"] == 2 and rec["measured_tokens_per_s"] is None
+    # the model's pick was not run: the recommendation is the fastest run (gamma 3: 2.8 / 1.8 ms)
+    assert rec["model_best_gamma"] == 2 and rec["model_best_measured_tokens_per_s"] is None
+    assert rec["best_gamma"] == 3 and rec["measured_tokens_per_s"] == pytest.approx(2.8 / 1.8e-3)
+    # each row held out: the line through the other two costs, the acceptance of the largest other
+    # (gamma 3 from gamma 1's: 0.9 at every position, E(3) = 1 + 0.9 + 0.81 + 0.729)
+    assert [r["predicted_decode_tokens_per_s"] for r in rows] == pytest.approx(
+        [1 / 1.35e-3, 1.9 / (1e-3 + 0.8e-3 / 3), 3.439 / 2.5e-3])
+
+
+def test_the_recommendation_follows_the_table_where_the_model_picks_a_slower_run():
+    """A noisy machine (issue 70: gamma 0 recommended at batch 8 beside a table whose best was gamma 4):
+    gammas 0..4 cost 1, 3, 5, 7, 3.5 ms, so gamma 4 decodes fastest, but the line through the costs
+    (2.1 + 0.9 g ms) makes the model pick gamma 3."""
+    per_position = [0.9, 0.8, 0.7, 0.6]
+    rows = [_row(1, g, 1 + sum(per_position[:g]), ms * 1e-3) for g, ms in enumerate((1, 3, 5, 7, 3.5))]
+    for r in rows:
+        r["per_position"] = per_position[:r["gamma"]]
+    (rec,) = recommend(rows)
+    assert rec["verify_ms"] == pytest.approx(2.1) and rec["draft_ms"] == pytest.approx(0.9)
+    assert rec["model_best_gamma"] == 3 and rec["model_best_measured_tokens_per_s"] == pytest.approx(3.4 / 7e-3)
+    assert rec["best_gamma"] == 4 and rec["measured_tokens_per_s"] == pytest.approx(4.0 / 3.5e-3)
+    assert rec["predicted_tokens_per_s"] == pytest.approx(4.0 / 5.7e-3)
 
 
 def test_no_recommendation_without_gamma0_or_a_fixed_gamma():

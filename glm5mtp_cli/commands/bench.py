@@ -101,22 +101,26 @@ def _print_kernels(out, what: str, step: dict) -> None:
     out.print(t)
 
 
-def _print_recommendations(out, recs: list[dict], rows: list[dict]) -> None:
-    """diagnostics/recommend.py's best gamma per batch size, decode only; one it did not run says so first."""
+def _print_recommendations(out, recs: list[dict]) -> None:
+    """diagnostics/recommend.py's per batch size: the gamma the table measured fastest (decode only),
+    then the model's pick where it differs: a gamma that measured slower, or one not run (to measure)."""
     if not recs:
         out.print("no gamma recommendation: it needs gamma 0 and a fixed gamma > 0 at one batch size")
         return
     for r in recs:
-        best, batch, pred, m = r["best_gamma"], r["batch"], r["predicted_tokens_per_s"], r["measured_tokens_per_s"]
-        if m is not None:
-            out.print(f"recommended gamma {best} at batch {batch}: predicted {pred:.1f} tokens/s (measured {m:.1f})")
+        best, batch, model = r["best_gamma"], r["batch"], r["model_best_gamma"]
+        out.print(f"recommended gamma {best} at batch {batch}: measured {r['measured_tokens_per_s']:.1f} decode "
+                  f"tokens/s, the fastest run (the model predicts {r['predicted_tokens_per_s']:.1f})", highlight=False)
+        if model == best:
             continue
-        ran = ", ".join(str(x["gamma"]) for x in rows
-                        if x["batch"] == batch and x.get("predicted_decode_tokens_per_s") is not None)
-        out.print(f"extrapolated, not measured (gamma {best} was not run at batch {batch}; the runs of gammas {ran} "
-                  f"predict it): recommended gamma {best} at batch {batch}: predicted {pred:.1f} tokens/s; measure it "
-                  f"with --gammas {best} --batch-sizes {batch}")
-    out.print("[dim]predicted: decode tokens/s (prefill excluded) = slots x (1 + p_1 + ... + p_g) / (verify + g x "
+        pred, m = r["model_best_tokens_per_s"], r["model_best_measured_tokens_per_s"]
+        if m is not None:
+            out.print(f"  the model's pick was gamma {model} (predicted {pred:.1f}), but it measured {m:.1f}: the "
+                      "measurement decides", highlight=False)
+        else:
+            out.print(f"  the model predicts gamma {model}, not run at batch {batch}, at {pred:.1f}: extrapolated, "
+                      f"not measured; measure it with --gammas {model} --batch-sizes {batch}", highlight=False)
+    out.print("[dim]the model: decode tokens/s (prefill excluded) = slots x (1 + p_1 + ... + p_g) / (verify + g x "
               "draft), the cost line fitted to the measured steps; p_k: the largest gamma's per-position "
               "acceptance[/dim]")
 
@@ -145,9 +149,10 @@ def print_rows(out, doc: dict) -> None:
     out.print(_table(
         out, f"bench on {doc['device']} ({doc['dtype']}), {doc['max_new_tokens']} new tokens, medians of "
              f"{doc['repeats']}: tokens/s",
-        "e2e: end to end; pred. decode: decode tok/s predicted from the per-position acceptance and the step cost "
-        "line; acc len: mean acceptance length; vs gamma 0, vs HF: e2e speedup against gamma 0 and transformers' "
-        "generate",
+        "e2e: end to end; pred. decode: the row's decode tok/s predicted from the other gammas' runs alone "
+        "(held out: their step cost line and acceptance; '-' with fewer than 3 gammas, where a fit through the "
+        "others would only echo it); acc len: mean acceptance length; vs gamma 0, vs HF: e2e speedup against "
+        "gamma 0 and transformers' generate",
         ("batch", "prompts", "system", "e2e\ntok/s", "decode\ntok/s", "pred.\ndecode", "acc\nlen", "vs\ngamma 0",
          "vs\nHF"),
         lambda r: (str(r["batch"]), str(r["prompts"]), r["system"], _fmt(r["e2e_tokens_per_s"], ".1f"),
@@ -178,7 +183,7 @@ def print_rows(out, doc: dict) -> None:
         if r["gamma"] and r.get("gamma_policy") == "adaptive" and r.get("gamma_steps"):
             mix = ", ".join(f"{n} at gamma {g}" for g, n in r["gamma_steps"].items())
             out.print(f"[dim]{r['system']} at batch {r['batch']} (first timed run): steps {mix}[/dim]")
-    _print_recommendations(out, doc["recommendation"], rows)
+    _print_recommendations(out, doc["recommendation"])
 
 
 def bench_cmd(

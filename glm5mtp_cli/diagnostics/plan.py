@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from glm5mtp_cli.diagnostics.calibration import Calibration
 from glm5mtp_cli.diagnostics.hardware import Hardware
-from glm5mtp_cli.diagnostics.recommend import best_gamma, decode_tokens_per_s
+from glm5mtp_cli.diagnostics.recommend import best_gamma, decode_tokens_per_s, rates_for
 
 BF16 = 2
 PREFILL_CHUNK = 1024  # rows of one prompt per prefill forward (EngineConfig.prefill_chunk)
@@ -222,12 +222,6 @@ def ttft_seconds(seqs: int, gamma: int, s: ModelSizes, c: PlanConfig) -> float:
         if gamma > 0:
             total += forward("catchup", seqs, rows, s, c).seconds
     return total
-
-
-def rates_for(acceptance: tuple[float, ...], gamma: int) -> list[float]:
-    """Conditional rates for positions 1..gamma: positions past the list take its last value (the rule
-    engine/synthetic applies to --synthetic-acceptance)."""
-    return [acceptance[min(k, len(acceptance) - 1)] for k in range(gamma)]
 
 
 def batch_row(seqs: int, s: ModelSizes, c: PlanConfig) -> dict:

@@ -16,6 +16,16 @@ decodes at slots * E(g) / C(g) tokens/s, where
 
 Decode only: end to end adds the prefill, which gamma does not change (but for the drafter's).
 Only fixed-gamma rows are used: an adaptive row's steps mix gammas, so its cost is no point of C.
+
+The recommendation is the gamma whose run decoded fastest, as the table shows it: the model smooths
+the measured costs (a line through them), so on a noisy machine its pick can be a gamma that measured
+slower (at batch 8 on a loaded CPU it picked gamma 0 beside a table whose best was gamma 4). The
+model's pick is reported beside it, and where it is a gamma not run, as one to measure.
+
+A row's own prediction (its `predicted_decode_tokens_per_s`) holds that row out: the line through
+the other gammas' costs and the acceptance of the largest other, so it predicts what the fit did not
+see; with two gammas run each has a single other and nothing is predicted (a line through two points
+is exact, so it would only echo the measurement).
 """
 
 from __future__ import annotations
@@ -51,9 +61,29 @@ def predict(per_position: list[float], verify: float, draft: float, slots: int) 
     return [decode_tokens_per_s(rates, g, verify + g * draft, slots) for g in range(len(per_position) + 1)]
 
 
+def rates_for(conditional_rates: list[float], gamma: int) -> list[float]:
+    """Conditional rates for positions 1..gamma: positions past the list take its last value (the rule
+    engine/synthetic applies to --synthetic-acceptance; plan's too)."""
+    if not conditional_rates:
+        return [0.0] * gamma
+    return [conditional_rates[min(k, len(conditional_rates) - 1)] for k in range(gamma)]
+
+
+def held_out(measured: dict[int, dict], costs: dict[int, float], gamma: int, slots: int) -> float | None:
+    """Decode tokens/s of the run at `gamma` predicted without it (module docstring): None with fewer
+    than two other gammas."""
+    others = {g: c for g, c in costs.items() if g != gamma}
+    if len(others) < 2:
+        return None
+    verify, draft = fit_line(others)
+    rates = rates_for(conditional(measured[max(others)]["per_position"]), gamma)
+    return decode_tokens_per_s(rates, gamma, verify + gamma * draft, slots)
+
+
 def recommend(rows: list[dict]) -> list[dict]:
-    """One recommendation per batch size that has a gamma-0 row and a fixed gamma > 0 row (else none);
-    sets each row's predicted_decode_tokens_per_s (None where nothing is predicted)."""
+    """One recommendation per batch size that has a gamma-0 row and a fixed gamma > 0 row (else none):
+    best_gamma, the measured best; model_best_gamma, the model's pick (module docstring). Sets each
+    row's predicted_decode_tokens_per_s (held_out; None where nothing is predicted)."""
     out = []
     for r in rows:
         r["predicted_decode_tokens_per_s"] = None
@@ -69,9 +99,13 @@ def recommend(rows: list[dict]) -> list[dict]:
         verify, draft = fit_line(costs)
         by_gamma = predict(top["per_position"], verify, draft, slots)
         for g, r in measured.items():
-            r["predicted_decode_tokens_per_s"] = by_gamma[g]
-        best = best_gamma(by_gamma)
+            r["predicted_decode_tokens_per_s"] = held_out(measured, costs, g, slots)
+        best = max(measured, key=lambda g: (measured[g]["decode_tokens_per_s"], -g))  # the smallest on a tie
+        model_best = best_gamma(by_gamma)
         out.append({"batch": batch, "best_gamma": best, "predicted_tokens_per_s": by_gamma[best],
-                    "measured_tokens_per_s": measured[best]["decode_tokens_per_s"] if best in measured else None,
+                    "measured_tokens_per_s": measured[best]["decode_tokens_per_s"],
+                    "model_best_gamma": model_best, "model_best_tokens_per_s": by_gamma[model_best],
+                    "model_best_measured_tokens_per_s": (measured[model_best]["decode_tokens_per_s"]
+                                                         if model_best in measured else None),
                     "by_gamma": by_gamma, "verify_ms": verify * 1e3, "draft_ms": draft * 1e3})
     return out
