@@ -150,3 +150,34 @@ def test_engine_state_that_joins_autograd_is_caught():
     rt.target.requires_grad_(True)
     doc = run_leakcheck(rt, check)
     assert doc["verdict"] == "leak" and doc["leaked_bytes_per_sequence"]["autograd_nodes"] > 0
+
+
+@pytest.mark.parametrize("max_new_tokens", ["16", "2"])
+def test_every_sequence_ends_as_its_lifecycle_names(max_new_tokens):
+    """Batch 4 on glm5next-nano: the EOS lives' tokens ended other lives of a shared round (cancelled
+    -> eos), a failure aborted the lives beside it (length -> aborted), and at a budget of 2 a
+    cancellation after a step came after the length; each life now ends as named."""
+    r = _run("--model", "glm5next-nano", "--device", "cpu", "--sequences", "12", "--batch-size", "4",
+             "--max-new-tokens", max_new_tokens, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert [(s["sequence"], s["finish_reason"]) for s in doc["sequences"]] == \
+        [(s["sequence"], s["lifecycle"]) for s in doc["sequences"]]
+    assert doc["ended_otherwise"] == [] and doc["verdict"] == "clean"
+    assert set(doc["lifecycles_seen"]) == {"length", "eos", "cancelled", "failed", "aborted", "grammar"}
+
+
+def test_an_ending_other_than_named_is_said(tiny, monkeypatch):
+    """Where a life ends otherwise than named (here a cancellation and a failure placed after the
+    length), the report counts what ran and says so beside the verdict."""
+    from glm5mtp_cli.diagnostics import leakcheck
+
+    monkeypatch.setattr(leakcheck, "last_safe_step", lambda max_new_tokens, gamma: 2)
+    r = _run("--model", tiny, "--device", "cpu", "--sequences", "4", "--max-new-tokens", "2")
+    assert r.exit_code == 0, r.output
+    assert ("not as named: 2 of 4 sequences ended otherwise than their lifecycle (sequence 2 cancelled -> "
+            "length, 3 failed -> length)") in " ".join(r.stdout.split())
+    r = _run("--model", tiny, "--device", "cpu", "--sequences", "4", "--max-new-tokens", "2", "--json")
+    assert json.loads(r.stdout)["ended_otherwise"] == [
+        {"sequence": 2, "lifecycle": "cancelled", "finish_reason": "length"},
+        {"sequence": 3, "lifecycle": "failed", "finish_reason": "length"}]

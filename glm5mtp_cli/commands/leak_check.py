@@ -33,8 +33,9 @@ def _fmt(n: float | int | None) -> str:
 def leakcheck_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     sequences: Annotated[int, typer.Option("--sequences", metavar="N",
-                                           help="Sequences after the warm-up, cycling length, eos, cancelled and "
-                                                "failed.")] = 24,
+                                           help="Sequences after the warm-up, cycling length, eos, cancelled, "
+                                                "failed (above batch 1 beside one it aborts) and, with a "
+                                                "tokenizer, grammar.")] = 24,
     gamma: Annotated[int, typer.Option("--gamma", metavar="N", help="Drafts per verify step.")] = 3,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N",
                                                 help="Tokens per sequence (the 'length' lifecycle's end).")] = 16,
@@ -183,3 +184,8 @@ def _print(out: Console, doc: dict) -> None:
         for k, v in doc["leaked_bytes_per_sequence"].items():
             lt.add_row(k, f"{v:,.0f} ({_fmt(v)})")
         out.print(lt)
+    if doc["ended_otherwise"]:
+        ends = ", ".join(f"{r['sequence']} {r['lifecycle']} -> {r['finish_reason']}" for r in doc["ended_otherwise"])
+        out.print(f"[yellow]not as named[/yellow]: {len(doc['ended_otherwise'])} of {len(doc['sequences'])} "
+                  f"sequences ended otherwise than their lifecycle (sequence {ends}), so the verdict does not cover "
+                  f"those lifecycles there", highlight=False)

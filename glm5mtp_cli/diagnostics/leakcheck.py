@@ -5,10 +5,14 @@ that every cache pool component, every grammar matcher and the autograd nodes be
 (none while the engine's state stays out of autograd) go back to their baseline (ARCHITECTURE
 invariant 2, REFERENCE section 8).
 
-With --batch-size B > 1 the lives run in rounds of 2B requests through one continuously batched
-generate call of B slots, so slots are re-occupied within a round; an injected failure then aborts
-its whole round (every live sequence is released by the engine), and each round ends with one
-snapshot shared by its rows.
+With --batch-size B > 1 the lives run in rounds of up to 2B requests through one continuously
+batched generate call of B slots, so slots are re-occupied within a round, and each round ends with
+one snapshot shared by its rows. Every life ends as its lifecycle names it, by construction: the
+engine's EOS set is the whole call's, so the EOS lives run in rounds of their own (any of their EOS
+tokens ends an EOS life); an injected failure aborts its whole round, so a failure runs beside one
+life of its own, 'aborted' (live in a slot when the failure hits: the engine releases it); a
+cancellation or failure comes at a step the sequence cannot have reached its length by. The report
+still compares each ending with its name and says where they differ.
 
 The baseline is taken after a warm-up that fills every slot with the longest prompt, so the
 engine's CUDA graphs (built for its slots and its longest request) exist before it and are never
@@ -48,7 +52,10 @@ from glm5mtp_cli.engine.runtime import Runtime, make_engine, resolve
 from glm5mtp_cli.engine.sequence import Request, budget_tokens, reserve_tokens
 
 LIFECYCLES = ("length", "eos", "cancelled", "failed")
-GRAMMAR_LIFE = ("grammar", Constraint("regex", "[a-z]{1,4}"))  # ends within 4 tokens, by the grammar
+ABORTED = "aborted"  # above batch 1: the life a failure aborts (it follows "failed" in the cycle)
+GRAMMAR = "grammar"
+ROUND_OF = {"eos": "eos", "failed": "failure", ABORTED: "failure"}  # the others run in "plain" rounds
+FILL_RULE = Constraint("regex", "[a-z]+")  # a warm-up fill's: past its first token, every step is constrained
 ALLOCATION_UNIT = 512  # bytes: the CUDA caching allocator's rounding (the module doc says why the CPU's too)
 
 
@@ -185,6 +192,24 @@ def _snapshot(pools, device: torch.device, grammars, comm) -> dict:
     return snap
 
 
+def grammar_rule(max_new_tokens: int) -> Constraint:
+    """The grammar life's constraint: at most as many letters as tokens in its budget, so that the
+    grammar, not the length, ends it (every token adds a letter)."""
+    return Constraint("regex", f"[a-z]{{1,{min(4, max_new_tokens)}}}")
+
+
+def last_safe_step(max_new_tokens: int, gamma: int) -> int:
+    """The most verify steps after which a sequence is surely short of its length (a step adds at
+    most gamma + 1 tokens to the prefill's one): where a cancellation or failure may come."""
+    return (max_new_tokens - 2) // (gamma + 1)
+
+
+def ended_otherwise(rows: list[dict]) -> list[dict]:
+    """The sequences whose ending differs from the lifecycle they were run for."""
+    return [{"sequence": r["sequence"], "lifecycle": r["lifecycle"], "finish_reason": r["finish_reason"]}
+            for r in rows if r["finish_reason"] != r["lifecycle"]]
+
+
 def _constrainable(rt: Runtime, e: EngineConfig) -> bool:
     """Whether the constrained lifecycle runs: a tokenizer to match over, llguidance, no synthetic draws."""
     try:
@@ -252,19 +277,16 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     rng = random.Random(c.seed)
     vocab = rt.cfg.vocab_size
     max_prompt = max(2, min(48, e.max_seq_len - e.max_new_tokens - e.gamma))
-    lifecycles = LIFECYCLES + ((GRAMMAR_LIFE[0],) if _constrainable(rt, e) else ())
     size = 1 if e.batch_size == 1 else 2 * e.batch_size  # a round's lives: above batch 1, twice the slots
-    # the warm-up's lives: one of each lifecycle, and at least a round's worth, so that every slot
-    # is busy before the baseline too (admissions into slots freed mid-run): with only the
-    # lifecycles' six, batch 8's grammar-mask host buffers (engine/grammar.host_buffer, as many
-    # rows as the most sequences a step met) grew from 5 to 8 rows in the first counted round, 9.7
-    # KB the slope read as 434 B a sequence (CPU, glm5next-nano)
-    warm_lives = max(len(lifecycles), size)
+    constrained = _constrainable(rt, e)
+    lifecycles = LIFECYCLES + ((ABORTED,) if size > 1 else ()) + ((GRAMMAR,) if constrained else ())
+    latest = last_safe_step(e.max_new_tokens, e.gamma)
 
     # The pool holds every sequence of the run at once, so an injected (or real) leak shows in the
-    # ledger instead of ending the run with an exhausted pool.
+    # ledger instead of ending the run with an exhausted pool: the lives, the warm-up's one of each
+    # lifecycle, their EOS probes, the fills (below) and the settling life.
     per_seq = reserve_tokens(max_prompt, e.max_new_tokens, e.gamma, e.alloc, e.max_seq_len)
-    lives_held = c.sequences + warm_lives + (c.sequences + warm_lives) // len(lifecycles) + 4  # + EOS probes, fill, settle
+    lives_held = c.sequences + len(lifecycles) + c.sequences // len(lifecycles) + 2 + 2 * e.batch_size + 1
     pools = rt.make_pools(per_seq, lives_held)
     engine = make_engine(rt, pools, e)
     plant = planted_bytes(c.inject_leak)
@@ -293,27 +315,45 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
             k = next((j for j in range(1, len(probe)) if probe[j] not in probe[:j]), 0)
             eos = {probe[k]}
         elif kind == "cancelled":
-            faults.cancel_after[request_id] = 1 + (i // len(lifecycles)) % 2
+            faults.cancel_after[request_id] = min(1 + (i // len(lifecycles)) % 2, latest)
         elif kind == "failed":
-            faults.fail_at[request_id] = 1 + (i // len(lifecycles)) % 2
-        rule = GRAMMAR_LIFE[1] if kind == GRAMMAR_LIFE[0] else None
+            faults.fail_at[request_id] = min(1 + (i // len(lifecycles)) % 2, latest)
+        rule = grammar_rule(e.max_new_tokens) if kind == GRAMMAR else None
         return kind, Request(p, e.max_new_tokens, request_id=request_id, constraint=rule), eos
 
     def rounds(lives):
-        if size > 1:
-            lives = sorted(lives, key=lambda lv: lv[0] == "failed")  # a failure aborts its round: those go last
-        for r0 in range(0, len(lives), size):
-            group = lives[r0:r0 + size]
-            yield group, run_round([req for _, req, _ in group], set().union(*(eos for _, _, eos in group)))
+        """(lives, outcomes) per round, in the order the rounds fill: each of a kind of round (ROUND_OF),
+        a failure's of two (the failure, and the life it aborts)."""
+        def play(group):
+            return group, run_round([req for _, req, _ in group], set().union(*(eos for _, _, eos in group)))
+
+        pending: dict[str, list] = {}
+        for lv in lives:
+            kind = ROUND_OF.get(lv[0], "plain")
+            group = pending.setdefault(kind, [])
+            group.append(lv)
+            if len(group) == (min(2, size) if kind == "failure" else size):
+                yield play(pending.pop(kind))
+        for group in pending.values():
+            yield play(group)
+
+    def fill(rule: Constraint | None) -> None:
+        run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], e.max_new_tokens,
+                           request_id=-1 - j, constraint=rule) for j in range(e.batch_size)], set())
 
     # Run as generate and bench run, outside no_grad, so that engine state that joins autograd shows.
     # The warm-up fills every slot with the longest prompt (the engine's graphs are built for the
     # slots and the longest request they have met, graphs.table_blocks, so a later round with
-    # more or longer ones would rebuild them after the baseline), then runs one life of each
-    # lifecycle (what a path builds once, it builds before the baseline).
-    run_round([Request([rng.randrange(vocab) for _ in range(max_prompt)], e.max_new_tokens, request_id=-1 - j)
-               for j in range(e.batch_size)], set())
-    for _ in rounds([life(i, -1_000 - i) for i in range(warm_lives)]):
+    # more or longer ones would rebuild them after the baseline), and again under a grammar, so
+    # that what a constrained step sizes to its sequences is as wide as every slot before the
+    # baseline (engine/grammar.host_buffer: as many rows as the most sequences a step met; batch
+    # 8's grew from 5 to 8 rows in a counted round, 9.7 KB the slope read as 434 B a sequence);
+    # then it runs one life of each lifecycle (what a path builds once, it builds before the
+    # baseline).
+    fill(None)
+    if constrained:
+        fill(FILL_RULE)
+    for _ in rounds([life(i, -1_000 - i) for i in range(len(lifecycles))]):
         pass
     base = _snapshot(pools, rt.device, engine.grammars, rt.comm)
     rows, snaps = [], []
@@ -350,6 +390,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
         "judged_on": f"ledger+{memory['measure']} slope",
         "baseline": baseline,
         "lifecycles_seen": sorted({r["finish_reason"] for r in rows}),
+        "ended_otherwise": ended_otherwise(rows),
         "matchers_live_after": settled["matchers"],
         "autograd_nodes_after": settled["autograd_nodes"],
         "sequences": rows,
