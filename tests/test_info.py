@@ -111,3 +111,17 @@ def test_info_bad_inputs(tmp_path, monkeypatch):
         assert r.exit_code == 2, r.output
         assert needle in r.output and "Traceback" not in r.output
         assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_info_takes_the_model_as_every_command_does():
+    """MODEL, or --model / -m as every other command takes it; both given and differing: one line."""
+    by_arg = CliRunner().invoke(app, ["info", "glm5next-nano", "--json"])
+    for args in (["--model", "glm5next-nano"], ["-m", "glm5next-nano"], ["glm5next-nano", "--model", "glm5next-nano"]):
+        r = CliRunner().invoke(app, ["info", *args, "--json"])
+        assert r.exit_code == 0, r.output
+        assert r.stdout == by_arg.stdout
+    r = CliRunner().invoke(app, ["info", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["model"] == "glm5-nano"  # the commands' default
+    r = CliRunner().invoke(app, ["info", "glm5", "--model", "glm5-nano"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.output.strip() == "error: MODEL glm5 and --model glm5-nano differ: give the model once"

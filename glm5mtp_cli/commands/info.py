@@ -1,4 +1,4 @@
-"""`glm5mtp info MODEL [--json]`: parameters, bytes and cache sizes from the config alone."""
+"""`glm5mtp info [MODEL | --model NAME] [--json]`: parameters, bytes and cache sizes from the config alone."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rich.console import Console
 
 import profiles
 
+from glm5mtp_cli.commands.options import DEFAULT_MODEL, MODEL
 from glm5mtp_cli.diagnostics.report import fit_table
 from glm5mtp_cli.errors import UserError
 
@@ -78,9 +79,19 @@ def _render_cache(cache: dict, console: Console) -> None:
     console.print(c)
 
 
+def the_model(argument: str | None, option: str | None) -> str:
+    """MODEL or --model (every other command's spelling), the default when neither is given."""
+    if argument is not None and option is not None and argument != option:
+        raise UserError(f"MODEL {argument} and --model {option} differ: give the model once")
+    return argument or option or DEFAULT_MODEL
+
+
 def info_cmd(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help=f"Profile ({', '.join(profiles.names())}), local folder, "
-                                                                "or Hub repo id (org/name).")],
+    model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", show_default=False,
+        help=f"Profile ({', '.join(profiles.names())}), local folder, or Hub repo id (org/name); default "
+             f"{DEFAULT_MODEL}.")] = None,
+    model_opt: Annotated[Optional[str], typer.Option("--model", "-m", metavar="NAME", rich_help_panel=MODEL,
+                                                     help="The same as MODEL (as the other commands take it).")] = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON document only.")] = False,
     tokens: Annotated[Optional[int], typer.Option("--tokens",
         metavar="N", help=f"Context length for the cache totals (default: {DEFAULT_TOKENS}, or the model's "
@@ -96,8 +107,9 @@ def info_cmd(
 
       glm5mtp info glm5
 
-      glm5mtp info glm5-nano --tokens 2048 --json
+      glm5mtp info --model glm5-nano --tokens 2048 --json
     """
+    model = the_model(model_arg, model_opt)
     if tokens is not None and tokens <= 0:
         raise UserError(f"--tokens must be positive, got {tokens}")
     from glm5mtp_cli.checkpoint.resolve import resolve_config
