@@ -58,6 +58,7 @@ def test_latency_table_shows_setup_only_where_it_happened():
     assert "setup" not in text(base)
     shown = text(dict(base, compile_s=57.45, graph_capture_ms=223.0))
     assert "compiling the forwards" in shown and "57.45 s" in shown and "223.00 ms" in shown
+    assert "TTFT (queue + prefill)" in text(base)  # from the run's start: a request's wait for a slot counts
 
 
 @pytest.mark.parametrize("args, needle", [
