@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import signal
 import sys
 from typing import Annotated, Optional
 
@@ -59,6 +60,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err_console = Console(stderr=True)
+_OWN_PROCESS = False  # main() runs this process's own command line: the process ends when it returns
 
 
 def _version(value: bool) -> None:
@@ -138,8 +140,19 @@ for _name, (_target, _short) in COMMANDS.items():
     _register(_name, _short)
 
 
+def output_complete() -> None:
+    """A command's output is whole: from here to the process's exit (the model freed, then the
+    interpreter's teardown, about a second with torch loaded) Ctrl-C is ignored, so it cannot turn a
+    complete run into exit 130. Only where main() runs the process's own command line: an in-process
+    caller (CliRunner, step_phases) keeps its Ctrl-C."""
+    if _OWN_PROCESS:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: user errors become one red line and exit code 2."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = argv is None
     try:
         app(args=argv, standalone_mode=True, prog_name="glm5mtp")
     except SystemExit as e:
@@ -154,4 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # the package's module, not this __main__ copy of it: commands reach its state (output_complete)
+    from glm5mtp_cli.cli import main as package_main
+
+    sys.exit(package_main())

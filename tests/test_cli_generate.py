@@ -1,15 +1,24 @@
-"""`glm5mtp generate` through CliRunner: JSON schema, trace, and one clear line for every bad input."""
+"""`glm5mtp generate` through CliRunner: JSON schema, trace, one clear line for every bad input, what
+text mode says of each reply, and Ctrl-C (during the run, and once the output is whole)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from glm5mtp_cli.cli import app
+from glm5mtp_cli.engine import speculate
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
+NARROW = {"COLUMNS": "80"}
 
 
 def _run(*args):
@@ -96,3 +105,86 @@ def test_bad_prompts_file(spec_ckpt, tmp_path):
     bad.write_text('{"prompt": "x"}\nnot json\n')
     r = runner.invoke(app, ["generate", "--model", str(folder), "--prompts", str(bad)])
     assert r.exit_code != 0 and "Traceback" not in r.output
+
+
+def _fits_80(text: str) -> None:
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "…" not in text.replace("…[cut]", ""), text  # nothing cut to fit (…[cut]: the text's own mark)
+
+
+def test_text_mode_says_whether_each_constrained_reply_is_complete_and_valid(tmp_path):
+    """Under each reply, its finish (no longer a rule's title, which cut it at 80 columns: `finish:
+    grammar (the constraint admits no… ─`), then --json's complete and valid in words; the same
+    for a streamed reply."""
+    lines = (ROOT / "profiles" / "constrained" / "prompts.jsonl").read_text().splitlines()
+    prompts = tmp_path / "p.jsonl"  # a tool call cut at 16 tokens, a point its schema ends, a json_object
+    prompts.write_text("\n".join(lines[i] for i in (0, 8, 13)) + "\n")
+    r = _run("--prompts", prompts, "--max-new-tokens", 16, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert re.findall(r"^finish: (\w+) .*, \d+ new tokens\n(.*)$", r.stdout, re.M) == [
+        ("length", "json_schema: incomplete (cut), not checked"), ("grammar", "json_schema: complete, valid"),
+        ("length", "json_object: incomplete (cut), not checked")]
+    assert "finish: grammar (the constraint admits nothing more)" in r.stdout
+    _fits_80(r.stdout)
+    r = runner.invoke(app, ["generate", "--prompt", "x = ", "--json-object", "--device", "cpu"], env=NARROW)
+    assert r.exit_code == 0, r.output
+    assert "x = {}\nfinish: grammar (the constraint admits nothing more), 1 new token\njson_object: complete, " \
+           "valid\n" in r.stdout
+    _fits_80(r.stdout)
+
+
+def _interrupt_at_step(monkeypatch, n: int) -> None:
+    """Ctrl-C at the engine's n-th step."""
+    step = speculate.SpecEngine.step
+    calls = []
+
+    def interrupted_step(self, run):
+        calls.append(run)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        step(self, run)
+
+    monkeypatch.setattr(speculate.SpecEngine, "step", interrupted_step)
+
+
+def test_ctrl_c_in_text_mode_prints_the_finished_replies(monkeypatch, tmp_path):
+    """As --json prints their JSON: the replies that finished, listed as a whole run lists them, then
+    the interrupted line; they were dropped (stdout empty)."""
+    _interrupt_at_step(monkeypatch, 6)  # request 0 ends after 3 steps (4 tokens at gamma 0, one from the prefill)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [8, 9]}\n')
+    r = runner.invoke(app, ["generate", "--prompts", str(prompts), "--max-new-tokens", "4", "--gamma", "0",
+                            "--ignore-eos", "--device", "cpu"], env=NARROW)
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines() == ["interrupted: 1 of 2 requests had finished; their replies are on stdout"]
+    assert r.stdout.startswith("request 0: 3 prompt tokens ─") and "request 1" not in r.stdout
+    assert r.stdout.endswith("\nfinish: length (--max-new-tokens reached), 4 new tokens\n")
+
+
+def test_ctrl_c_once_the_output_is_whole_leaves_exit_0():
+    """A Ctrl-C after the JSON is written, while the model is freed and while the interpreter tears
+    down (about a second with torch): the run is complete, so exit 0 and nothing more said, not 130
+    with `interrupted: nothing was written` or a SIGINT death."""
+    script = """if True:
+        import os, signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell's child ignores it
+        import glm5mtp_cli.commands.generate as generate
+        from glm5mtp_cli.cli import main
+
+        single = generate._single
+
+        def then_ctrl_c(*args):
+            single(*args)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        generate._single = then_ctrl_c
+        sys.argv = ["glm5mtp", "generate", "--prompt", "x = ", "--max-new-tokens", "4", "--device", "cpu",
+                    "--threads", "1", "--json"]
+        code = main()
+        os.kill(os.getpid(), signal.SIGINT)
+        sys.exit(code)
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["requests"][0]["tokens"]) <= 4 and p.stderr.strip() == ""

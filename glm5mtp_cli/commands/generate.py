@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from glm5mtp_cli.cli import output_complete
 from glm5mtp_cli.commands.options import (BATCHING, CONVERSATION, DEFAULT_MODEL, MODEL, OUTPUT, SAMPLING, SPECULATION,
                                           CompileModeOpt, CompileOpt, ConstrainAfterOpt, CudaGraphsOpt, DeviceOpt,
                                           DraftMaskOpt, DtypeOpt, Fp8Opt, GammaPolicyOpt, GrammarOpt, JsonObjectOpt,
@@ -257,10 +258,10 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
     except Stopped as stop:
         if stream is not None:
             stream.cut()
-        raise Interrupted(_save_finished(rt, run, stop.finished, len(token_lists))) from None
+        raise Interrupted(_save_finished(rt, out, run, stop.finished, token_lists, stream is not None)) from None
     _drop_unused(lat, config)
     if stream is not None:
-        stream.end(results[0].finish_reason, len(results[0].tokens))
+        stream.end(_request_json(rt, results[0]))
     peak, peak_src = peak_memory(rt.device)
     doc = {
         "model": run.model.name, "device": str(rt.device), "tp": rt.tp,
@@ -281,24 +282,20 @@ def _single(rt, out: Console, run: GenerateRun) -> None:
         try:
             base, _, base_lat, _, _ = run_generate(rt, token_lists, config.replace(gamma=0), constraints=constraints)
         except Stopped:
-            raise Interrupted(_save_finished(rt, run, results, len(token_lists), "the --compare run")) from None
+            raise Interrupted(_save_finished(rt, out, run, results, token_lists, stream is not None,
+                                             "the --compare run")) from None
         _drop_unused(base_lat, config)
         doc["compare"] = compare_block(lat, base_lat, [r.tokens for r in results] == [r.tokens for r in base])
     if run.trace is not None:
         _write_trace(run.trace, [row for r in results for row in r.trace])
     if run.json_out:
         sys.stdout.write(json.dumps(doc) + "\n")
-        return
-    if stream is None:
-        for r, ids in zip(doc["requests"], token_lists):
-            text = r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"]))
-            out.rule(f"request {r['id']}: {r['prompt_tokens']} prompt tokens, {len(r['tokens'])} new, "
-                     f"finish: {_finish(r['finish_reason'])}", align="left", style="dim")
-            if rt.tokenizer is not None:  # the prompt's end, dim, as a streamed reply shows it
-                out.print(_prompt_tail(rt, ids), style="dim", end="", highlight=False, markup=False)
-            out.print(text + _cut_mark(r), highlight=False, markup=False)
-    out.rule(style="dim")
-    print_tables(out, doc, acc)
+    else:
+        if stream is None:
+            _list_replies(rt, out, doc["requests"], token_lists)
+        out.rule(style="dim")
+        print_tables(out, doc, acc)
+    output_complete()  # a Ctrl-C from here (the model freed, the interpreter's exit) leaves exit 0
 
 
 @contextlib.contextmanager
@@ -324,9 +321,23 @@ def _request_json(rt, r) -> dict:
     return doc
 
 
-def _save_finished(rt, run: GenerateRun, finished: list, total: int, during: str = "") -> str:
-    """After Ctrl-C: the finished requests' steps to --trace and their JSON to stdout (--json) ->
-    the line that says so."""
+def _list_replies(rt, out: Console, requests: list[dict], token_lists: list[list[int]]) -> None:
+    """Each request's reply (its JSON document's entry) under a rule naming it, after its prompt's
+    end, then how it finished."""
+    for r in requests:
+        text = r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"]))
+        out.rule(f"request {r['id']}: {r['prompt_tokens']} prompt tokens", align="left", style="dim")
+        if rt.tokenizer is not None:  # the prompt's end, dim, as a streamed reply shows it
+            out.print(_prompt_tail(rt, token_lists[r["id"]]), style="dim", end="", highlight=False, markup=False)
+        out.print(text + _cut_mark(r), highlight=False, markup=False)
+        _print_ending(out, r)
+
+
+def _save_finished(rt, out: Console, run: GenerateRun, finished: list, token_lists: list[list[int]],
+                   streamed: bool, during: str = "") -> str:
+    """After Ctrl-C: the finished requests' steps to --trace, and to stdout their JSON (--json) or
+    their replies as a complete run lists them (a streamed one is on the screen already) -> the
+    line that says so."""
     where = []
     if run.trace is not None and finished:
         _write_trace(run.trace, [row for r in finished for row in r.trace])
@@ -335,7 +346,10 @@ def _save_finished(rt, run: GenerateRun, finished: list, total: int, during: str
         sys.stdout.write(json.dumps({"model": run.model.name, "interrupted": True,
                                      "requests": [_request_json(rt, r) for r in finished]}) + "\n")
         where.append("their JSON is on stdout")
-    done = f"{len(finished)} of {total} requests had finished" + (f" before {during}" if during else "")
+    elif finished and not streamed:
+        _list_replies(rt, out, [_request_json(rt, r) for r in finished], token_lists)
+        where.append("their replies are on stdout")
+    done = f"{len(finished)} of {len(token_lists)} requests had finished" + (f" before {during}" if during else "")
     return "; ".join([done] + (where or ["nothing was written"]))
 
 
@@ -350,6 +364,26 @@ def _drop_unused(lat: dict, config) -> None:
 def _finish(reason: str) -> str:
     return {"length": "length (--max-new-tokens reached)", "eos": "eos (the model ended it)",
             "grammar": "grammar (the constraint admits nothing more)"}.get(reason, reason)
+
+
+def _print_ending(out: Console, r: dict) -> None:
+    """How a reply ended, on lines of their own under it (a rule's title would cut them at 80
+    columns): the finish and its length, then a constrained reply's verdict."""
+    n = len(r["tokens"])
+    out.print(f"finish: {_finish(r['finish_reason'])}, {n} new token{'s' if n != 1 else ''}", style="dim",
+              highlight=False, markup=False)
+    if r.get("constraint") is not None:
+        text, style = _verdict(r)
+        out.print(f"{r['constraint']}: {text}", style=style, highlight=False, markup=False)
+
+
+def _verdict(r: dict) -> tuple[str, str]:
+    """A constrained reply's `complete` and `valid` in words, and their colour."""
+    if r["complete"]:
+        return ("complete, valid", "green") if r["valid"] else ("complete, NOT valid", "red")
+    # complete needs the grammar's end or an accepted EOS: an EOS before it means the trigger never came
+    why = {"length": "cut", "eos": "--constrain-after's token never came"}.get(r["finish_reason"], r["finish_reason"])
+    return f"incomplete ({why}), not checked", "yellow"
 
 
 def _cut_mark(r: dict) -> str:
@@ -394,17 +428,18 @@ def _conversation(rt, out: Console, run: GenerateRun) -> None:
                              for ti, t in enumerate(c.turns) for row in t.trace])
     if json_out:
         sys.stdout.write(json.dumps(doc) + "\n")
-        return
-    for ci, conv in enumerate(doc["conversations"]):
-        for ti, turn in enumerate(conv["turns"]):
-            text = turn["text"] if turn["text"] is not None else ",".join(map(str, turn["tokens"]))
-            out.rule(f"chat {ci}, turn {ti + 1}: reply of {len(turn['tokens'])} tokens, finish: "
-                     f"{_finish(turn['finish_reason'])}", align="left", style="dim")
-            out.print(text + _cut_mark(turn), highlight=False, markup=False)
-    out.rule(style="dim")
-    out.print(conversation_table(doc))
-    if not doc["carry"]["same_tokens_as_no_carry"]:
-        out.print("[red]carried turns produced different tokens from fresh turns[/red]")
+    else:
+        for ci, conv in enumerate(doc["conversations"]):
+            for ti, turn in enumerate(conv["turns"]):
+                text = turn["text"] if turn["text"] is not None else ",".join(map(str, turn["tokens"]))
+                out.rule(f"chat {ci}, turn {ti + 1}: reply of {len(turn['tokens'])} tokens, finish: "
+                         f"{_finish(turn['finish_reason'])}", align="left", style="dim")
+                out.print(text + _cut_mark(turn), highlight=False, markup=False)
+        out.rule(style="dim")
+        out.print(conversation_table(doc))
+        if not doc["carry"]["same_tokens_as_no_carry"]:
+            out.print("[red]carried turns produced different tokens from fresh turns[/red]")
+    output_complete()
 
 
 def _prompt_tail(rt, ids: list[int]) -> str:
@@ -434,9 +469,10 @@ class _Streamer:
         """Ctrl-C: end the streamed line, so what comes next starts on its own."""
         self.console.out("")
 
-    def end(self, finish_reason: str, n_tokens: int) -> None:
-        self.console.out(_cut_mark({"finish_reason": finish_reason, "text": self.printed}), highlight=False)
-        self.console.print(f"[dim]finish: {_finish(finish_reason)}, {n_tokens} new tokens[/dim]")
+    def end(self, r: dict) -> None:
+        """r: the request's JSON document entry."""
+        self.console.out(_cut_mark({"finish_reason": r["finish_reason"], "text": self.printed}), highlight=False)
+        _print_ending(self.console, r)
 
 
 def _write_trace(path: Path, rows: list[dict]) -> None:
