@@ -56,6 +56,33 @@ def test_predict_only_glm5_matches_reference():
     assert _rows(doc)[(131072, "budget")]["per_sequence_bytes"]["total"] < row["per_sequence_bytes"]["total"] / 50
 
 
+def test_plot_has_a_title_and_latency_beside_memory(tiny, tmp_path):
+    """The picture says what it was taken at (model, dtype, budget, gamma) and puts the measured latency
+    per phase against --max-seq-len beside the per-sequence bytes; predicted only, the bytes alone."""
+    pytest.importorskip("matplotlib")
+    from glm5mtp_cli.commands.profile import _figure
+
+    png = tmp_path / "p.png"
+    r = _run("--model", tiny, "--device", "cpu", "--max-seq-len", "256,1024", "--budget", "64", "--repeats", "1",
+             "--plot", str(png), "--json")
+    assert r.exit_code == 0, r.output
+    assert png.stat().st_size > 0
+    doc = json.loads(r.stdout)
+    fig = _figure(doc)
+    title = fig._suptitle.get_text()
+    assert f"{tiny} ({doc['model_layers']} target layers, float32) on cpu: budget 64 tokens, gamma 3" == title
+    memory, latency = fig.axes[:2]
+    assert memory.get_ylabel() == "MiB per sequence" and latency.get_xlabel().startswith("--max-seq-len")
+    lines = {line.get_label(): line for line in latency.get_lines()}
+    assert set(lines) == {"step", "verify 4 tok", "draft", "prefill 32 tok"}
+    rows = [row for row in doc["rows"] if row["policy"] == "ceiling"]
+    assert list(lines["step"].get_xdata()) == [256, 1024]
+    assert list(lines["step"].get_ydata()) == [row["latency_ms"]["step_ms"] for row in rows]
+    r = _run("--model", "glm5", "--predict-only", "--max-seq-len", "4096", "--json")
+    fig = _figure(json.loads(r.stdout))
+    assert len(fig.axes) == 1 and "predicted only: budget 2048 tokens, gamma 3" in fig._suptitle.get_text()
+
+
 def test_plot_without_matplotlib_exits_with_the_install_hint(tmp_path, monkeypatch):
     """Issue 16 item 4: no silent fallback; one line naming the plot extra, before any work."""
     import sys

@@ -83,7 +83,8 @@ def profile_cmd(
                                          help="Timed runs per phase (the median is reported).")] = 5,
     json_out: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", rich_help_panel=OUTPUT,
-                                                 help="Write a bar chart PNG of the per-sequence bytes (needs the plot "
+                                                 help="Write a PNG of the per-sequence bytes and, when measured, the "
+                                                      "latency per phase against --max-seq-len (needs the plot "
                                                       "extra: pip install 'glm5mtp\\[plot]').")] = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random cache rows and tokens.")] = 0,
     tp: TpOpt = 1,
@@ -294,14 +295,55 @@ def _print_tp(out: Console, doc: dict) -> None:
 
 
 def _plot(path: Path, doc: dict) -> None:
+    save(_figure(doc), path)
+
+
+def _figure(doc: dict):
+    """Per-sequence bytes by component (a stacked bar per --max-seq-len and policy) and, where measured,
+    latency per phase against --max-seq-len beside them, under a title of what they were taken at."""
+    from glm5mtp_cli.diagnostics.profile import POLICIES
+
     plt = pyplot()
-    labels = [f"{r['max_seq_len']}\n{r['policy']}" for r in doc["rows"]]
-    fig, ax = plt.subplots(figsize=(max(6, len(labels)), 4))
+    rows = doc["rows"]
+    latency = [r["latency_ms"] for r in rows if r["policy"] == POLICIES[0] and r["latency_ms"]]
+    labels = [f"{r['max_seq_len']}\n{r['policy']}" for r in rows]
+    fig, axes = plt.subplots(1, 2 if latency else 1, figsize=(max(6, len(labels)) + (5 if latency else 0), 4.5),
+                             squeeze=False)
+    mem = axes[0][0]
     bottom = [0.0] * len(labels)
     for comp in _components(doc):
-        vals = [r["per_sequence_bytes"][comp] / 2**20 for r in doc["rows"]]
-        ax.bar(labels, vals, bottom=bottom, label=comp)
+        vals = [r["per_sequence_bytes"][comp] / 2**20 for r in rows]
+        mem.bar(labels, vals, bottom=bottom, label=_label(comp))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("MiB per sequence")
+    mem.set_ylabel("MiB per sequence")
+    mem.set_title("memory per sequence" + ("" if latency else " (predicted)"), fontsize="small")
+    mem.legend(fontsize="small")
+    if latency:
+        _latency_panel(axes[0][1], latency, doc["gamma"])
+    fig.suptitle(_plot_title(doc), fontsize="medium")
+    return fig
+
+
+def _latency_panel(ax, latency: list[dict], gamma: int) -> None:
+    """Median ms per phase against the context (--max-seq-len), as the latency table shows them."""
+    context = [lat["context_tokens"] for lat in latency]
+    phases = (("step_ms", "step"), ("verify_ms", f"verify {gamma + 1} tok"), ("propose_per_draft_ms", "draft"),
+              ("prefill_ms", f"prefill {latency[0]['prefill_tokens']} tok"))
+    for key, label in phases:
+        vals = [lat[key] for lat in latency]
+        if None not in vals:  # no drafts at gamma 0
+            ax.plot(context, vals, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(context, labels=[str(n) for n in context])  # the swept lengths, not powers of two
+    ax.minorticks_off()
+    ax.set_xlabel("--max-seq-len (context, tokens)")
+    ax.set_ylabel("ms (median)")
+    ax.set_title("latency per phase (measured)", fontsize="small")
     ax.legend(fontsize="small")
-    save(fig, path)
+
+
+def _plot_title(doc: dict) -> str:
+    where = ", predicted only" if doc["predict_only"] else f" on {doc['device']}"
+    tp = f", tp {doc['tp']}" if doc["tp"] > 1 else ""
+    return (f"{doc['model']} ({doc['model_layers']} target layers, {doc['dtype']}){where}{tp}: budget "
+            f"{doc['budget']} tokens, gamma {doc['gamma']}")
