@@ -44,6 +44,22 @@ def _module_bytes(module, cfg, skip=()) -> int:
 
 # ---- bench --------------------------------------------------------------------------------------
 
+
+def test_the_transformers_baseline_is_quiet():
+    """transformers' GLM-5-Next logs a 235-character line per kernel its first forward runs in the
+    reference implementation (causal_conv1d, flash-linear-attention: CUDA packages); bench keeps
+    them off the terminal as it keeps the load report (a fresh process: transformers says each once)."""
+    pytest.importorskip("transformers", minversion="5.24")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "glm5mtp_cli.cli", "bench", "--model", "glm5next-nano", "--gammas", "0",
+                        "--batch-sizes", "1", "--num-prompts", "1", "--max-new-tokens", "4", "--repeats", "1",
+                        "--device", "cpu", "--threads", "1", "--json"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "transformers" in [row["system"] for row in json.loads(r.stdout)["rows"]]
+    assert "falling back" not in r.stderr and "[transformers]" not in r.stderr, r.stderr
+
 def test_bench_random_weights_tiny_cpu():
     r = CliRunner().invoke(app, ["bench", "--model", "glm5next-tiny", "--random-weights", "--draft-context", "32",
                                  "--draft-vocab-sizes", "0,64", "--device", "cpu", "--json"])

@@ -134,18 +134,21 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
         groups.append((torch.tensor([[pad] * (width - len(p)) + p for p in group], device=rt.device),
                        torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=rt.device)))
     times = []
-    for i in range(c.repeats + 1):
-        _sync(rt.device)
-        t0 = time.perf_counter()
-        new = 0
-        for ids, mask in (groups if i else groups[:1]):  # the warm-up: one batch
-            with torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=c.engine.max_new_tokens,
-                                     min_new_tokens=c.engine.max_new_tokens, do_sample=False, pad_token_id=pad)
-            new += (out.shape[1] - ids.shape[1]) * ids.shape[0]
-        _sync(rt.device)
-        if i:
-            times.append(time.perf_counter() - t0)
+    # quiet: its first forward logs a 235-character line per kernel it runs in its reference
+    # implementation (GLM-5-Next: causal_conv1d's and flash-linear-attention's, CUDA packages)
+    with quiet_transformers():
+        for i in range(c.repeats + 1):
+            _sync(rt.device)
+            t0 = time.perf_counter()
+            new = 0
+            for ids, mask in (groups if i else groups[:1]):  # the warm-up: one batch
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=mask, max_new_tokens=c.engine.max_new_tokens,
+                                         min_new_tokens=c.engine.max_new_tokens, do_sample=False, pad_token_id=pad)
+                new += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+            _sync(rt.device)
+            if i:
+                times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     del model
     return {"system": "transformers", "gamma": None, "batch": batch, "e2e_tokens_per_s": new / t,
@@ -156,8 +159,8 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], batch: int, c: Bench
 
 @contextmanager
 def quiet_transformers():
-    """transformers' load report (a table of every checkpoint key its model does not use: the MTP layer's)
-    and progress bars stay off the terminal; an error it logs still reaches stderr, with the messages held
+    """transformers' load report (a table of every checkpoint key its model does not use: the MTP layer's),
+    its notes of kernels run in their reference implementation and progress bars stay off the terminal; an error it logs still reaches stderr, with the messages held
     before it, and so do they all when the load raises (its errors say "look at the above report")."""
     from transformers.utils import logging as hf_logging
 
