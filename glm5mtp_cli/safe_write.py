@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from glm5mtp_cli.errors import Interrupted, UserError
+from glm5mtp_cli.units import fmt_bytes
 
 PARTIAL = "glm5mtp-partial"
 # What a new checkpoint replaces in an existing folder; the earlier writer's hidden temp shards too.
@@ -48,6 +49,15 @@ def check_folder(dest: Path, flag: str, force: bool) -> None:
         raise UserError(f"{flag} {dest}: exists and is not a folder")
     if holds_checkpoint(dest) and not force:
         raise UserError(f"{flag} {dest}: already holds a checkpoint; pass --force to replace it")
+
+
+def check_room(dest: Path, nbytes: int, flag: str) -> None:
+    """Refuse before writing when `dest`'s filesystem has less than `nbytes` free (the staging path lies
+    on it: beside a new destination, inside an existing one)."""
+    existing = next(p for p in (dest, *dest.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if free < nbytes:
+        raise UserError(f"{flag} {dest}: needs {fmt_bytes(nbytes)}, its filesystem has {fmt_bytes(free)} free")
 
 
 def refuse_overlap(dest: Path, src: Path, flag: str) -> None:

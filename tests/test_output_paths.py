@@ -115,3 +115,32 @@ def test_a_plot_name_matplotlib_cannot_write_is_refused_before_any_work(cmd, nam
 ])
 def test_an_input_that_is_not_text_is_one_line_before_any_weights_load(args, needle, no_weights):
     _one_line(runner.invoke(app, args), needle)
+
+
+# ---- a checkpoint's size, said before it is written ---------------------------------------------------------
+
+@pytest.mark.parametrize("profile, fp8", [("glm5-tiny", False), ("glm5-tiny", True), ("glm5next-tiny", True)])
+def test_init_random_says_the_bytes_it_writes_before_writing(profile, fp8, tmp_path):
+    from glm5mtp_cli.checkpoint.write import init_random, random_config, weight_bytes
+    from glm5mtp_cli.units import fmt_bytes
+
+    cfg, dtype = random_config(profile)
+    assert weight_bytes(cfg, dtype, fp8) == init_random(cfg, tmp_path / "direct", fp8=fp8).total_bytes
+    out = tmp_path / "ckpt"
+    r = runner.invoke(app, ["init-random", profile, str(out), *(["--fp8"] if fp8 else [])])
+    assert r.exit_code == 0, r.output
+    assert f"init-random: writing {fmt_bytes(weight_bytes(cfg, dtype, fp8))} of weights into {out}" in r.stderr
+
+
+def test_init_random_refuses_a_filesystem_without_room_before_writing(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    import glm5mtp_cli.checkpoint.write as write
+
+    monkeypatch.setattr(write, "init_random", _fail)  # were the check gone, no 22 GiB written here
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=2**30))
+    out = tmp_path / "glm5-1l"
+    r = runner.invoke(app, ["init-random", "glm5", str(out), "--layers", "1"])  # 22.83 GiB in bf16
+    _one_line(r, f"OUT_DIR {out}: needs 22.83 GiB, its filesystem has 1.00 GiB free")
+    assert list(tmp_path.iterdir()) == []  # nothing staged, nothing written

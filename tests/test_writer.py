@@ -289,6 +289,8 @@ def test_ctrl_c_during_init_random_leaves_nothing_and_a_rerun_works(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg"]
-    assert err.strip().splitlines() == [f"interrupted: the unfinished output was removed; {out} is as it was"]
+    said, *rest = err.strip().splitlines()  # the size it was writing, then what became of it
+    assert said.startswith("init-random: writing ")
+    assert rest == [f"interrupted: the unfinished output was removed; {out} is as it was"]
     r = CliRunner().invoke(app, ["init-random", "glm5-tiny", str(out)])  # no "already holds a checkpoint"
     assert r.exit_code == 0, r.output

@@ -190,12 +190,10 @@ def random_tensors(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> Iterator[
         yield name, random_tensor(name, shape, seed, dtype)
 
 
-def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
-                dtype: torch.dtype | str | None = None, fp8: bool = False, layers: int | None = None,
-                max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None,
-                progress: bool = False) -> WriteSummary:
-    """A random target (layers 0..L-1) plus its MTP layer at model.layers.{L}, L after --layers.
-    progress: a bar on stderr (when it is a terminal)."""
+def random_config(profile_or_config: str | os.PathLike | ModelConfig, dtype: torch.dtype | str | None = None,
+                  layers: int | None = None) -> tuple[ModelConfig, torch.dtype]:
+    """The config init-random writes (--layers applied, torch_dtype set to `dtype`, default the config's)
+    and that dtype."""
     cfg = config_from_spec(profile_or_config) if isinstance(profile_or_config, (str, os.PathLike)) else profile_or_config
     if layers is not None:
         cfg = cfg.with_layers(layers)
@@ -203,7 +201,30 @@ def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str
         dtype = cfg.torch_dtype
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
-    cfg = dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype])
+    return dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype]), dtype
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, fp8: bool) -> int:
+    """The bytes of the tensors init-random writes for `cfg` (WriteSummary.total_bytes), from the shapes
+    alone: FP8 matrices at one byte an element plus an fp32 scale per 128x128 block."""
+    family = family_of(cfg)
+    b0, b1 = FP8_QUANT_CONFIG["weight_block_size"]
+    total = 0
+    for name, shape in family.tensor_shapes(cfg):
+        if fp8 and family.is_fp8_quantized(cfg, name, tuple(shape)):
+            total += math.prod(shape) + 4 * -(-shape[0] // b0) * -(-shape[1] // b1)
+        else:
+            total += math.prod(shape) * dtype.itemsize
+    return total
+
+
+def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
+                dtype: torch.dtype | str | None = None, fp8: bool = False, layers: int | None = None,
+                max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None,
+                progress: bool = False) -> WriteSummary:
+    """A random target (layers 0..L-1) plus its MTP layer at model.layers.{L}, L after --layers.
+    progress: a bar on stderr (when it is a terminal)."""
+    cfg, dtype = random_config(profile_or_config, dtype, layers)
     total = sum(math.prod(shape) for _, shape in family_of(cfg).tensor_shapes(cfg))
     tensors = _tracked(random_tensors(cfg, seed, dtype), total, "init-random", progress)
     try:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from glm5mtp_cli.safe_write import staged_folder
+from glm5mtp_cli.safe_write import check_room, staged_folder
 from glm5mtp_cli.units import fmt_bytes
 
 
@@ -34,13 +34,17 @@ def init_random_cmd(
 
       glm5mtp init-random glm5 /tmp/glm5-4l --layers 4 --fp8    (GLM-5's real shapes, 4 layers)
     """
-    from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size
+    from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size, random_config, weight_bytes
 
-    dt = parse_dtype(dtype) if dtype else None
     shard_size = parse_size(max_shard_size, "--max-shard-size")
+    cfg, dt = random_config(profile, parse_dtype(dtype) if dtype else None, layers)
+    size = weight_bytes(cfg, dt, fp8)
     with staged_folder(out_dir, "OUT_DIR", force) as tmp:
-        summary = init_random(profile, tmp, seed=seed, dtype=dt, fp8=fp8, layers=layers,
-                              max_shard_size=shard_size, tokenizer=tokenizer, progress=True)
+        check_room(out_dir, size, "OUT_DIR")
+        Console(stderr=True).print(f"init-random: writing {fmt_bytes(size)} of weights into {out_dir}",
+                                   highlight=False, soft_wrap=True)
+        summary = init_random(cfg, tmp, seed=seed, dtype=dt, fp8=fp8, max_shard_size=shard_size, tokenizer=tokenizer,
+                              progress=True)
     table = Table(title=f"init-random {profile} -> {out_dir}", show_header=False)
     table.add_row("weight files", str(len(summary.files)))
     table.add_row("tensors", str(summary.tensors))
