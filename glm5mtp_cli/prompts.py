@@ -26,6 +26,8 @@ from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_jsonl
 
 SOURCES = "--prompt, --prompt-ids, --prompts"
+# a checkpoint without a tokenizer: what it lacks, and how a random one gets it
+NO_TOKENIZER = "no tokenizer.json (a random checkpoint gets one from init-random --tokenizer DIR)"
 
 
 @dataclass
@@ -106,7 +108,7 @@ def encode_prompts(prompts: list[Prompt], tokenizer, chat: bool = False, folder:
             out.append(list(p.ids))
             continue
         if tokenizer is None:
-            raise UserError(f"{folder or 'the checkpoint'}: no tokenizer.json; give token ids "
+            raise UserError(f"{folder or 'the checkpoint'}: {NO_TOKENIZER}; give token ids "
                             f"(--prompt-ids, or {{\"prompt\": [1, 2, 3]}} lines in --prompts)")
         if p.messages is not None or chat:
             messages = p.messages or [{"role": "user", "content": p.text}]

@@ -1,5 +1,5 @@
 """Byte counts for people: read from flags (2GB, 64KiB) and written in the commands' output (no torch:
-commands import it for --help)."""
+commands import it for --help); counts of things with their noun ("1 file", "3 files")."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def fmt_bytes(n: int | float | None, digits: int = 2) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     return str(n)
+
+
+def plural(n: int, noun: str) -> str:
+    """3, 'file' -> '3 files'; 1 -> '1 file'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def parse_size(text: str | int, flag: str = "size", zero_ok: bool = False) -> int:

@@ -416,3 +416,18 @@ def test_a_seed_past_the_generators_range_is_one_line_before_loading(cmd, monkey
                                  ["quantize", "glm5-tiny", "/tmp/never-written"], ["train", "--out", "/tmp/never-written"]])
 def test_a_bad_shard_size_names_its_flag_before_any_work(cmd):
     _one_line(runner.invoke(app, [*cmd, "--max-shard-size", "5XB"]), "--max-shard-size '5XB' not understood")
+
+
+def test_a_single_file_is_one_file(tmp_path):
+    r = runner.invoke(app, ["quantize", "glm5-nano", str(tmp_path / "fp8")])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    assert " 1 file, " in out and "1 files" not in out, out
+
+
+@pytest.mark.parametrize("source", [["--prompt", "x"], ["--conversation", "{d}/c.jsonl"]])
+def test_a_checkpoint_without_a_tokenizer_says_how_a_random_one_gets_one(tiny, source, tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"turns": ["hi"]}\n')
+    args = [a.format(d=tmp_path) for a in source]
+    _one_line(runner.invoke(app, ["generate", "--model", tiny, *args, "--device", "cpu"]),
+              "no tokenizer.json (a random checkpoint gets one from init-random --tokenizer DIR)")

@@ -13,6 +13,7 @@ from glm5mtp_cli.commands.options import DEFAULT_MODEL, ModelOpt
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.input_file import read_text
 from glm5mtp_cli.output_file import check_output
+from glm5mtp_cli.prompts import NO_TOKENIZER
 from glm5mtp_cli.safe_write import staged_file
 
 COUNTS_FILE = "token_counts.json"  # engine.draft_vocab.COUNTS_FILE
@@ -62,7 +63,7 @@ def draft_vocab_cmd(
     resolved = resolve_model(model, need="target", progress=False)
     tok = Tokenizer.maybe(resolved.folder)
     if tok is None:
-        raise UserError(f"{resolved.folder}: no tokenizer.json to count tokens with")
+        raise UserError(f"{resolved.folder}: {NO_TOKENIZER}; draft-vocab counts its tokens")
     path = out or user_counts_path(resolved.folder) or resolved.folder / COUNTS_FILE
     with staged_file(path, "--out" if out is not None else "the counts file") as tmp:
         texts, source = _texts(corpus)

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from glm5mtp_cli.safe_write import refuse_overlap, staged_folder
-from glm5mtp_cli.units import fmt_bytes
+from glm5mtp_cli.units import fmt_bytes, plural
 
 
 def quantize_cmd(
@@ -44,4 +44,5 @@ def quantize_cmd(
     with staged_folder(out_dir, "OUT_DIR", force) as tmp:
         summary = rewrite_checkpoint(src, tmp, fp8=not dequantize, max_shard_size=shard_size, progress=True)
     Console().print(f"{'fp32 twin' if dequantize else 'fp8 (e4m3, 128x128 blocks)'} of {src} -> {out_dir}: "
-                    f"{summary.tensors} tensors, {len(summary.files)} files, {fmt_bytes(summary.total_bytes)}")
+                    f"{plural(summary.tensors, 'tensor')}, {plural(len(summary.files), 'file')}, "
+                    f"{fmt_bytes(summary.total_bytes)}")

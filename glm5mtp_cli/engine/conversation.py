@@ -16,6 +16,7 @@ from glm5mtp_cli.engine.carry import CARRY_MODES, CarryStore
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_jsonl
+from glm5mtp_cli.prompts import NO_TOKENIZER
 from glm5mtp_cli.engine.runtime import Runtime, make_engine, resolve
 from glm5mtp_cli.engine.sequence import Request, budget_tokens
 
@@ -60,7 +61,7 @@ def next_prompt(rt: Runtime, chat: Chat, user, use_template: bool) -> list[int]:
     if isinstance(user, list):
         return chat.ids + list(user)
     if rt.tokenizer is None:
-        raise UserError(f"{rt.resolved.folder}: no tokenizer.json; give turns as token id lists")
+        raise UserError(f"{rt.resolved.folder}: {NO_TOKENIZER}; give turns as token id lists")
     if not use_template:
         return chat.ids + rt.tokenizer.encode(user if not chat.ids else "\n" + user)
     chat.messages.append({"role": "user", "content": user})
