@@ -376,25 +376,33 @@ def test_break_even_and_max_concurrency_stay_within_the_sequences_that_fit():
 
 
 def test_plan_tables_fit_80_columns_with_no_number_cut():
-    """The per-forward table at 80 columns: each number whole with its unit on its line (it cut
-    5,352,082 GFLOP to "5,352,0…" and wrapped "MiB" under "463.34")."""
+    """The tables at 80 columns: each number whole with its unit on its line (the per-forward table cut
+    5,352,082 GFLOP to "5,352,0…" and wrapped "MiB" under "463.34"), up to a batch of 65536 at a
+    200000-token context."""
     import io
 
     from rich.console import Console
 
     from glm5mtp_cli.commands.plan import _print
 
-    r = CliRunner().invoke(app, ["plan", "--model", "glm5", "--fp8", "--tp", "8", "--hardware", "b200",
-                                 "--acceptance", "0.9,0.8,0.7", "--batch-sizes", "1,8,64", "--json"])
-    doc = json.loads(r.output)
-    buf = io.StringIO()
-    _print(Console(file=buf, width=80), doc)
-    out = buf.getvalue()
-    tables = out[:out.index("settings for gamma")]  # the settings below are one line each, to paste
-    assert all(len(line) <= 80 for line in tables.splitlines()) and "…" not in out, out
-    rows = [line.split() for line in tables.splitlines()]
-    assert ["prefill", "65536", "104.56", "GiB", "5.35", "P", "5411", "2632.327", "compute"] in rows, out
+    def table(*args):
+        r = CliRunner().invoke(app, ["plan", *args, "--json"])
+        assert r.exit_code == 0, r.output
+        buf = io.StringIO()
+        _print(Console(file=buf, width=80), json.loads(r.output))
+        out = buf.getvalue()
+        tables = out[:out.index("memory per GPU")]  # the settings below are one line each, to paste
+        assert all(len(line) <= 80 for line in tables.splitlines()) and "…" not in out, out
+        return [line.split() for line in tables.splitlines()], out
+
+    rows, out = table("--model", "glm5", "--fp8", "--tp", "8", "--hardware", "b200", "--acceptance", "0.9,0.8,0.7",
+                      "--batch-sizes", "1,8,64")
+    assert ["prefill", "65536", "104.56", "GiB", "5.35", "P", "5411", "2632.3", "compute"] in rows, out
     assert ["1", "draft", "1", "463.34", "MiB", "3.09", "G", "98", "0.335", "launch"] in rows, out
+    rows, out = table("--model", "glm5", "--acceptance", "0.9", "--context", "200000", "--batch-sizes", "1,65536",
+                      "--gammas", "0,1,16", "--hardware", "mi300x")
+    assert ["prefill", "67108864", "250.36", "TiB", "5.48", "E", "5411", "8,383,872", "compute"] in rows, out
+    assert ["16", "1,325,721", "159,107", "412", "0.48x", "1,699,344,359"] in rows, out
     r = CliRunner().invoke(app, ["plan", "--check", "profiles/glm5/plan_h100_f971bb8/steps_glm5next_bf16.json"],
                            env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from glm5mtp_cli.commands.options import MODEL, OUTPUT, SPECULATION, JsonOpt, LayersOpt
 from glm5mtp_cli.commands.plotting import check_plot, pyplot, save
-from glm5mtp_cli.diagnostics.report import fit_table
+from glm5mtp_cli.diagnostics.report import WIDE, fit_table
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_json
 from glm5mtp_cli.output_file import check_output
@@ -250,24 +250,26 @@ def _print(out: Console, doc: dict) -> None:
     t = fit_table(out, title, caption="* best gamma at that batch size; speedup: decode tokens/s against gamma 0; "
                                       "TTFT: the batch's prompts prefilled together")
     for col in ("batch", "gamma", "step ms", "TPOT ms", "tokens/s", "speedup", "TTFT ms"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", no_wrap=True)
     for b in doc["batches"]:
         for i, g in enumerate(b["gammas"]):
             mark = " *" if g["gamma"] == b["best_gamma"] else ""
-            t.add_row(str(b["batch_size"]) if i == 0 else "", f"{g['gamma']}{mark}", f"{g['step_ms']:.3f}",
-                      f"{g['tpot_ms']:.3f}", f"{g['tokens_per_s']:,.0f}", f"{g['speedup']:.2f}x",
-                      f"{g['ttft_ms']:.1f}", end_section=i == len(b["gammas"]) - 1)
+            t.add_row(str(b["batch_size"]) if i == 0 else "", f"{g['gamma']}{mark}", _ms(g["step_ms"]),
+                      _ms(g["tpot_ms"]), f"{g['tokens_per_s']:,.0f}", f"{g['speedup']:.2f}x",
+                      _ms(g["ttft_ms"]), end_section=i == len(b["gammas"]) - 1)
     out.print(t)
     out.print(_stops_paying(doc), highlight=False)
+    # narrow: gaps of 2 columns, not 3 (padding shared between neighbours), so 8 columns of the widest
+    # values (a batch of 65536's prefill) fit 80
     f = fit_table(out, "one forward each (batch 1 and the largest; verify at the largest gamma)",
                   caption="bound: the largest of bandwidth, compute, communication, launch, host; "
-                          "FLOP: M, G, T, P, E = 1e6, 1e9, 1e12, 1e15, 1e18")
+                          "FLOP: M, G, T, P, E = 1e6, 1e9, 1e12, 1e15, 1e18", collapse_padding=out.width < WIDE)
     for col in ("batch", "forward", "rows", "bytes", "FLOP", "kernels", "ms", "bound"):
         f.add_column(col, justify="right", no_wrap=True)  # a number and its unit on one line, never cut
     for batch, fwds in doc["steps"].items():
         for i, s in enumerate(fwds):
-            f.add_row(batch if i == 0 else "", s["kind"], str(s["rows"]), fmt_bytes(s["bytes"]),
-                      _flop(s["flops"]), f"{s['kernels']:.0f}", f"{s['ms']:.3f}", s["bound"],
+            f.add_row(batch if i == 0 else "", s["kind"], str(s["rows"]), _bytes(s["bytes"]),
+                      _flop(s["flops"]), f"{s['kernels']:.0f}", _ms(s["ms"]), s["bound"],
                       end_section=i == len(fwds) - 1)
     out.print(f)
     m = doc["memory"]
@@ -289,6 +291,17 @@ def _print(out: Console, doc: dict) -> None:
     out.print(f"vLLM ({ex['docs']['vllm']}):\n  --speculative-config '{ex['vllm']}'", highlight=False, markup=False, soft_wrap=True)
     out.print(f"SGLang ({ex['docs']['sglang']}):\n  {ex['sglang']}", highlight=False, markup=False, soft_wrap=True)
     out.print(f"TensorRT-LLM ({ex['docs']['trtllm']}):\n{ex['trtllm']}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _ms(v: float) -> str:
+    """Milliseconds in at most 9 characters below 1e9 ms: fewer decimals as the value grows."""
+    return f"{v:.3f}" if v < 100 else f"{v:.1f}" if v < 10_000 else f"{v:,.0f}"
+
+
+def _bytes(n: float) -> str:
+    """fmt_bytes in at most 10 characters: whole units where two decimals would not fit (1023.50 GiB)."""
+    text = fmt_bytes(n)
+    return text if len(text) <= 10 else fmt_bytes(n, 0)
 
 
 def _flop(n: float) -> str:
