@@ -431,3 +431,21 @@ def test_a_checkpoint_without_a_tokenizer_says_how_a_random_one_gets_one(tiny, s
     args = [a.format(d=tmp_path) for a in source]
     _one_line(runner.invoke(app, ["generate", "--model", tiny, *args, "--device", "cpu"]),
               "no tokenizer.json (a random checkpoint gets one from init-random --tokenizer DIR)")
+
+
+# bench's and plan's examples still wrap: their files were another assignment's while this was fixed
+RAGGED = pytest.mark.xfail(strict=True, reason="examples longer than 80 columns")
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=RAGGED) if c in ("bench", "plan") else c for c in COMMANDS])
+def test_help_text_is_not_ragged_at_80_columns(cmd):
+    """Rich keeps the docstring's line breaks, so a line too long for 80 columns leaves a fragment alone on
+    the next (an example's '(a smoke run: ~1 GB, ~80 s)'): below the summary, every line renders whole."""
+    import inspect
+
+    doc = inspect.cleandoc(typer.main.get_command(command_app(cmd)).help).split("\n\n", 1)[1]
+    r = runner.invoke(app, [cmd, "--help"], env=NARROW)
+    assert r.exit_code == 0, r.output
+    rendered = [line.strip() for line in r.output.splitlines()]
+    cut = [line for line in doc.splitlines() if line.strip() and line.strip().replace("\\[", "[") not in rendered]
+    assert not cut, (cmd, cut)

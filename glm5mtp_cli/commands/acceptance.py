@@ -61,7 +61,8 @@ def acceptance_cmd(
 
     Examples:
 
-      glm5mtp acceptance --gammas 1,3 --temperatures 0    (the shipped model's code prompts)
+      # on the shipped model's code prompts
+      glm5mtp acceptance --gammas 1,3 --temperatures 0
 
       glm5mtp acceptance --humaneval --limit 20 --json > acceptance.json
     """

@@ -43,17 +43,19 @@ def draft_vocab_cmd(
 ) -> None:
     """Count how often each token occurs on a corpus; `generate --draft-vocab K` drafts over the top K.
 
-    By default the counts go where generate looks: beside a checkpoint folder of yours, or, for a
-    shipped profile or a Hub download (never written into), the user cache; generate takes the newer
-    of the two. It prints where it wrote.
+    By default the counts go where generate looks: beside a checkpoint folder of
+    yours, or, for a shipped profile or a Hub download (never written into), the
+    user cache; generate takes the newer of the two. It prints where it wrote.
 
     Examples:
 
-      glm5mtp draft-vocab    (glm5-nano on the stdlib corpus, into ~/.cache/glm5mtp/draft-vocab/glm5-nano/)
+      # glm5-nano, stdlib corpus: into ~/.cache/glm5mtp/draft-vocab/glm5-nano/
+      glm5mtp draft-vocab
 
       glm5mtp draft-vocab --corpus prompts.jsonl --out counts.json
 
-      glm5mtp generate --draft-vocab 1024 --draft-vocab-file counts.json --prompt 'import os'
+      glm5mtp generate --draft-vocab 1024 --draft-vocab-file counts.json \\
+          --prompt 'import os'
     """
     check_output(out, "--out")  # the default path's cache folders are made as needed; --out's must exist
     from glm5mtp_cli.checkpoint.resolve import resolve_model

@@ -32,7 +32,8 @@ def init_random_cmd(
 
       glm5mtp init-random glm5-tiny /tmp/tiny
 
-      glm5mtp init-random glm5 /tmp/glm5-4l --layers 4 --fp8    (GLM-5's real shapes, 4 layers)
+      # GLM-5's real shapes, 4 layers
+      glm5mtp init-random glm5 /tmp/glm5-4l --layers 4 --fp8
     """
     from glm5mtp_cli.checkpoint.write import init_random, parse_dtype, parse_size, random_config, weight_bytes
 

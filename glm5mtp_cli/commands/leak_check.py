@@ -78,11 +78,15 @@ def leakcheck_cmd(
 
       glm5mtp leak-check --sequences 100 --alloc ceiling --json
 
-      glm5mtp leak-check --inject-leak drafter_mla    (must report the leak and exit 1)
+      # must report the leak and exit 1
+      glm5mtp leak-check --inject-leak drafter_mla
 
-      glm5mtp leak-check --sequences 100 --inject-leak tensor:1KiB    (the memory slope's sensitivity)
+      # the memory slope's sensitivity
+      glm5mtp leak-check --sequences 100 --inject-leak tensor:1KiB
 
-      glm5mtp leak-check --model glm5 --random-weights --fp8 --layers 4 --device cuda    (real dims, no checkpoint)
+      # GLM-5's real dimensions, no checkpoint
+      glm5mtp leak-check --model glm5 --random-weights --fp8 --layers 4 \\
+          --device cuda
     """
     from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig
 

@@ -32,7 +32,8 @@ def quantize_cmd(
 
       glm5mtp quantize glm5next-nano /tmp/next-nano-fp8
 
-      glm5mtp quantize /tmp/nano-fp8 /tmp/nano-fp8-twin --dequantize    (its fp32 twin)
+      # its fp32 twin
+      glm5mtp quantize /tmp/nano-fp8 /tmp/nano-fp8-twin --dequantize
     """
     from glm5mtp_cli.checkpoint.resolve import profile_path
     from glm5mtp_cli.checkpoint.write import parse_size, rewrite_checkpoint

@@ -88,18 +88,22 @@ def train_cmd(
 ) -> None:
     """Train a GLM-5 or GLM-5-Next model (the config's model_type) jointly with its MTP layer; write a Hub-layout checkpoint.
 
-    The checkpoint and train_report.json go into a hidden folder beside --out (made before any work)
-    that takes its place when complete; Ctrl-C leaves --out as it was.
+    The checkpoint and train_report.json go into a hidden folder beside --out
+    (made before any work) that takes its place when complete; Ctrl-C leaves
+    --out as it was.
 
     Examples:
 
-      glm5mtp train --out /tmp/nano --steps 50 --corpus-files 20 --device cpu    (a smoke run: ~1 GB, ~80 s)
+      # a smoke run: ~1 GB, ~80 s
+      glm5mtp train --out /tmp/nano --steps 50 --corpus-files 20 --device cpu
 
-      glm5mtp train --out DIR --profile glm5-nano --time-budget 420 --device cuda --tokenizer profiles/glm5-nano
+      glm5mtp train --out DIR --profile glm5-nano --time-budget 420 \\
+          --device cuda --tokenizer profiles/glm5-nano
 
       glm5mtp train --out DIR --mtp-only --init profiles/glm5-nano
 
-      glm5mtp train --profile glm5next-nano --out profiles/glm5next-nano --tokenizer profiles/glm5-nano --device cuda
+      glm5mtp train --profile glm5next-nano --out profiles/glm5next-nano \\
+          --tokenizer profiles/glm5-nano --device cuda
     """
     from glm5mtp_cli.training.options import TrainOptions
     from glm5mtp_cli.training.train import train
