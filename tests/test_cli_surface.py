@@ -433,11 +433,7 @@ def test_a_checkpoint_without_a_tokenizer_says_how_a_random_one_gets_one(tiny, s
               "no tokenizer.json (a random checkpoint gets one from init-random --tokenizer DIR)")
 
 
-# bench's and plan's examples still wrap: their files were another assignment's while this was fixed
-RAGGED = pytest.mark.xfail(strict=True, reason="examples longer than 80 columns")
-
-
-@pytest.mark.parametrize("cmd", [pytest.param(c, marks=RAGGED) if c in ("bench", "plan") else c for c in COMMANDS])
+@pytest.mark.parametrize("cmd", COMMANDS)
 def test_help_text_is_not_ragged_at_80_columns(cmd):
     """Rich keeps the docstring's line breaks, so a line too long for 80 columns leaves a fragment alone on
     the next (an example's '(a smoke run: ~1 GB, ~80 s)'): below the summary, every line renders whole."""

@@ -253,17 +253,23 @@ def bench_cmd(
 
       glm5mtp bench --gammas 0,3 --batch-sizes 1 --max-new-tokens 64
 
-      glm5mtp bench --prompts humaneval.jsonl --num-prompts 164 --batch-sizes 1,8,32,64 --gammas 0,3 --gamma-policy fixed,adaptive
+      glm5mtp bench --prompts humaneval.jsonl --num-prompts 164 \\
+          --batch-sizes 1,8,32,64 --gammas 0,3 --gamma-policy fixed,adaptive
 
-      glm5mtp bench --model glm5 --random-weights --device cuda --draft-vocab-sizes 0,32768 --json
+      glm5mtp bench --model glm5 --random-weights --device cuda \\
+          --draft-vocab-sizes 0,32768 --json
 
-      glm5mtp bench --model glm5 --random-weights --fp8 --device cuda --kernels    (GLM-5-FP8's draft step, per kernel)
+      # GLM-5-FP8's draft step, per kernel
+      glm5mtp bench --model glm5 --random-weights --fp8 --device cuda --kernels
 
-      glm5mtp bench --model glm5next --random-weights --device cuda --draft-context 2048 --target-layers 4
+      glm5mtp bench --model glm5next --random-weights --device cuda \\
+          --draft-context 2048 --target-layers 4
 
-      glm5mtp bench --model glm5 --random-weights --fp8 --tp 8 --device cuda    (per GPU at tp 8: rank 0's steps)
+      # per GPU at tp 8: rank 0's steps
+      glm5mtp bench --model glm5 --random-weights --fp8 --tp 8 --device cuda
 
-      glm5mtp bench --model glm5-nano --random-weights --device cuda --draft-context 512 --compile kernels
+      glm5mtp bench --model glm5-nano --random-weights --device cuda \\
+          --draft-context 512 --compile kernels
     """
     from glm5mtp_cli.diagnostics.bench import BenchConfig
 

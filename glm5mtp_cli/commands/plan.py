@@ -148,11 +148,14 @@ def plan_cmd(
 
     Examples:
 
-      glm5mtp plan --model glm5 --fp8 --tp 8 --hardware b200 --acceptance 0.9,0.8,0.7
+      glm5mtp plan --model glm5 --fp8 --tp 8 --hardware b200 \\
+          --acceptance 0.9,0.8,0.7
 
-      glm5mtp plan --model glm5-nano --acceptance-file acceptance.json --batch-sizes 1,8,64 --json
+      glm5mtp plan --model glm5-nano --acceptance-file acceptance.json \\
+          --batch-sizes 1,8,64 --json
 
-      glm5mtp plan --calibrate profiles/glm5/fp8_h200/bench_bf16_steps_run29.json --check gen.json
+      glm5mtp plan --check gen.json \\
+          --calibrate profiles/glm5/fp8_h200/bench_bf16_steps_run29.json
     """
     from glm5mtp_cli.diagnostics import hardware as hw_mod
 
