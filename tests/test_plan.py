@@ -186,6 +186,21 @@ def test_calibrate_and_check_on_raw_h200_files(tmp_path):
     assert calibration.load(out).kernels["glm_moe_dsa"]["draft"] == 148
 
 
+def test_a_one_file_calibration_says_1_file(tmp_path):
+    """The fit's line and the plan's calibration line count the files as words do ('1 files' was said)."""
+    out = tmp_path / "cal.json"
+    r = CliRunner().invoke(app, ["plan", "--calibrate", "profiles/glm5/fp8_h200/bench_bf16_steps_run29.json",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "fitted on h200 (1 file, commit " in text and "1 files" not in text, r.output
+    r = CliRunner().invoke(app, ["plan", "--model", "glm5-nano", "--acceptance", "0.9", "--batch-sizes", "1",
+                                 "--calibration", str(out)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "(1 file); acceptance from --acceptance" in text and "1 files" not in text, r.output
+
+
 def test_bad_input_is_one_line(tmp_path):
     bad = tmp_path / "hw.json"
     bad.write_text('{"name": "x", "memory_bytes_per_s": 1e12}')

@@ -19,7 +19,7 @@ from glm5mtp_cli.diagnostics.report import WIDE, fit_table
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.jsonl import read_json
 from glm5mtp_cli.output_file import check_output
-from glm5mtp_cli.units import fmt_bytes
+from glm5mtp_cli.units import fmt_bytes, plural
 
 if TYPE_CHECKING:  # the model's module imports torch: not for --help
     from glm5mtp_cli.diagnostics.plan import PlanConfig
@@ -281,8 +281,9 @@ def _print(out: Console, doc: dict) -> None:
               f"{m['sequences_per_gpu'] if m['sequences_per_gpu'] is not None else '-'} (of "
               f"{fmt_bytes(m['gpu_memory_bytes'])})", highlight=False)
     cal = doc["calibration"]
+    files = plural(len(cal["fitted"].get("files", [])), "file")
     out.print(f"calibration: {cal['hardware']} fit at {cal['fitted'].get('commit')} "
-              f"({len(cal['fitted'].get('files', []))} files); acceptance from {doc['acceptance']['source']}",
+              f"({files}); acceptance from {doc['acceptance']['source']}",
               highlight=False)
     for note in doc["notes"]:
         out.print(f"[yellow]{note}[/yellow]", highlight=False)
@@ -367,7 +368,8 @@ def _report(cal, checked: list[dict], hw, json_out: bool, fitted: bool) -> None:
     console = Console()
     e = cal.bandwidth_efficiency
     head = (f"fitted on {hw.name}" if fitted else f"{cal.hardware} calibration, predicting on {hw.name}")
-    console.print(f"{head} ({len(cal.fitted.get('files', []))} files, commit {cal.fitted.get('commit')}): bandwidth "
+    files = plural(len(cal.fitted.get("files", [])), "file")
+    console.print(f"{head} ({files}, commit {cal.fitted.get('commit')}): bandwidth "
                   + ", ".join(f"{k} {v:.3f}" for k, v in e.items())
                   + f" of the datasheet's; per kernel {cal.per_kernel_s * 1e6:.2f} us; host "
                   f"{cal.host_step_s * 1e6:.1f} us per step, {cal.host_forward_s * 1e6:.1f} us per forward, "
