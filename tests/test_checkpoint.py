@@ -277,6 +277,22 @@ def test_truncated_and_garbage_shard(tmp_path, sharded):
         resolve_model(str(d))
 
 
+def test_stored_itemsize_reads_the_header_and_refuses_a_packed_dtype(tmp_path):
+    """quantize sizes what it writes from the stored dtypes; a dtype below a byte (F4) is one line."""
+    import struct
+
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.float8_e4m3fn)},
+              str(tmp_path / "m.safetensors"))
+    header = json.dumps({"w": {"dtype": "F4", "shape": [2, 2], "data_offsets": [0, 2]}}).encode()
+    (tmp_path / "f4.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(2))
+    reader = CheckpointReader(tmp_path, {"a": "m.safetensors", "b": "m.safetensors", "w": "f4.safetensors"})
+    assert (reader.stored_itemsize("a"), reader.stored_itemsize("b")) == (2, 1)
+    with pytest.raises(UserError, match=r"tensor 'w' in '.*f4\.safetensors' is stored as F4, a dtype glm5mtp does not"):
+        reader.stored_itemsize("w")
+
+
 @pytest.mark.parametrize("body, match", [
     ("{oops", "not valid JSON"),
     ('["a"]', "not a JSON object"),

@@ -144,3 +144,38 @@ def test_init_random_refuses_a_filesystem_without_room_before_writing(tmp_path, 
     r = runner.invoke(app, ["init-random", "glm5", str(out), "--layers", "1"])  # 22.83 GiB in bf16
     _one_line(r, f"OUT_DIR {out}: needs 22.83 GiB, its filesystem has 1.00 GiB free")
     assert list(tmp_path.iterdir()) == []  # nothing staged, nothing written
+
+
+@pytest.mark.parametrize("profile", ["glm5-nano", "glm5next-nano"])
+def test_quantize_says_the_bytes_it_writes_before_writing(profile, tmp_path):
+    """Exactly the bytes its tensors take, from the source's headers: the FP8 copy, then its fp32 twin."""
+    from safetensors import safe_open
+
+    from glm5mtp_cli.checkpoint.write import rewrite_bytes, rewrite_source
+    from glm5mtp_cli.units import fmt_bytes
+
+    fp8, twin = tmp_path / "fp8", tmp_path / "twin"
+    for src, out, verb in ((profile, fp8, "quantize"), (str(fp8), twin, "dequantize")):
+        size = rewrite_bytes(rewrite_source(src, fp8=verb == "quantize"), fp8=verb == "quantize")
+        r = runner.invoke(app, ["quantize", src, str(out), *(["--dequantize"] if verb == "dequantize" else [])])
+        assert r.exit_code == 0, r.output
+        assert f"{verb}: writing {fmt_bytes(size)} of weights into {out}" in r.stderr
+        written = 0
+        for shard in out.glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                written += sum(f.get_tensor(k).nbytes for k in f.keys())
+        assert size == written
+
+
+def test_quantize_refuses_a_filesystem_without_room_before_writing(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    import glm5mtp_cli.checkpoint.write as write
+
+    monkeypatch.setattr(write, "rewrite_checkpoint", _fail)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=2**20))
+    out = tmp_path / "nano-fp8"
+    r = runner.invoke(app, ["quantize", "glm5-nano", str(out)])  # 18.54 MiB in FP8
+    _one_line(r, f"OUT_DIR {out}: needs 18.54 MiB, its filesystem has 1.00 MiB free")
+    assert list(tmp_path.iterdir()) == []  # nothing staged, nothing written

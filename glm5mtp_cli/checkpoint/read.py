@@ -19,6 +19,10 @@ from glm5mtp_cli.errors import UserError, short_error
 from kernels.fp8_block import fp8_block_dequant_ref
 
 _FP8_NAMES = ("F8_E4M3", "FLOAT8_E4M3FN")  # safetensors' dtype name for float8_e4m3fn
+# bytes an element takes, by safetensors' dtype name (those of a whole byte or more; F4 and F6 pack)
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, **dict.fromkeys(_FP8_NAMES, 1), "F8_E4M3FNUZ": 1, "F8_E5M2": 1,
+             "F8_E5M2FNUZ": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+             "I64": 8, "U64": 8, "F64": 8, "C64": 8}
 
 
 class CheckpointReader:
@@ -91,6 +95,18 @@ class CheckpointReader:
             return handle.get_slice(name).get_dtype().upper() in _FP8_NAMES
         except Exception as e:
             raise UserError(f"tensor '{name}' unreadable in '{self.folder / file}' ({short_error(e)})") from None
+
+    def stored_itemsize(self, name: str) -> int:
+        """The bytes an element of `name` takes as stored, from the shard's header (nothing read)."""
+        file, handle = self._holding(name)
+        try:
+            dtype = handle.get_slice(name).get_dtype().upper()
+        except Exception as e:
+            raise UserError(f"tensor '{name}' unreadable in '{self.folder / file}' ({short_error(e)})") from None
+        if dtype not in _ITEMSIZE:
+            raise UserError(f"tensor '{name}' in '{self.folder / file}' is stored as {dtype}, a dtype glm5mtp "
+                            "does not handle")
+        return _ITEMSIZE[dtype]
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as stored (fp8 stays fp8)."""

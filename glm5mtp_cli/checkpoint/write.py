@@ -24,7 +24,7 @@ import torch
 
 from glm5mtp_cli.checkpoint.random import random_tensor
 from kernels.fp8_block import fp8_block_quantize
-from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, config_from_spec
+from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, ResolvedModel, config_from_spec
 from glm5mtp_cli.engine.draft_vocab import COUNTS_FILE, counts_file
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
@@ -204,15 +204,20 @@ def random_config(profile_or_config: str | os.PathLike | ModelConfig, dtype: tor
     return dataclasses.replace(cfg, torch_dtype=_HF_DTYPE_NAMES[dtype]), dtype
 
 
+def _fp8_bytes(shape: tuple[int, ...]) -> int:
+    """A matrix's bytes in FP8: one byte an element plus an fp32 scale per 128x128 block."""
+    b0, b1 = FP8_QUANT_CONFIG["weight_block_size"]
+    return math.prod(shape) + 4 * -(-shape[0] // b0) * -(-shape[1] // b1)
+
+
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, fp8: bool) -> int:
     """The bytes of the tensors init-random writes for `cfg` (WriteSummary.total_bytes), from the shapes
-    alone: FP8 matrices at one byte an element plus an fp32 scale per 128x128 block."""
+    alone: with fp8, the FP8 matrices at _fp8_bytes."""
     family = family_of(cfg)
-    b0, b1 = FP8_QUANT_CONFIG["weight_block_size"]
     total = 0
     for name, shape in family.tensor_shapes(cfg):
         if fp8 and family.is_fp8_quantized(cfg, name, tuple(shape)):
-            total += math.prod(shape) + 4 * -(-shape[0] // b0) * -(-shape[1] // b1)
+            total += _fp8_bytes(tuple(shape))
         else:
             total += math.prod(shape) * dtype.itemsize
     return total
@@ -235,25 +240,65 @@ def init_random(profile_or_config: str | os.PathLike | ModelConfig, out_dir: str
 
 # ---- FP8 checkpoints from existing ones, and their dequantized twins ----------------------------------
 
-def rewrite_checkpoint(src: str, out_dir: str | os.PathLike, fp8: bool,
-                       max_shard_size: int | str = "5GB", progress: bool = False) -> WriteSummary:
-    """`src` (a profile name, folder or Hub id with weights) rewritten into `out_dir`, one tensor at a
-    time: with fp8, quantized to float8_e4m3fn + 128x128 block scales (what the family's layout
-    quantizes; the rest as stored); without, every tensor in fp32 and FP8 ones dequantized (the
-    unquantized twin of an FP8 checkpoint: the weights its FP8 run computes with). Tokenizer files
-    and the draft-vocab counts (the tokenizer's, so they hold for the copy) come along.
-    progress: a bar on stderr (when it is a terminal)."""
-    from glm5mtp_cli.checkpoint.read import CheckpointReader
+def rewrite_source(src: str, fp8: bool) -> ResolvedModel:
+    """`src` (a profile name, folder or Hub id with weights) resolved for rewrite_checkpoint; refused
+    when it has no weights or, with fp8, is FP8 already."""
     from glm5mtp_cli.checkpoint.resolve import resolve_model
 
     resolved = resolve_model(src, progress=False)
-    cfg = resolved.config
     if not resolved.has_weights:
         raise UserError(f"model '{src}' has no weights to rewrite")
-    if fp8 and getattr(cfg, "fp8", False):
+    if fp8 and getattr(resolved.config, "fp8", False):
         raise UserError(f"model '{src}' is already FP8 (its config has an fp8 quantization_config)")
-    reader = CheckpointReader(resolved.folder, resolved.weight_map, block=getattr(cfg, "fp8_block", (128, 128)))
-    names = [n for n in resolved.weight_map if not n.endswith("_scale_inv")]
+    return resolved
+
+
+def _source_reader(resolved: ResolvedModel):
+    from glm5mtp_cli.checkpoint.read import CheckpointReader
+
+    block = getattr(resolved.config, "fp8_block", (128, 128))
+    return CheckpointReader(resolved.folder, resolved.weight_map, block=block)
+
+
+def _rewritten_names(resolved: ResolvedModel) -> list[str]:
+    """The tensors rewrite_checkpoint reads: each weight, its FP8 scales read with it."""
+    return [n for n in resolved.weight_map if not n.endswith("_scale_inv")]
+
+
+def rewrite_bytes(resolved: ResolvedModel, fp8: bool) -> int:
+    """The bytes of the tensors rewrite_checkpoint writes from `resolved` (WriteSummary.total_bytes), from
+    the shards' headers alone: with fp8, the family's FP8 matrices at _fp8_bytes and the rest as read
+    (an FP8 tensor dequantized: fp32); without, every tensor in fp32."""
+    cfg = resolved.config
+    family = family_of(cfg)
+    reader = _source_reader(resolved)
+    total = 0
+    try:
+        for name in _rewritten_names(resolved):
+            shape = reader.shape(name)
+            if not fp8:
+                total += math.prod(shape) * 4
+            elif family.is_fp8_quantized(cfg, name, shape):
+                total += _fp8_bytes(shape)
+            else:
+                total += math.prod(shape) * (4 if reader.stored_fp8(name) else reader.stored_itemsize(name))
+    finally:
+        reader.close()
+    return total
+
+
+def rewrite_checkpoint(src: str | ResolvedModel, out_dir: str | os.PathLike, fp8: bool,
+                       max_shard_size: int | str = "5GB", progress: bool = False) -> WriteSummary:
+    """`src` (a profile name, folder or Hub id with weights, or rewrite_source's resolution of one)
+    rewritten into `out_dir`, one tensor at a time: with fp8, quantized to float8_e4m3fn + 128x128
+    block scales (what the family's layout quantizes; the rest as stored); without, every tensor in
+    fp32 and FP8 ones dequantized (the unquantized twin of an FP8 checkpoint: the weights its FP8 run
+    computes with). Tokenizer files and the draft-vocab counts (the tokenizer's, so they hold for the
+    copy) come along. progress: a bar on stderr (when it is a terminal)."""
+    resolved = rewrite_source(src, fp8) if isinstance(src, str) else src
+    cfg = resolved.config
+    reader = _source_reader(resolved)
+    names = _rewritten_names(resolved)
     dtype = None if fp8 else torch.float32
     out_cfg = cfg if fp8 else dataclasses.replace(cfg, torch_dtype="float32", quantization_config=None)
     has_tok = any(TOKENIZER_FILES.match(p.name) for p in Path(resolved.folder).iterdir())

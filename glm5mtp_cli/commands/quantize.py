@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from glm5mtp_cli.safe_write import refuse_overlap, staged_folder
+from glm5mtp_cli.safe_write import check_room, refuse_overlap, staged_folder
 from glm5mtp_cli.units import fmt_bytes, plural
 
 
@@ -36,14 +36,20 @@ def quantize_cmd(
       glm5mtp quantize /tmp/nano-fp8 /tmp/nano-fp8-twin --dequantize
     """
     from glm5mtp_cli.checkpoint.resolve import profile_path
-    from glm5mtp_cli.checkpoint.write import parse_size, rewrite_checkpoint
+    from glm5mtp_cli.checkpoint.write import parse_size, rewrite_bytes, rewrite_checkpoint, rewrite_source
 
     shard_size = parse_size(max_shard_size, "--max-shard-size")
     source = profile_path(src) or Path(src).expanduser()
     if source.is_dir():  # else a Hub id, read from the Hub cache
         refuse_overlap(out_dir, source, "OUT_DIR")
+    fp8 = not dequantize
     with staged_folder(out_dir, "OUT_DIR", force) as tmp:
-        summary = rewrite_checkpoint(src, tmp, fp8=not dequantize, max_shard_size=shard_size, progress=True)
+        resolved = rewrite_source(src, fp8)
+        size = rewrite_bytes(resolved, fp8)
+        check_room(out_dir, size, "OUT_DIR")
+        Console(stderr=True).print(f"{'quantize' if fp8 else 'dequantize'}: writing {fmt_bytes(size)} of weights "
+                                   f"into {out_dir}", highlight=False, soft_wrap=True)
+        summary = rewrite_checkpoint(resolved, tmp, fp8, max_shard_size=shard_size, progress=True)
     Console().print(f"{'fp32 twin' if dequantize else 'fp8 (e4m3, 128x128 blocks)'} of {src} -> {out_dir}: "
                     f"{plural(summary.tensors, 'tensor')}, {plural(len(summary.files), 'file')}, "
                     f"{fmt_bytes(summary.total_bytes)}")
