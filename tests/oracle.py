@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.models.glm5.config import ModelConfig
-from glm5mtp_cli.models.glm5 import Glm5MtpLayer
+from glm5mtp_cli.models.glm5.decoder import Glm5MtpLayer
 
 TINY_RAW = json.loads((profile_path("glm5-tiny") / "config.json").read_text())
 _NOT_HF = ("architectures", "model_type", "torch_dtype", "rope_theta", "rope_interleave", "indexer_rope_interleave",

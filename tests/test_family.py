@@ -25,6 +25,7 @@ from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
 from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.engine.sequence import Request
 from glm5mtp_cli.models import register_family
+from glm5mtp_cli.models.dtypes import dtype_name
 from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
 
 
@@ -187,8 +188,8 @@ class FakeFamily:
         return FakeConfig(**{k: v for k, v in raw.items() if k != "model_type"})
 
     def state_components(self, cfg, dtype, with_drafter=True, tp=1):
-        return [StateComponent("target_row", "target", ROWS, 1, (cfg.hidden_size,), dtype),
-                StateComponent("target_rec", "target", SLOT, 1, (cfg.hidden_size,), dtype)]
+        return [StateComponent("target_row", "target", ROWS, 1, (cfg.hidden_size,), dtype_name(dtype)),
+                StateComponent("target_rec", "target", SLOT, 1, (cfg.hidden_size,), dtype_name(dtype))]
 
     def make_proposer(self, target, mtp, pools, config, draft_ids=None):
         return SpoilingProposer(target)

@@ -16,14 +16,17 @@ its name here. Activation formulas (scratch, graphs) are those of the PyTorch pa
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from glm5mtp_cli.engine.config import EngineConfig
-from glm5mtp_cli.engine.graphs import table_blocks
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.bytes import dtype_bytes, moe_gather_bytes, rank_share, tensor_bytes
+from glm5mtp_cli.models.bytes import moe_gather_bytes, rank_share, tensor_bytes
+from glm5mtp_cli.models.dtypes import dtype_bytes
 from glm5mtp_cli.models.family import ROWS, SLOT
+
+if TYPE_CHECKING:  # no torch for the arithmetic: `info` sizes a model from its config alone
+    import torch
 
 GIB = 2**30
 BF16 = 2
@@ -173,6 +176,8 @@ def graph_bytes(cfg, dtype: torch.dtype, tokens: int, block_size: int, gamma: in
     hiddens and verdict rows, GLM-5-Next's KDA commit records; the fused chain's drafts; a sampling
     engine has no verdict rows, (gamma + 2) x 8 bytes less). Their intermediates live in the graphs'
     private pool, the same peak as `scratch`."""
+    from glm5mtp_cli.engine.graphs import table_blocks  # the graphs' module imports torch
+
     d, t = dtype_bytes(dtype), gamma + 1
     tables = 2 * 8 * table_blocks(tokens, block_size, max_seq_len)
     comps = family_of(cfg).state_components(cfg, dtype)

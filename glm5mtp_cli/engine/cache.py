@@ -377,10 +377,11 @@ class CachePools:
         tp: the ranks the model is sharded over (a rank's pools hold its share of head-split state)."""
         pools, owners = {}, {}
         for c in family_of(cfg).state_components(cfg, dtype, with_drafter, tp=tp):
+            dt = getattr(torch, c.dtype)  # a component names its dtype (sizes need no torch)
             if c.kind == SLOT:
-                pools[c.name] = SlotPool(c.name, c.layers, c.shape, num_slots or num_blocks, c.dtype, device)
+                pools[c.name] = SlotPool(c.name, c.layers, c.shape, num_slots or num_blocks, dt, device)
             else:
-                pools[c.name] = BlockPool(c.name, c.layers, c.shape[0], block_size, num_blocks, c.dtype, device)
+                pools[c.name] = BlockPool(c.name, c.layers, c.shape[0], block_size, num_blocks, dt, device)
             owners.setdefault(c.owner, []).append(c.name)
         return cls(pools, owners)
 

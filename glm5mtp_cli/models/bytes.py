@@ -1,25 +1,14 @@
-"""The byte counts every family's formulas share: an element's size, one weight tensor's bytes as
-its family stores or holds it (fp32 where the family keeps fp32, FP8 matrices with their block
-scales), a tensor's or the head's share on one of --tp ranks, and the scratch of the MoE both
-families run (models/glm5/layers.Experts) on the CPU. diagnostics/sizing asks each family (its
-`sizing` module) for what differs between families; both build on these."""
+"""The byte counts every family's formulas share: one weight tensor's bytes as its family stores or
+holds it (fp32 where the family keeps fp32, FP8 matrices with their block scales), a tensor's or
+the head's share on one of --tp ranks, and the scratch of the MoE both families run
+(models/glm5/layers.Experts) on the CPU; an element's size is models/dtypes.py's. diagnostics/sizing
+asks each family (its `sizing` module) for what differs between families; both build on these."""
 
 from __future__ import annotations
 
 import math
 
-import torch
-
 from glm5mtp_cli.models import family_of
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
-
-
-def dtype_bytes(dtype: torch.dtype | str) -> int:
-    """Bytes of one element of a torch dtype or a config.json dtype name (unknown names: 2)."""
-    if isinstance(dtype, torch.dtype):
-        return torch.empty(0, dtype=dtype).element_size()
-    return _DTYPE_BYTES.get(str(dtype).lower(), 2)
 
 
 def tensor_bytes(cfg, name: str, shape: tuple[int, ...], elem_bytes: int,

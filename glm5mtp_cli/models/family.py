@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+from glm5mtp_cli.models.dtypes import dtype_bytes
+
+if TYPE_CHECKING:  # no torch until a model is built: `info` reads the config alone
+    import torch
 
 ROWS = "rows"
 SLOT = "slot"
@@ -32,7 +35,7 @@ class StateComponent:
     kind: str  # ROWS | SLOT
     layers: int  # model layers holding this component
     shape: tuple[int, ...]  # per layer: one row's (width,) for ROWS, the whole state for SLOT
-    dtype: torch.dtype
+    dtype: str  # the element type's name, as torch names it ("bfloat16"; models/dtypes.py)
 
     @property
     def short(self) -> str:
@@ -42,7 +45,7 @@ class StateComponent:
     @property
     def unit_bytes(self) -> int:
         """Bytes of one row (ROWS) or of one sequence's slot (SLOT), all layers together."""
-        return self.layers * math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        return self.layers * math.prod(self.shape) * dtype_bytes(self.dtype)
 
     def bytes_for(self, tokens: int, block_size: int = 1) -> int:
         """Bytes one sequence holds when it reserves `tokens` rows (whole blocks for ROWS)."""
@@ -64,8 +67,8 @@ class ModelFamily(Protocol):
 
     def parse_config(self, raw: dict[str, Any], source: str) -> Any: ...
     # per rank: `tp` ranks each hold their share of head-split state (a KDA state's heads); rows and
-    # replicated state are whole on every rank
-    def state_components(self, cfg, dtype: torch.dtype, with_drafter: bool = True, tp: int = 1) -> list[StateComponent]: ...
+    # replicated state are whole on every rank; dtype: a torch dtype or its name (the components hold names)
+    def state_components(self, cfg, dtype: torch.dtype | str, with_drafter: bool = True, tp: int = 1) -> list[StateComponent]: ...
     def tensor_shapes(self, cfg) -> list[tuple[str, tuple[int, ...]]]: ...
     def mtp_prefix(self, cfg) -> str: ...
     def build_target(self, cfg) -> torch.nn.Module: ...

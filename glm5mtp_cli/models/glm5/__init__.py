@@ -1,5 +1,4 @@
-"""The GLM-5 target and its MTP layer (PyTorch path; CPU and CUDA, fp32/bf16)."""
+"""The GLM-5 target and its MTP layer (PyTorch path; CPU and CUDA, fp32/bf16).
 
-from .decoder import ForwardOut, Glm5ForCausalLM, Glm5MtpLayer, TrainOut
-
-__all__ = ["ForwardOut", "Glm5ForCausalLM", "Glm5MtpLayer", "TrainOut"]
+The package, config, layout, sizing and family import no torch (`info` reads the config alone):
+the family imports the modules (decoder, layers, attention, sharding) when it builds a model."""

@@ -1,18 +1,23 @@
-"""GLM-5 (`glm_moe_dsa`) as a model family: absorbed MLA + DSA indexer caches, all paged rows."""
+"""GLM-5 (`glm_moe_dsa`) as a model family: absorbed MLA + DSA indexer caches, all paged rows.
+
+Importing it imports no torch (`info` reads the config alone): the methods that build, shard or
+draft with the modules import them."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from glm5mtp_cli.models.dtypes import dtype_name
 from glm5mtp_cli.models.family import ROWS, StateComponent
-from glm5mtp_cli.models.glm5 import layout
+from glm5mtp_cli.models.glm5 import layout, sizing
 from glm5mtp_cli.models.glm5.config import ModelConfig
-from glm5mtp_cli.models.glm5.decoder import Glm5ForCausalLM, Glm5MtpLayer
-from glm5mtp_cli.engine.mtp_head import MtpHead
-from glm5mtp_cli.models.glm5 import sharding, sizing
+
+if TYPE_CHECKING:
+    import torch
+
+    from glm5mtp_cli.engine.mtp_head import MtpHead
+    from glm5mtp_cli.models.glm5.decoder import Glm5ForCausalLM, Glm5MtpLayer
 
 
 class Glm5Family:
@@ -26,9 +31,10 @@ class Glm5Family:
     def parse_config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig.from_dict(raw, source)
 
-    def state_components(self, cfg: ModelConfig, dtype: torch.dtype, with_drafter: bool = True,
+    def state_components(self, cfg: ModelConfig, dtype: torch.dtype | str, with_drafter: bool = True,
                          tp: int = 1) -> list[StateComponent]:
         # the MLA latent and the indexer keys are shared by all heads: every rank keeps them whole
+        dtype = dtype_name(dtype)
         out = [StateComponent("target_mla", "target", ROWS, cfg.num_hidden_layers, (cfg.kv_cache_width,), dtype),
                StateComponent("target_indexer", "target", ROWS, cfg.indexer_layers, (cfg.index_head_dim,), dtype)]
         if with_drafter:
@@ -43,9 +49,13 @@ class Glm5Family:
         return f"model.layers.{cfg.mtp_layer_index}."
 
     def build_target(self, cfg: ModelConfig) -> Glm5ForCausalLM:
+        from glm5mtp_cli.models.glm5.decoder import Glm5ForCausalLM
+
         return Glm5ForCausalLM(cfg)
 
     def build_mtp(self, cfg: ModelConfig) -> Glm5MtpLayer:
+        from glm5mtp_cli.models.glm5.decoder import Glm5MtpLayer
+
         return Glm5MtpLayer(cfg)
 
     def component_of(self, cfg: ModelConfig, name: str) -> str:
@@ -72,21 +82,29 @@ class Glm5Family:
         return layout.keeps_fp32(name)
 
     def check_tp(self, cfg: ModelConfig, tp: int) -> None:
+        from glm5mtp_cli.models.glm5 import sharding
+
         sharding.check_tp(cfg, tp)
 
     def shard_target(self, model, comm):
+        from glm5mtp_cli.models.glm5 import sharding
+
         return sharding.shard_target(model, comm)
 
     def shard_mtp(self, layer, comm, prefix: str):
+        from glm5mtp_cli.models.glm5 import sharding
+
         return sharding.shard_mtp(layer, comm, prefix)
 
     def make_proposer(self, target, mtp, pools, config, draft_ids=None) -> MtpHead:
+        from glm5mtp_cli.engine.mtp_head import MtpHead
+
         return MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools, config, draft_ids,
                        carry_normed=mtp.cfg.mtp_carry_normed_hidden)
 
 
     def split_over_ranks(self, name: str) -> bool:
-        return sharding.split_over_ranks(name)
+        return layout.split_over_ranks(name)
 
 
 FAMILY = Glm5Family()

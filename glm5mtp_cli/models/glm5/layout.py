@@ -143,3 +143,17 @@ def component_of(name: str) -> str:
 
 COMPONENTS = ("embeddings", "attention (MLA)", "indexer (DSA)", "routed experts", "shared experts",
               "dense MLPs", "router", "norms", "MTP eh_proj", "head")
+
+
+# ---- which tensors a rank holds a slice of (weight bytes per rank) ---------------------------------
+
+def split_over_ranks(name: str) -> bool:
+    """Whether a checkpoint tensor is split over ranks (else replicated on every rank): the
+    rules sharding.py applies."""
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return True
+    if ".indexer." in name:
+        return False
+    if name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")):
+        return True
+    return ".mlp." in name and ".mlp.gate." not in name  # experts, shared experts, dense MLPs

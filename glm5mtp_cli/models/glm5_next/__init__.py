@@ -6,11 +6,6 @@ decoder (the target's modules, DEFAULT_ROLLBACK), mtp (the MTP layer), load (laz
 CheckpointReader), pooled / paged (both over the engine's pools, B sequences per forward), training
 (the differentiable forward), sharding (tp), family (the ModelFamily). The one-sequence reference
 the tests hold these against is tests/glm5next_reference.py; tests/bench_rollback.py is the
-measurement behind decoder.DEFAULT_ROLLBACK.
+measurement behind decoder.DEFAULT_ROLLBACK. The package, config, layout, sizing and family import no
+torch (`info` reads the config alone): the family imports the modules when it builds a model.
 """
-
-from .config import NextConfig
-from .decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM
-from .mtp import Glm5NextMtpLayer
-
-__all__ = ["DEFAULT_ROLLBACK", "Glm5NextForCausalLM", "Glm5NextMtpLayer", "NextConfig"]

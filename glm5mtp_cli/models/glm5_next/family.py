@@ -1,21 +1,25 @@
 """GLM-5-Next (`glm5_next`, GLM-5.3-Flash) as a model family: KDA layers with fixed-size recurrent
-state beside NoPE MLA layers with the pooled DSA indexer (state components in pooled.py)."""
+state beside NoPE MLA layers with the pooled DSA indexer (state components in pooled.py).
+
+Importing it imports no torch (`info` reads the config alone): the methods that build, shard or
+draft with the modules import them."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from glm5mtp_cli.engine.mtp_head import MtpHead
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.models.dtypes import dtype_name
 from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
-from glm5mtp_cli.models.glm5_next import layout, sharding, sizing
+from glm5mtp_cli.models.glm5_next import layout, sizing
 from glm5mtp_cli.models.glm5_next.config import NextConfig
-from glm5mtp_cli.models.glm5_next.decoder import Glm5NextForCausalLM
-from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
-from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget
+
+if TYPE_CHECKING:
+    import torch
+
+    from glm5mtp_cli.engine.mtp_head import MtpHead
+    from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget
 
 
 class Glm5NextFamily:
@@ -33,13 +37,14 @@ class Glm5NextFamily:
                             f"{cfg.index_kpool} (a pooled key is stored over its pool's rows)")
         return cfg
 
-    def state_components(self, cfg: NextConfig, dtype: torch.dtype, with_drafter: bool = True,
+    def state_components(self, cfg: NextConfig, dtype: torch.dtype | str, with_drafter: bool = True,
                          tp: int = 1) -> list[StateComponent]:
         # KDA heads split over ranks (each rank holds its heads' states and conv channels); the MLA
         # latent and the (replicated) indexer's rows are whole on every rank
+        dtype = dtype_name(dtype)
         kda, idx = len(cfg.kda_layers), len(cfg.indexed_layers)
         h, d, c = cfg.linear_num_heads // tp, cfg.linear_head_dim, cfg.linear_dim // tp
-        out = [StateComponent("target_kda", "target", SLOT, kda, (h, d, d), torch.float32),
+        out = [StateComponent("target_kda", "target", SLOT, kda, (h, d, d), "float32"),
                StateComponent("target_conv", "target", SLOT, kda, (cfg.linear_conv_kernel_dim - 1, 3 * c), dtype)]
         owners = [("target", idx)] + ([("drafter", 1)] if with_drafter else [])
         for owner, layers in owners:
@@ -55,9 +60,15 @@ class Glm5NextFamily:
         return layout.layer_prefix(cfg.mtp_layer_index)
 
     def build_target(self, cfg: NextConfig) -> PooledTarget:
+        from glm5mtp_cli.models.glm5_next.decoder import Glm5NextForCausalLM
+        from glm5mtp_cli.models.glm5_next.pooled import PooledTarget
+
         return PooledTarget(Glm5NextForCausalLM(cfg))
 
     def build_mtp(self, cfg: NextConfig) -> PooledMtp:
+        from glm5mtp_cli.models.glm5_next.mtp import Glm5NextMtpLayer
+        from glm5mtp_cli.models.glm5_next.pooled import PooledMtp
+
         return PooledMtp(Glm5NextMtpLayer(cfg))
 
     def component_of(self, cfg: NextConfig, name: str) -> str:
@@ -92,15 +103,23 @@ class Glm5NextFamily:
         return layout.keeps_fp32(name)
 
     def check_tp(self, cfg: NextConfig, tp: int) -> None:
+        from glm5mtp_cli.models.glm5_next import sharding
+
         sharding.check_tp(cfg, tp)
 
     def shard_target(self, model: PooledTarget, comm):
+        from glm5mtp_cli.models.glm5_next import sharding
+
         return sharding.shard_target(model, comm)
 
     def shard_mtp(self, layer: PooledMtp, comm, prefix: str):
+        from glm5mtp_cli.models.glm5_next import sharding
+
         return sharding.shard_mtp(layer, comm, prefix)
 
     def make_proposer(self, target: PooledTarget, mtp: PooledMtp, pools, config, draft_ids=None) -> MtpHead:
+        from glm5mtp_cli.engine.mtp_head import MtpHead
+
         # GLM-5-Next chains drafts on the post-shared_head.norm hidden (REFERENCE-glm5next section 9)
         return MtpHead(mtp, target.model.embed_tokens, target.model.lm_head, pools, config, draft_ids,
                        carry_normed=True)

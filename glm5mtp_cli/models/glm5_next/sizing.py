@@ -5,10 +5,14 @@ of profile's tp table."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from glm5mtp_cli.models.bytes import dtype_bytes, head_bytes, rank_share, tensor_bytes
+from glm5mtp_cli.models.bytes import head_bytes, rank_share, tensor_bytes
+from glm5mtp_cli.models.dtypes import dtype_bytes
 from glm5mtp_cli.models.glm5_next import layout as next_layout
+
+if TYPE_CHECKING:  # no torch until a model is built: `info` reads the config alone
+    import torch
 
 
 def _active_layer_bytes(cfg, layer: int, elem_bytes: int, tp: int = 1) -> int:
