@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -125,3 +127,22 @@ def test_info_takes_the_model_as_every_command_does():
     r = CliRunner().invoke(app, ["info", "glm5", "--model", "glm5-nano"])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert r.output.strip() == "error: MODEL glm5 and --model glm5-nano differ: give the model once"
+
+
+def test_info_imports_no_torch(tmp_path):
+    """info reads a config alone: both nano profiles, GLM-5 and GLM-5-Next, an FP8 GLM-5 folder, with
+    and without --json, in a fresh interpreter that must end without torch (1.9 s of info's import)."""
+    fp8 = tmp_path / "glm5-fp8"
+    fp8.mkdir()
+    raw = json.loads((profile_path("glm5") / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**raw, "quantization_config": FP8_QUANT_CONFIG}))
+    models = ["glm5-nano", "glm5next-nano", "glm5", "glm5next", str(fp8)]
+    probe = ("import sys\nfrom glm5mtp_cli.cli import main\n"
+             f"for model in {models!r}:\n"
+             "    for extra in ([], ['--json']):\n"
+             "        assert main(['info', model, *extra]) == 0, model\n"
+             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "NO-TORCH", r.stderr
+    assert r.stdout.count('"model_type"') == len(models) and "fp8-e4m3 (block scales)" in r.stdout

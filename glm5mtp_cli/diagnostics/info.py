@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from glm5mtp_cli.models import family_of
 from glm5mtp_cli.models.family import ROWS
 from glm5mtp_cli.models.glm5.config import ModelConfig
@@ -100,8 +98,8 @@ def info_dict(cfg: ModelConfig, tokens: int = 131072, model: str = "") -> dict:
 def state_doc(cfg, tokens: int) -> dict:
     """Per-sequence state by component (bf16; recurrent state as the family keeps it): rows that
     grow with tokens, slots that do not, and their bytes at `tokens` tokens."""
-    comps = family_of(cfg).state_components(cfg, torch.bfloat16)
-    rows = {c.name: {"kind": c.kind, "layers": c.layers, "dtype": str(c.dtype).removeprefix("torch."),
+    comps = family_of(cfg).state_components(cfg, "bfloat16")
+    rows = {c.name: {"kind": c.kind, "layers": c.layers, "dtype": c.dtype,
                      "bytes_per_token": c.unit_bytes if c.kind == ROWS else 0,
                      "bytes_per_sequence": 0 if c.kind == ROWS else c.unit_bytes,
                      "bytes_at_tokens": c.bytes_for(tokens)} for c in comps}
