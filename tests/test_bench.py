@@ -202,7 +202,7 @@ def test_glm5next_transformers_baseline_is_the_same_model():
     from glm5mtp_cli.engine.run import run_generate
     from glm5mtp_cli.engine.runtime import load_runtime
     from glm5mtp_cli.engine.sampling import SamplingParams
-    from glm5mtp_cli.models import family_of
+    from glm5mtp_cli.core.families import family_of
 
     rt = load_runtime(ModelSpec("glm5next-nano", "cpu", "fp32"), with_mtp=False, progress=False)
     prompt = rt.tokenizer.encode("def fibonacci(n):")

@@ -88,7 +88,7 @@ def test_random_drafter_builds_one_ranks_shard():
     import torch
 
     from glm5mtp_cli.diagnostics.step_bench import random_drafter
-    from glm5mtp_cli.engine.parallel import Comm
+    from glm5mtp_cli.core.parallel import Comm
     from glm5mtp_cli.engine.runtime import module_bytes
 
     cfg, _ = resolve_config("glm5-tiny")

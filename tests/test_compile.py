@@ -14,7 +14,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
-from glm5mtp_cli.engine.cache import CachePools, write_rows
+from glm5mtp_cli.engine.cache import CachePools
+from glm5mtp_cli.core.cached import write_rows
 from glm5mtp_cli.engine.compiled import compile_forward
 from glm5mtp_cli.engine.static import sequences_forward
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine

@@ -20,7 +20,7 @@ from glm5mtp_cli.engine.runtime import make_engine  # noqa: E402
 from glm5mtp_cli.engine.sampling import SamplingParams  # noqa: E402
 from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
 from glm5mtp_cli.engine.sequence import Request  # noqa: E402
-from glm5mtp_cli.models import family_of  # noqa: E402
+from glm5mtp_cli.engine.mtp_head import mtp_proposer  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
 from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget  # noqa: E402
 from kernels._triton import kernel_path  # noqa: E402
@@ -73,7 +73,7 @@ def _next_engine(models, gamma, slots, sampling=SamplingParams(), eos=(), schedu
     cfg, target, mtp = models
     pools = CachePools.create(cfg, num_blocks=max_seq_len // 4 * (slots + 2), block_size=4, dtype=torch.float32,
                               device="cpu")
-    proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=max_seq_len, sampling=sampling)) if gamma else None
+    proposer = mtp_proposer(cfg, target, mtp, pools, EngineConfig(max_seq_len=max_seq_len, sampling=sampling)) if gamma else None
     engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=gamma, sampling=sampling, max_seq_len=max_seq_len, eos_ids=tuple(eos), check_invariants=True, schedule=schedule, graphs="eager", **prefill))
     return engine, pools
 

@@ -20,13 +20,14 @@ import torch
 from torch import nn
 
 from glm5mtp_cli.engine.config import EngineConfig
-from glm5mtp_cli.engine.cache import CachePools, SequenceCache, cached_rows
+from glm5mtp_cli.engine.cache import CachePools, SequenceCache
+from glm5mtp_cli.core.cached import cached_rows
 from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
 from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.engine.sequence import Request
-from glm5mtp_cli.models import register_family
-from glm5mtp_cli.models.dtypes import dtype_name
-from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
+from glm5mtp_cli.core.families import register_family
+from glm5mtp_cli.core.dtypes import dtype_name
+from glm5mtp_cli.core.family import ROWS, SLOT, StateComponent
 
 
 
@@ -190,9 +191,6 @@ class FakeFamily:
     def state_components(self, cfg, dtype, with_drafter=True, tp=1):
         return [StateComponent("target_row", "target", ROWS, 1, (cfg.hidden_size,), dtype_name(dtype)),
                 StateComponent("target_rec", "target", SLOT, 1, (cfg.hidden_size,), dtype_name(dtype))]
-
-    def make_proposer(self, target, mtp, pools, config, draft_ids=None):
-        return SpoilingProposer(target)
 
 
 register_family("fake_recurrent", FakeFamily())

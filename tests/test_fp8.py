@@ -19,12 +19,13 @@ from glm5mtp_cli.checkpoint.resolve import config_from_spec, resolve_model
 from glm5mtp_cli.checkpoint.write import init_random, rewrite_checkpoint
 from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 from glm5mtp_cli.diagnostics.sizing import predicted_weight_bytes
-from glm5mtp_cli.engine.parallel import Comm
+from glm5mtp_cli.core.parallel import Comm
 from glm5mtp_cli.engine.run import run_generate
 from glm5mtp_cli.engine.runtime import Runtime, module_bytes
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of, fp8
+from glm5mtp_cli.core.families import family_of
+from glm5mtp_cli.models import fp8
 from glm5mtp_cli.models.fp8 import Fp8Linear
 from glm5mtp_cli.models.glm5.layers import MLP, Experts, Fp8Experts, Router
 

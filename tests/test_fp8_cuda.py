@@ -170,7 +170,7 @@ def test_projections_of_one_input_read_by_one_gemm(dtype, rel):
     from glm5mtp_cli.checkpoint.load import build_loaded
     from glm5mtp_cli.checkpoint.random import RandomReader
     from glm5mtp_cli.checkpoint.resolve import config_from_spec
-    from glm5mtp_cli.models import family_of
+    from glm5mtp_cli.core.families import family_of
     from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 
     cfg = dataclasses.replace(config_from_spec("glm5-tiny"), q_lora_rank=64, index_head_dim=32,

@@ -19,11 +19,13 @@ from glm5next_reference import Mtp, Target, boundary_ties  # noqa: E402
 from proposer_calls import prefill_drafter  # noqa: E402
 
 from glm5mtp_cli.engine.config import EngineConfig
-from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, CachePools, to_device  # noqa: E402
+from glm5mtp_cli.core.cached import CachedRows, CachedSlots  # noqa: E402
+from glm5mtp_cli.core.host_copy import to_device  # noqa: E402
+from glm5mtp_cli.engine.cache import CachePools  # noqa: E402
 from kernels.table_slots import table_slots  # noqa: E402
 from glm5mtp_cli.errors import UserError  # noqa: E402
-from glm5mtp_cli.models import family_of  # noqa: E402
-from glm5mtp_cli.engine.sync_free import sync_free  # noqa: E402
+from glm5mtp_cli.engine.mtp_head import mtp_proposer  # noqa: E402
+from glm5mtp_cli.core.sync_free import sync_free  # noqa: E402
 from glm5mtp_cli.models.glm5_next.indexer import pool_scores  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
 from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget  # noqa: E402
@@ -242,7 +244,7 @@ def _greedy_chain(models, device: str, graphs: bool, share: bool = False):
             for n, f in ((27, 1), (31, 3), (22, 2))]
     pools = _pools(cfg, device)
     on_dev[1].share_topk = share
-    head = family_of(cfg).make_proposer(*on_dev, pools, EngineConfig(max_seq_len=64))
+    head = mtp_proposer(cfg, *on_dev, pools, EngineConfig(max_seq_len=64))
     states = [head.alloc_state_for(48) for _ in seqs]
     refs = []
     for st, (tok, hid, f) in zip(states, seqs):

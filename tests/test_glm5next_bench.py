@@ -17,9 +17,9 @@ from glm5mtp_cli.diagnostics.profile import ProfileConfig, policy_tokens
 from glm5mtp_cli.diagnostics.sizing import (checkpoint_tensor_bytes, draft_step_bytes,
                                             target_step_bytes, weight_bytes_per_rank)
 from glm5mtp_cli.engine.cache import CachePools
-from glm5mtp_cli.engine.parallel import check_tp
+from glm5mtp_cli.core.parallel import check_tp
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 from glm5mtp_cli.models.glm5_next import layout
 
 

@@ -11,7 +11,7 @@ from glm5mtp_cli.models.glm5_next import layout
 from glm5mtp_cli.models.glm5_next.config import INDEXED, KDA, NextConfig
 import torch
 
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 
 NESTED = json.loads((profile_path("glm5next-tiny") / "config.json").read_text())
 

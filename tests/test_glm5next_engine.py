@@ -20,7 +20,7 @@ from glm5mtp_cli.engine.graphs import ForwardRunner  # noqa: E402
 from glm5mtp_cli.engine.proposer import Feed  # noqa: E402
 from glm5mtp_cli.engine.speculate import SpecEngine  # noqa: E402
 from glm5mtp_cli.engine.sequence import Request  # noqa: E402
-from glm5mtp_cli.models import family_of  # noqa: E402
+from glm5mtp_cli.engine.mtp_head import mtp_proposer  # noqa: E402
 from glm5mtp_cli.models.glm5_next import paged  # noqa: E402
 from glm5mtp_cli.models.glm5_next.load import load_next  # noqa: E402
 from glm5mtp_cli.models.glm5_next.paged import mla_paged  # noqa: E402
@@ -49,7 +49,7 @@ def models(tmp_path_factory):
 def _run(models, gamma, batch, rollback_check=True, share=False):
     cfg, target, mtp, _ = models
     pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
-    proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128)) if gamma else None
+    proposer = mtp_proposer(cfg, target, mtp, pools, EngineConfig(max_seq_len=128)) if gamma else None
     engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), check_invariants=rollback_check, graphs="eager"))
     mtp.share_topk = share
     try:
@@ -93,7 +93,7 @@ def test_carry_reuses_the_recurrent_state_only_at_the_exact_end(models):
     the drafter's rows up to the divergence. Both give the tokens of a run without carry."""
     cfg, target, mtp, _ = models
     pools = CachePools.create(cfg, num_blocks=96, block_size=4, dtype=torch.float32, device="cpu")
-    proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128))
+    proposer = mtp_proposer(cfg, target, mtp, pools, EngineConfig(max_seq_len=128))
     engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=3, max_seq_len=128, eos_ids=(), check_invariants=True, graphs="eager"))
     first = engine.generate([Request(PROMPTS[0], 12, 0, carry_mode="all")])[0]
     history = PROMPTS[0] + first.tokens
@@ -114,7 +114,7 @@ def test_confidence_stop_and_draft_vocab_stay_lossless(models):
     cfg, target, mtp, refs = models
     for options in ({"draft_conf_tau": 0.5}, {"draft_ids": torch.arange(0, cfg.vocab_size, 2)}):
         pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
-        proposer = family_of(cfg).make_proposer(target, mtp, pools,
+        proposer = mtp_proposer(cfg, target, mtp, pools,
                                                 EngineConfig(max_seq_len=128, draft_conf_tau=options.get("draft_conf_tau")),
                                                 options.get("draft_ids"))
         engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=3, max_seq_len=128, eos_ids=(), check_invariants=True, graphs="eager"))
@@ -131,7 +131,7 @@ def test_sampled_runs_repeat_with_the_seed(models):
     for _ in range(2):
         pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
         params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
-        proposer = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128, sampling=params))
+        proposer = mtp_proposer(cfg, target, mtp, pools, EngineConfig(max_seq_len=128, sampling=params))
         # each request samples from its own stream, seeded from params.seed and its id
         engine = SpecEngine(cfg, target, proposer, pools, EngineConfig(gamma=2, sampling=params, max_seq_len=128, eos_ids=(), graphs="eager"))
         runs.append([r.tokens for r in engine.generate([Request(p, 12, i) for i, p in enumerate(PROMPTS)])])
@@ -154,7 +154,7 @@ def test_index_share_keeps_each_sequences_own_step0(models):
 
     def drafts(members):
         pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
-        head = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128))
+        head = mtp_proposer(cfg, target, mtp, pools, EngineConfig(max_seq_len=128))
         states = [head.alloc_state_for(64) for _ in members]
         for st, (prompt, hid, f) in zip(states, members):
             prefill_drafter(head, prompt[:-f], hid[:-f], st)
@@ -178,7 +178,7 @@ def _chain_with_selections(models, share: bool, prompt: torch.Tensor, hiddens: t
     forward: step 0 (the catch-up's last row), then each chained step."""
     cfg, target, mtp, _ = models
     pools = CachePools.create(cfg, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
-    head = family_of(cfg).make_proposer(target, mtp, pools, EngineConfig(max_seq_len=128))
+    head = mtp_proposer(cfg, target, mtp, pools, EngineConfig(max_seq_len=128))
     state = head.alloc_state_for(64)
     mtp.share_topk = share
     sels = []

@@ -33,7 +33,7 @@ from glm5mtp_cli.engine.run import run_generate  # noqa: E402
 from glm5mtp_cli.engine.runtime import load_runtime  # noqa: E402
 from glm5mtp_cli.engine.sampling import SamplingParams  # noqa: E402
 from glm5mtp_cli.errors import UserError  # noqa: E402
-from glm5mtp_cli.models import family_of  # noqa: E402
+from glm5mtp_cli.core.families import family_of  # noqa: E402
 from glm5mtp_cli.models.fp8 import FP8, Fp8Linear  # noqa: E402
 from glm5mtp_cli.models.glm5.layers import Experts, Fp8Experts  # noqa: E402
 

@@ -26,7 +26,7 @@ import rank_sections  # noqa: E402
 from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.engine import launch
-from glm5mtp_cli.engine.parallel import Comm
+from glm5mtp_cli.core.parallel import Comm
 
 PROMPTS = [[5, 17, 99, 4, 250, 31, 8], list(range(40, 60))]
 
@@ -267,7 +267,7 @@ def test_plan_follows_the_rules():
     planned; the rank names only its own experts."""
     from glm5mtp_cli.checkpoint.load import _ParamsOnMeta
     from glm5mtp_cli.checkpoint.resolve import resolve_config
-    from glm5mtp_cli.models import family_of
+    from glm5mtp_cli.core.families import family_of
     from glm5mtp_cli.models.glm5_next.layout import split_over_ranks
 
     cfg, _ = resolve_config("glm5next-tiny")

@@ -14,7 +14,7 @@ from glm5mtp_cli.engine.config import ModelSpec
 from glm5mtp_cli.checkpoint.random import fill_random
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.checkpoint.resolve import profile_path
-from glm5mtp_cli.models import family_of, load_config, parse_config
+from glm5mtp_cli.core.families import family_of, load_config, parse_config
 from glm5mtp_cli.models.glm5_next import training as tr
 
 sys.path.insert(0, str(Path(__file__).parent))

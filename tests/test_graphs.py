@@ -188,7 +188,7 @@ def test_seated_sequences_table_rows_name_their_blocks(rt, monkeypatch):
 
 
 def test_copy_ints_many_writes_whole_tensors_and_chosen_rows():
-    from glm5mtp_cli.engine.cache import copy_ints_many
+    from glm5mtp_cli.core.host_copy import copy_ints_many
 
     table, index, flat = torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)
     copy_ints_many([(table, [2, 0], [1, 2, 3, 4, 5, 6]), (index, [3], [9]), (flat, None, [7, 8, 9, 10])])
@@ -208,7 +208,7 @@ def test_graph_mode_captures_under_tp_on_cuda(rt):
     """--tp on CUDA captures (the NCCL collectives go inside the graphs); gloo on the CPU stays eager."""
     from dataclasses import replace
 
-    from glm5mtp_cli.engine.parallel import Comm
+    from glm5mtp_cli.core.parallel import Comm
     from glm5mtp_cli.engine.runtime import graph_mode
 
     on_cuda = replace(rt, comm=Comm(0, 2), device=torch.device("cuda"))

@@ -13,7 +13,7 @@ from glm5mtp_cli.checkpoint.resolve import resolve_config
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.diagnostics.sizing import predicted_weight_bytes, resident_bytes
 from glm5mtp_cli.engine.config import ModelSpec
-from glm5mtp_cli.engine.parallel import check_tp
+from glm5mtp_cli.core.parallel import check_tp
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.units import fmt_bytes
 

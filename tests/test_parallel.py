@@ -27,7 +27,7 @@ from proposer_calls import sharded  # noqa: E402
 
 from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.engine import launch
-from glm5mtp_cli.engine.parallel import Comm
+from glm5mtp_cli.core.parallel import Comm
 from glm5mtp_cli.cli import app
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.models.glm5.attention import MLAttention

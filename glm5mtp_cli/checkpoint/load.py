@@ -16,7 +16,8 @@ from glm5mtp_cli.checkpoint.random import RandomReader
 from glm5mtp_cli.checkpoint.read import CheckpointReader
 from glm5mtp_cli.checkpoint.resolve import ResolvedModel
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of, fp8
+from glm5mtp_cli.core.families import family_of
+from glm5mtp_cli.models import fp8
 
 # Tensors an MTP layer may carry in other checkpoints (DeepSeek style); GLM-5 shares the target's.
 _MTP_EXTRAS = ("embed_tokens.weight", "shared_head.head.weight")

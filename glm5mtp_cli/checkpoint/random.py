@@ -75,7 +75,7 @@ class RandomReader:
     dtype, such a tensor comes back dequantized, as CheckpointReader.get does."""
 
     def __init__(self, cfg: Any, seed: int = 0):
-        from glm5mtp_cli.models import family_of
+        from glm5mtp_cli.core.families import family_of
 
         self.folder = Path(f"<random weights: {cfg.source}>")
         self.seed = seed

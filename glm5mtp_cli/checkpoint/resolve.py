@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5mtp_cli.errors import UserError, short_error
-from glm5mtp_cli.models import load_config
+from glm5mtp_cli.core.families import load_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -75,6 +75,19 @@ class ResolvedModel:
     @property
     def files(self) -> list[str]:
         return sorted(set(self.weight_map.values()))
+
+
+def as_fp8(resolved: ResolvedModel) -> ResolvedModel:
+    """`resolved` with the family's FP8 layout as GLM-5-FP8 stores it (models/fp8.fp8_config), for
+    --fp8 random weights; the random reader draws by the untruncated config (--layers keeps the MTP
+    layer's name), so that one too."""
+    import dataclasses
+
+    from glm5mtp_cli.models.fp8 import fp8_config  # torch: `info` resolves without it
+
+    source = resolved.source_config
+    return dataclasses.replace(resolved, config=fp8_config(resolved.config),
+                               source_config=fp8_config(source) if source is not None else None)
 
 
 # ---- resolving ----------------------------------------------------------------------------------

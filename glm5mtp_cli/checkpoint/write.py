@@ -27,7 +27,7 @@ from kernels.fp8_block import fp8_block_quantize
 from glm5mtp_cli.checkpoint.resolve import INDEX_FILE, SINGLE_FILE, ResolvedModel, config_from_spec
 from glm5mtp_cli.engine.draft_vocab import COUNTS_FILE, counts_file
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 from glm5mtp_cli.models.fp8 import FP8_QUANT_CONFIG
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.safe_write import default_mode

@@ -196,7 +196,7 @@ def plan_cmd(
 def model_config(c: "PlanConfig"):
     """The model's config as planned (--layers, --fp8), checked against the flags: no weights read."""
     from glm5mtp_cli.checkpoint.resolve import resolve_config
-    from glm5mtp_cli.engine.parallel import check_tp
+    from glm5mtp_cli.core.parallel import check_tp
     from glm5mtp_cli.models.fp8 import fp8_config
 
     cfg, _ = resolve_config(c.model)

@@ -151,7 +151,7 @@ def run_profile_command(run: ProfileRun) -> None:
     from glm5mtp_cli.engine import launch
     from glm5mtp_cli.diagnostics.profile import POLICIES, run_profile
     from glm5mtp_cli.diagnostics.sizing import tp_table
-    from glm5mtp_cli.engine.parallel import check_tp
+    from glm5mtp_cli.core.parallel import check_tp
     from glm5mtp_cli.engine.runtime import load_runtime, pick_device, pick_dtype
 
     spec, c, lengths, note, json_out = run.model, run.profile, run.lengths, run.note, run.json_out

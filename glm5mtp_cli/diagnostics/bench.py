@@ -25,7 +25,7 @@ from glm5mtp_cli.engine.run import run_generate
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.runtime import Runtime
 from glm5mtp_cli.engine.config import GAMMA_POLICIES, EngineConfig
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 
 
 @dataclass(frozen=True)

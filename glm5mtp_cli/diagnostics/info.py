@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.family import ROWS
+from glm5mtp_cli.core.families import family_of
+from glm5mtp_cli.core.family import ROWS
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.diagnostics.sizing import GIB, cache_bytes_per_token, cache_layers, checkpoint_tensor_bytes
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5mtp_cli.constraint import Constraint
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.units import parse_size
 from glm5mtp_cli.engine.config import EngineConfig, SamplingParams, check_seed

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5mtp_cli.engine.cache import CachePools
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.diagnostics.sizing import bytes_per_token, growth_bytes, predicted_bytes, predicted_weight_bytes

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 from glm5mtp_cli.models.bytes import moe_gather_bytes, rank_share, tensor_bytes
-from glm5mtp_cli.models.dtypes import dtype_bytes
-from glm5mtp_cli.models.family import ROWS, SLOT
+from glm5mtp_cli.core.dtypes import dtype_bytes
+from glm5mtp_cli.core.family import ROWS, SLOT
 
 if TYPE_CHECKING:  # no torch for the arithmetic: `info` sizes a model from its config alone
     import torch
@@ -269,7 +269,7 @@ def tp_table(cfg, gpu_mem: int, doc: dict, tp: int, with_mtp: bool, dtype: torch
     has_fp8 = any(family.is_fp8_quantized(cfg, name, shape) for name, shape in family.tensor_shapes(cfg))
     formats = ("bf16", "fp8") if has_fp8 else ("bf16",)  # a family without an FP8 layout has no fp8 rows
     rows = []
-    from glm5mtp_cli.engine.parallel import check_tp
+    from glm5mtp_cli.core.parallel import check_tp
 
     for n in sorted({1, 2, 4, 8, tp}):
         try:

@@ -37,7 +37,7 @@ from glm5mtp_cli.diagnostics.sizing import batch_step_bytes, draft_step_bytes, r
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 
 WARMUPS = 3
 PROFILED_STEPS = 5
@@ -334,7 +334,7 @@ def random_drafter(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0,
     splits them (the family's shard_mtp; embeddings and head by vocabulary)."""
     from torch import nn
 
-    from glm5mtp_cli.engine.parallel import VocabParallelEmbedding, VocabParallelHead
+    from glm5mtp_cli.core.parallel import VocabParallelEmbedding, VocabParallelHead
 
     family = family_of(cfg)
     reader = RandomReader(cfg, seed)

@@ -1,6 +1,6 @@
 """Per-sequence state: pools per state component, per-sequence block tables and slots, byte ledger.
 
-The components are the model family's (models/family.py). A row component's pool holds its rows
+The components are the model family's (core/family.py). A row component's pool holds its rows
 for all of its layers: data[layer, num_blocks * block_size, width]; a sequence owns a list of block
 ids, and its row p lives at slot table[p // bs] * bs + p % bs. A fixed-size component's pool holds
 one slot per sequence: data[layer, slot, *shape]. Blocks and slots are taken when a sequence
@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass, field
 import torch
 
+from glm5mtp_cli.core.families import family_of
+from glm5mtp_cli.core.family import SLOT
+from glm5mtp_cli.core.host_copy import to_device
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.family import SLOT
-from kernels.table_slots import table_slots
 
 class PoolExhausted(UserError):
     """A request needs more cache blocks than the pool has free."""
@@ -110,44 +110,6 @@ class PagedRows:
         self._table = None
 
 
-def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """Host ints as a long tensor on `device` without a host sync: on CUDA the copy goes through
-    pinned memory asynchronously (a plain copy from pageable memory waits for the stream)."""
-    t = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def copy_ints(dst: torch.Tensor, values) -> None:
-    """dst (a long tensor) takes host ints (nested lists in its shape) without a host sync, in one
-    copy: on CUDA straight from pinned memory (to_device and a copy_ would be two)."""
-    src = torch.tensor(values, dtype=torch.long)
-    dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
-
-
-def copy_ints_many(writes: list[tuple[torch.Tensor, list[int] | None, list[int]]]) -> None:
-    """Host ints into several long tensors of one device in one host-to-device copy: for each
-    (dst, rows, values), dst takes values (flat, row-major) in its shape, or with rows, its rows
-    `rows` take them, in that order. Then one device copy per write: a copy_ints per table row
-    (three host calls each) was a third of an admission's host time at batch 64 (H100)."""
-    flat: list[int] = []
-    for _, rows, values in writes:
-        flat += (rows or []) + values
-    if not flat:
-        return
-    staged = to_device(flat, writes[0][0].device)
-    at = 0
-    for dst, rows, values in writes:
-        if rows:
-            idx = staged[at:at + len(rows)]
-            at += len(rows)
-            dst.index_copy_(0, idx, staged[at:at + len(values)].view(len(rows), *dst.shape[1:]))
-        else:
-            dst.copy_(staged[at:at + len(values)].view(dst.shape))
-        at += len(values)
-
-
 class SlotPool:
     """One fixed-size state component (a recurrent state) for all of its layers: data[layer,
     slot, *shape]; a sequence holds one slot whatever its length."""
@@ -209,86 +171,6 @@ class SlotRef:
     @property
     def bytes_held(self) -> int:
         return self.pool.slot_bytes if self.slot is not None else 0
-
-
-@dataclass
-class CachedRows:
-    """One component's (MLA latent or indexer keys) side of a cached forward: the pool, the slots
-    the B x T new rows go to [B*T], and the slots of every sequence's rows 0..L-1 [B, L] (past a
-    sequence's own length they point anywhere; the caller masks those keys like future ones)."""
-
-    data: torch.Tensor  # the pool's [layers, slots, width]
-    new: torch.Tensor
-    all: torch.Tensor
-
-    def write(self, layer: int, rows: torch.Tensor) -> None:
-        """Append rows [B, T, W] at the new slots."""
-        pool_write(self.data, layer, self.new, rows)
-
-    def write_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """Append rows [B, T, W] at the new slots, then read rows 0..L-1 of each sequence: [B, L, W]."""
-        self.write(layer, rows)
-        return self.data[layer].index_select(0, self.all.reshape(-1)).view(*self.all.shape, -1)
-
-
-def pool_write(data: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """data[layer, slots[i]] = row i of rows [..., W]. Inside a compiled forward (engine/compiled.py)
-    through the write_rows op: an op that declares its write lets inductor write the pool in place;
-    index_copy_ on a view of the pool made it copy the whole pool layer for the reads that follow,
-    every layer of every forward."""
-    if torch.compiler.is_compiling():
-        write_rows(data, layer, slots, rows)
-    else:
-        write_rows_(data, layer, slots, rows)
-
-
-def write_rows_(data: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    view = data[layer]
-    view.index_copy_(0, slots, rows.reshape(-1, rows.shape[-1]).to(view.dtype))
-
-
-write_rows = torch.library.custom_op("glm5mtp::write_rows", write_rows_, mutates_args=("data",))
-
-
-@dataclass
-class CachedSlots:
-    """One fixed-size component's (a recurrent state) side of a cached forward: the pool's data
-    [layers, slots, *shape] and the slot of each of the B sequences [B] on the device, so a forward
-    reads its sequences' states with no host value (a static forward's padding rows name a scratch
-    slot). Forwards only read through it; what they advance is committed after (Target.commit)."""
-
-    data: torch.Tensor
-    index: torch.Tensor
-
-    def read(self, layer: int) -> torch.Tensor:
-        """Each sequence's state of `layer`: [B, *shape] (a copy; the pool stays as it was)."""
-        return self.data[layer].index_select(0, self.index)
-
-
-def cached_slots(caches: list, device) -> dict[str, CachedSlots]:
-    """Eager forwards: the CachedSlots of every fixed-size component of `caches` (reserved by
-    cached_rows' prepare)."""
-    return {name: CachedSlots(ref.pool.data, to_device([c.slots[name].slot for c in caches], device))
-            for name, ref in caches[0].slots.items()}
-
-
-def cached_rows(caches: list, t: int, device) -> tuple[torch.Tensor, dict[str, CachedRows]]:
-    """Eager forwards: (each sequence's cached length on the device, the CachedRows of every row
-    component) for appending t rows to each of `caches`, reading each sequence's rows through its
-    block table padded to the batch's longest."""
-    for cache in caches:
-        cache.prepare(t)
-    lengths = [c.length for c in caches]
-    starts = to_device(lengths, device)
-    rows = {}
-    for name in caches[0].rows:
-        paged = [c.rows[name] for c in caches]
-        bs = paged[0].pool.block_size
-        blocks = math.ceil((max(lengths) + t) / bs)
-        table = torch.stack([p.padded_table(blocks) for p in paged])
-        new, all_ = table_slots(table, bs, starts, t)
-        rows[name] = CachedRows(paged[0].pool.data, new, all_)
-    return starts, rows
 
 
 class SequenceCache:
@@ -362,7 +244,7 @@ class SequenceCache:
 
 @dataclass
 class CachePools:
-    """The pools of a run, one per state component of the model family (models/family.py):
+    """The pools of a run, one per state component of the model family (core/family.py):
     block pools for components that grow with tokens, slot pools for fixed-size ones."""
 
     pools: dict[str, BlockPool | SlotPool] = field(default_factory=dict)

@@ -35,7 +35,7 @@ PATH_OF = {"torch": "torch"}
 
 def default_compile(cfg) -> str:
     """The --compile a model runs without the flag: its family's `compile_default` (models/*/family.py)."""
-    from glm5mtp_cli.models import family_of
+    from glm5mtp_cli.core.families import family_of
 
     return getattr(family_of(cfg), "compile_default", "off")
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from glm5mtp_cli.checkpoint.resolve import profiles_dir
-from glm5mtp_cli.engine.parallel import vocab_range
+from glm5mtp_cli.core.parallel import vocab_range
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.input_file import read_text
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import to_device
+from glm5mtp_cli.core.host_copy import to_device
 from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState, check_aligned
 
 

@@ -60,7 +60,9 @@ from dataclasses import dataclass
 import torch
 
 from glm5mtp_cli.engine.accept import greedy_verdict
-from glm5mtp_cli.engine.cache import CachePools, SlotPool, cached_rows, copy_ints, copy_ints_many, to_device
+from glm5mtp_cli.engine.cache import CachePools, SlotPool
+from glm5mtp_cli.core.cached import cached_rows
+from glm5mtp_cli.core.host_copy import copy_ints, copy_ints_many, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
 from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, StaticVerdict, Table, sequences_forward

@@ -23,7 +23,7 @@ import torch
 import typer
 
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine.parallel import Comm, check_tp
+from glm5mtp_cli.core.parallel import Comm, check_tp
 
 _COMM: Comm | None = None  # set inside a rank
 TIMEOUT_ENV = "GLM5MTP_TP_TIMEOUT_S"

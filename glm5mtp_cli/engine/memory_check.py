@@ -20,7 +20,7 @@ import torch
 
 from glm5mtp_cli.diagnostics.sizing import resident_bytes
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models.dtypes import dtype_bytes
+from glm5mtp_cli.core.dtypes import dtype_bytes
 from glm5mtp_cli.units import fmt_bytes
 
 MARGIN_FRACTION = 0.05

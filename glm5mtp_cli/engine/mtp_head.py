@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from glm5mtp_cli.core.families import family_of
 from glm5mtp_cli.engine.cache import CachePools
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.draft_vocab import SubsetHead
@@ -172,3 +173,10 @@ class MtpHead:
             kv.cache.release()
             kv.cache = None
 
+
+
+def mtp_proposer(cfg, target, mtp: nn.Module, pools: CachePools, config: EngineConfig,
+                 draft_ids: torch.Tensor | None = None) -> MtpHead:
+    """The MTP head of cfg's family: its MTP layer over the target's embedding and head."""
+    parts = family_of(cfg).mtp_parts(target, mtp)
+    return MtpHead(parts.layer, parts.embed, parts.head, pools, config, draft_ids, carry_normed=parts.carry_normed)

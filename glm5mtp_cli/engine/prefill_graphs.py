@@ -40,7 +40,8 @@ import time
 
 import torch
 
-from glm5mtp_cli.engine.cache import BlockPool, copy_ints_many
+from glm5mtp_cli.engine.cache import BlockPool
+from glm5mtp_cli.core.host_copy import copy_ints_many
 from glm5mtp_cli.engine.static import SlotIndex, StaticForward, Table
 
 MIN_ROWS = 16  # the shortest bucket: shorter forwards pad up to it

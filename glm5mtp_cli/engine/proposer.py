@@ -14,7 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from glm5mtp_cli.engine.cache import SequenceCache, to_device
+from glm5mtp_cli.engine.cache import SequenceCache
+from glm5mtp_cli.core.host_copy import to_device
 
 
 @dataclass

@@ -6,7 +6,6 @@ Shared by generate, profile, leak-check and bench so they build the same thing t
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import gc
 import json
@@ -25,14 +24,14 @@ from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec  # 
 from glm5mtp_cli.engine.draft_vocab import load_draft_ids
 from glm5mtp_cli.engine.grammar import Grammars
 from glm5mtp_cli.engine.memory_check import check_memory
+from glm5mtp_cli.engine.mtp_head import mtp_proposer
 from glm5mtp_cli.checkpoint.load import load_models
-from glm5mtp_cli.checkpoint.resolve import ResolvedModel, resolve_model
+from glm5mtp_cli.checkpoint.resolve import ResolvedModel, as_fp8, resolve_model
 from glm5mtp_cli.engine.speculate import SpecEngine
 from glm5mtp_cli.engine.target import Target
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of
-from glm5mtp_cli.models.family import SLOT
-from glm5mtp_cli.models.fp8 import fp8_config
+from glm5mtp_cli.core.families import family_of
+from glm5mtp_cli.core.family import SLOT
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -202,7 +201,7 @@ def check_pools(rt: "Runtime", pools: CachePools) -> None:
 
 
 def make_engine(rt: "Runtime", pools: CachePools, config: EngineConfig) -> SpecEngine:
-    """The engine over rt's target with its family's proposer (none at gamma 0), as `config` says
+    """The engine over rt's target with its family's MTP head (none at gamma 0), as `config` says
     (resolved for rt first: `resolve`)."""
     config = resolve(rt, config)
     check_pools(rt, pools)
@@ -212,7 +211,7 @@ def make_engine(rt: "Runtime", pools: CachePools, config: EngineConfig) -> SpecE
         if config.draft_vocab is not None:
             path = Path(config.draft_vocab_file) if config.draft_vocab_file is not None else None
             draft_ids = load_draft_ids(rt.resolved.folder, config.draft_vocab, rt.cfg.vocab_size, rt.device, path=path)
-        proposer = family_of(rt.cfg).make_proposer(rt.target, rt.mtp, pools, config, draft_ids)
+        proposer = mtp_proposer(rt.cfg, rt.target, rt.mtp, pools, config, draft_ids)
     tokenizer = rt.resolved.folder / "tokenizer.json" if rt.resolved.folder is not None else None
     grammars = (Grammars(tokenizer, rt.cfg.vocab_size, rt.cfg.eos_token_id, config.constrain_after)
                 if tokenizer is not None and tokenizer.is_file() else None)  # its tokenizer built at first use
@@ -294,7 +293,7 @@ def load_runtime(spec: ModelSpec, with_mtp: bool = True, progress: bool = True, 
     (cuda:local_rank) or the CPU. Random weights (spec.random_weights): the model's config with
     random tensors (checkpoint.RandomReader), built on the device (under --tp each rank draws its
     own slices); spec.fp8: those of the family's FP8 layout as GLM-5-FP8 stores them
-    (models/fp8.fp8_config)."""
+    (checkpoint.resolve.as_fp8)."""
     dev = rank_device(spec.device, comm)
     dt = pick_dtype(spec.dtype, dev)
     resolved = resolve_model(spec.name, revision=spec.revision, need="all" if with_mtp else "target",
@@ -303,12 +302,10 @@ def load_runtime(spec: ModelSpec, with_mtp: bool = True, progress: bool = True, 
     if share is not None and not hasattr(resolved.config, "index_share_for_mtp_iteration"):
         raise UserError(f"--{'' if share else 'no-'}mtp-index-share: only GLM-5-Next models have "
                         f"index_share_for_mtp_iteration; this one is {resolved.config.model_type}")
-    if spec.fp8:  # the random reader draws by the untruncated config (--layers keeps the MTP layer's name)
-        source = resolved.source_config
-        resolved = dataclasses.replace(resolved, config=fp8_config(resolved.config),
-                                       source_config=fp8_config(source) if source is not None else None)
+    if spec.fp8:
+        resolved = as_fp8(resolved)
     if comm is not None:
-        from glm5mtp_cli.engine.parallel import check_tp
+        from glm5mtp_cli.core.parallel import check_tp
 
         check_tp(resolved.config, comm.world)
     if resolved.has_weights or spec.random_weights:  # else load_models says there are none

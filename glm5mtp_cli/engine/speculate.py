@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachePools, SequenceCache, to_device
+from glm5mtp_cli.engine.cache import CachePools, SequenceCache
+from glm5mtp_cli.core.host_copy import to_device
 from glm5mtp_cli.engine.carry import CarryPlan, hand_back, install
 from glm5mtp_cli.engine.clock import Clock, StepTimes
 from glm5mtp_cli.engine.config import EngineConfig

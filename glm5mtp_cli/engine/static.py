@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from glm5mtp_cli.engine.accept import greedy_verdict
-from glm5mtp_cli.engine.cache import BlockPool, CachedRows, CachedSlots, SlotPool, copy_ints, to_device
+from glm5mtp_cli.engine.cache import BlockPool, SlotPool
+from glm5mtp_cli.core.cached import CachedRows, CachedSlots
+from glm5mtp_cli.core.host_copy import copy_ints, to_device
 from glm5mtp_cli.engine.compiled import PATH_OF, compile_forward
-from glm5mtp_cli.engine.sync_free import sync_free
+from glm5mtp_cli.core.sync_free import sync_free
 from kernels._triton import kernel_path
 from kernels.bitmask import apply_bitmask
 from kernels.table_slots import table_slots

@@ -1,14 +1,14 @@
 """The byte counts every family's formulas share: one weight tensor's bytes as its family stores or
 holds it (fp32 where the family keeps fp32, FP8 matrices with their block scales), a tensor's or
 the head's share on one of --tp ranks, and the scratch of the MoE both families run
-(models/glm5/layers.Experts) on the CPU; an element's size is models/dtypes.py's. diagnostics/sizing
+(models/glm5/layers.Experts) on the CPU; an element's size is core/dtypes.py's. diagnostics/sizing
 asks each family (its `sizing` module) for what differs between families; both build on these."""
 
 from __future__ import annotations
 
 import math
 
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 
 
 def tensor_bytes(cfg, name: str, shape: tuple[int, ...], elem_bytes: int,

@@ -46,7 +46,7 @@ def fp8_config(cfg):
     scales, and every byte prediction counts them so."""
     import dataclasses
 
-    from glm5mtp_cli.models import family_of  # lazy: the families import this module
+    from glm5mtp_cli.core.families import family_of  # lazy: the families import this module
 
     family = family_of(cfg)
     if not hasattr(cfg, "quantization_config") or not any(

@@ -10,7 +10,7 @@ from typing import Any
 
 from glm5mtp_cli.checkpoint.resolve import profiles_dir
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import parse_config
+from glm5mtp_cli.core.families import parse_config
 
 DEFAULTS: dict[str, Any] = {
     "steps": 2000,

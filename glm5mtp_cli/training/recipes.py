@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 from glm5mtp_cli.models.glm5_next.training import mtp_forward, target_forward, training_init
 
 

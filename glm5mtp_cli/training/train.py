@@ -67,7 +67,7 @@ from glm5mtp_cli.checkpoint.random import fill_random
 from glm5mtp_cli.checkpoint.resolve import profile_path
 from glm5mtp_cli.diagnostics.sizing import model_tensors, tensor_bytes
 from glm5mtp_cli.engine.runtime import set_threads
-from glm5mtp_cli.models import family_of
+from glm5mtp_cli.core.families import family_of
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.safe_write import refuse_overlap, staged_folder
 from glm5mtp_cli.training.options import CPU_DEFAULTS, TrainOptions, load_train_config

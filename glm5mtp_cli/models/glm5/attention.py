@@ -23,7 +23,7 @@ from kernels.fp8_block import fp8_heads_matmul, heads_tile
 from kernels.paged import MAX_SELECTED, indexer_scores_paged, mla_attention_paged
 from kernels.rope import rope_interleaved
 
-from glm5mtp_cli.engine.cache import CachedRows
+from glm5mtp_cli.core.cached import CachedRows
 from glm5mtp_cli.models.fp8 import Fp8Linear, joined, linear_weight
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.layers import RMSNorm

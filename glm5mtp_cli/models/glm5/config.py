@@ -236,7 +236,7 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
-        from glm5mtp_cli.models import read_config_file
+        from glm5mtp_cli.core.families import read_config_file
 
         return cls.from_dict(read_config_file(path, ConfigError), source=str(path))
 

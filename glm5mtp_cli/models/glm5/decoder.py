@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm5mtp_cli.engine.cache import CachedRows, cached_rows
+from glm5mtp_cli.core.cached import CachedRows, cached_rows
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.attention import BatchContext, MLAttention
 from glm5mtp_cli.models.glm5.layers import MLP, MoE, RMSNorm, norm_pair, rope_cos_sin

@@ -8,15 +8,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from glm5mtp_cli.models.dtypes import dtype_name
-from glm5mtp_cli.models.family import ROWS, StateComponent
+from glm5mtp_cli.core.dtypes import dtype_name
+from glm5mtp_cli.core.family import ROWS, MtpParts, StateComponent
 from glm5mtp_cli.models.glm5 import layout, sizing
 from glm5mtp_cli.models.glm5.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from glm5mtp_cli.engine.mtp_head import MtpHead
     from glm5mtp_cli.models.glm5.decoder import Glm5ForCausalLM, Glm5MtpLayer
 
 
@@ -96,11 +95,8 @@ class Glm5Family:
 
         return sharding.shard_mtp(layer, comm, prefix)
 
-    def make_proposer(self, target, mtp, pools, config, draft_ids=None) -> MtpHead:
-        from glm5mtp_cli.engine.mtp_head import MtpHead
-
-        return MtpHead(mtp, target.model.embed_tokens, target.lm_head, pools, config, draft_ids,
-                       carry_normed=mtp.cfg.mtp_carry_normed_hidden)
+    def mtp_parts(self, target, mtp) -> MtpParts:
+        return MtpParts(mtp, target.model.embed_tokens, target.lm_head, carry_normed=mtp.cfg.mtp_carry_normed_hidden)
 
 
     def split_over_ranks(self, name: str) -> bool:

@@ -20,7 +20,7 @@ from kernels.rmsnorm import rmsnorm, rmsnorm_pair
 from kernels.router import route
 from kernels.swiglu import swiglu as swiglu_kernel, swiglu_ref
 
-from glm5mtp_cli.engine import sync_free
+from glm5mtp_cli.core import sync_free
 from glm5mtp_cli.models.fp8 import FP8, SCALE_SUFFIX, joined, scale_grid
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.overlap import side_by_side

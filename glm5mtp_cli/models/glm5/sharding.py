@@ -10,7 +10,7 @@ and GLM-5 models):
   (expert parallel, E/N each, contiguous ids); the shared expert is column/row parallel; the routed
   partial and the shared partial are added and summed over ranks in ONE all-reduce per layer.
 - dense MLPs: column (gate, up) / row (down) parallel, one all-reduce.
-- `embed_tokens` / `lm_head`: split by vocabulary (engine.parallel's vocab-parallel modules).
+- `embed_tokens` / `lm_head`: split by vocabulary (core.parallel's vocab-parallel modules).
 
 Sharding happens on a module built on the meta device: parameters are replaced by meta tensors of
 the per-rank shape, and shard_target / shard_mtp return the slicing plan (checkpoint name ->
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from glm5mtp_cli.engine.parallel import (Comm, Plan, check_divides, shard_mla_heads, shard_mlp, shard_moe,
+from glm5mtp_cli.core.parallel import (Comm, Plan, check_divides, shard_mla_heads, shard_mlp, shard_moe,
                                          vocab_parallel)
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.layers import MoE

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from glm5mtp_cli.models.bytes import head_bytes, rank_share, tensor_bytes
-from glm5mtp_cli.models.dtypes import dtype_bytes
+from glm5mtp_cli.core.dtypes import dtype_bytes
 from glm5mtp_cli.models.glm5 import layout
 
 if TYPE_CHECKING:  # no torch until a model is built: `info` reads the config alone

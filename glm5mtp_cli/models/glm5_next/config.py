@@ -236,7 +236,7 @@ class NextConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "NextConfig":
-        from glm5mtp_cli.models import read_config_file
+        from glm5mtp_cli.core.families import read_config_file
 
         return cls.from_dict(read_config_file(path, NextConfigError), source=str(path))
 

@@ -10,15 +10,14 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.models.dtypes import dtype_name
-from glm5mtp_cli.models.family import ROWS, SLOT, StateComponent
+from glm5mtp_cli.core.dtypes import dtype_name
+from glm5mtp_cli.core.family import ROWS, SLOT, MtpParts, StateComponent
 from glm5mtp_cli.models.glm5_next import layout, sizing
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from glm5mtp_cli.engine.mtp_head import MtpHead
     from glm5mtp_cli.models.glm5_next.pooled import PooledMtp, PooledTarget
 
 
@@ -117,12 +116,9 @@ class Glm5NextFamily:
 
         return sharding.shard_mtp(layer, comm, prefix)
 
-    def make_proposer(self, target: PooledTarget, mtp: PooledMtp, pools, config, draft_ids=None) -> MtpHead:
-        from glm5mtp_cli.engine.mtp_head import MtpHead
-
+    def mtp_parts(self, target: PooledTarget, mtp: PooledMtp) -> MtpParts:
         # GLM-5-Next chains drafts on the post-shared_head.norm hidden (REFERENCE-glm5next section 9)
-        return MtpHead(mtp, target.model.embed_tokens, target.model.lm_head, pools, config, draft_ids,
-                       carry_normed=True)
+        return MtpParts(mtp, target.model.embed_tokens, target.model.lm_head, carry_normed=True)
 
 
     def split_over_ranks(self, name: str) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm5mtp_cli.engine.cache import CachedSlots
+from glm5mtp_cli.core.cached import CachedSlots
 from glm5mtp_cli.models.fp8 import joined_output, joined_weight
 from glm5mtp_cli.models.glm5_next.config import NextConfig
 from kernels._triton import use_kernels

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachedRows, CachedSlots
+from glm5mtp_cli.core.cached import CachedRows, CachedSlots
 from glm5mtp_cli.models.glm5.layers import norm_pair
 from glm5mtp_cli.models.glm5_next.attention import MlaLayer
 from glm5mtp_cli.models.glm5_next.indexer import pool_scores, select_pools

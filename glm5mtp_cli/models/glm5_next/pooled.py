@@ -1,5 +1,5 @@
 """GLM-5-Next over the engine's pools: the target and the MTP layer read and write their
-per-sequence state in engine/cache.py's block pools and slots (models/family.py components).
+per-sequence state in engine/cache.py's block pools and slots (core/family.py components).
 
 Components, per owner (target: every KDA and indexed layer; drafter: the MTP layer):
 - `kda`  (slot, fp32)  the recurrent state S [H, d, d] of each KDA layer;
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5mtp_cli.engine.cache import CachedRows, CachedSlots, cached_rows, cached_slots
+from glm5mtp_cli.core.cached import CachedRows, CachedSlots, cached_rows, cached_slots
 from glm5mtp_cli.errors import UserError
-from glm5mtp_cli.engine import sync_free
+from glm5mtp_cli.core import sync_free
 from glm5mtp_cli.models.glm5_next.decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM
 from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
 from glm5mtp_cli.models.glm5_next.layout import LM_HEAD, PREFIX

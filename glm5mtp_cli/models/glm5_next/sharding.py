@@ -16,7 +16,7 @@ attention, the DeepSeek/GLM-5 split for the rest):
   the shared expert is column/row parallel; routed + shared partials are summed in ONE all-reduce
   per layer. Dense MLPs: column/row parallel, one all-reduce.
 - mHC parameters, norms and the MTP layer's eh_proj are replicated; `embed_tokens` / `lm_head` are
-  split by vocabulary (engine.parallel's vocab-parallel modules), the MTP layer uses the target's.
+  split by vocabulary (core.parallel's vocab-parallel modules), the MTP layer uses the target's.
 - The MTP layer follows the same rules on every rank (its proposer runs in lockstep: the engine steps every rank alike).
 
 As for GLM-5, a module built on the meta device is sharded in place and the slicing plan
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from glm5mtp_cli.engine.parallel import (Comm, Plan, check_divides, shard_linear, shard_mla_heads, shard_mlp, shard_moe,
+from glm5mtp_cli.core.parallel import (Comm, Plan, check_divides, shard_linear, shard_mla_heads, shard_mlp, shard_moe,
                                          shard_param, split_even, vocab_parallel)
 from glm5mtp_cli.models.glm5.layers import MoE
 from glm5mtp_cli.models.glm5_next.config import NextConfig

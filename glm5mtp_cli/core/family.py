@@ -2,7 +2,7 @@
 
 A family turns a config.json into a config object, names its per-sequence state components with
 their sizes, builds its target and MTP layer (on the meta device, for the loader to fill), shards
-them over ranks, and makes the DraftProposer of its MTP layer. The engine, the loader and the
+them over ranks, and hands the engine what its MTP head drafts with. The engine, the loader and the
 diagnostics only ever see these; none of them names a model.
 
 State components are of two kinds. `rows`: paged rows that grow with the tokens a sequence holds
@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from glm5mtp_cli.models.dtypes import dtype_bytes
+from glm5mtp_cli.core.dtypes import dtype_bytes
 
 if TYPE_CHECKING:  # no torch until a model is built: `info` reads the config alone
     import torch
@@ -35,7 +35,7 @@ class StateComponent:
     kind: str  # ROWS | SLOT
     layers: int  # model layers holding this component
     shape: tuple[int, ...]  # per layer: one row's (width,) for ROWS, the whole state for SLOT
-    dtype: str  # the element type's name, as torch names it ("bfloat16"; models/dtypes.py)
+    dtype: str  # the element type's name, as torch names it ("bfloat16"; core/dtypes.py)
 
     @property
     def short(self) -> str:
@@ -52,6 +52,17 @@ class StateComponent:
         if self.kind == SLOT:
             return self.unit_bytes
         return math.ceil(tokens / block_size) * block_size * self.unit_bytes
+
+
+@dataclass(frozen=True)
+class MtpParts:
+    """What the engine's MTP head (engine/mtp_head.py) drafts with: the family's MTP layer, the
+    target's embedding and head it shares, and whether a draft chains on the normed hidden."""
+
+    layer: Any  # nn.Module: the MTP layer
+    embed: Any  # nn.Module: the target's embed_tokens
+    head: Any  # nn.Module: the target's lm_head
+    carry_normed: bool
 
 
 class ModelFamily(Protocol):
@@ -78,7 +89,7 @@ class ModelFamily(Protocol):
     def split_over_ranks(self, name: str) -> bool: ...  # whether --tp splits a checkpoint tensor  # one UserError line when cfg cannot split tp (> 1) ways
     def shard_target(self, model, comm): ...
     def shard_mtp(self, layer, comm, prefix: str): ...
-    def make_proposer(self, target, mtp, pools, config, draft_ids=None): ...  # config: engine.config.EngineConfig
+    def mtp_parts(self, target, mtp) -> MtpParts: ...  # what the engine's MTP head drafts with
     # checkpoint bytes and `info`: how each tensor is stored and which component it counts under
     def component_of(self, cfg, name: str) -> str: ...
     def info_components(self, cfg) -> tuple[str, ...]: ...
@@ -87,3 +98,4 @@ class ModelFamily(Protocol):
     def config_dict(self, cfg, quantization: dict | None) -> dict[str, Any]: ...  # config.json beside written weights
     # bench's baseline: transformers' model of this family on the checkpoint in `folder` (target only)
     def transformers_model(self, folder: str, dtype: torch.dtype) -> torch.nn.Module: ...
+

@@ -95,7 +95,7 @@ class Comm:
 
 def check_tp(cfg, tp: int) -> None:
     """One clear line when the model cannot be split `tp` ways (the family's divisibility rules)."""
-    from glm5mtp_cli.models import family_of
+    from glm5mtp_cli.core.families import family_of
 
     if tp < 1:
         raise UserError(f"--tp must be >= 1, got {tp}")
