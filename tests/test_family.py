@@ -22,8 +22,9 @@ from torch import nn
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.core.cached import cached_rows
-from glm5mtp_cli.engine.proposer import DraftProposer, ProposerState
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, ProposerState, TreeDrafter
 from glm5mtp_cli.engine.speculate import SpecEngine
+from glm5mtp_cli.engine.verify import VerifyPlan
 from glm5mtp_cli.engine.sequence import Request
 from glm5mtp_cli.core.families import register_family
 from glm5mtp_cli.core.dtypes import dtype_name
@@ -66,25 +67,32 @@ class FakeTarget(nn.Module):
         self.w = nn.Parameter(torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, caches: list, rows="all", real=None) -> FakeOut:
+    def forward(self, ids: torch.Tensor, caches: list, rows="all", real=None, plan=None) -> FakeOut:
         """Token by token on purpose: the reference recurrence, nothing clever to get wrong. real
         (padding rows of a shared prefill forward): nothing to do, the pending commit keeps the
-        state after exactly the rows the engine keeps, and the recurrence is causal."""
-        starts, paged = cached_rows(caches, ids.shape[1], ids.device)
+        state after exactly the rows the engine keeps, and the recurrence is causal. plan: a
+        verify's; row j's state follows its parent's (row 0's: the cached state) and its mean is
+        over the cached rows and its ancestors' (engine/verify.py)."""
+        t = ids.shape[1]
+        parents = plan.parents if plan is not None else tuple(range(-1, t - 1))
+        depths = []
+        for p in parents:
+            depths.append(0 if p < 0 else depths[p] + 1)
+        starts, paged = cached_rows(caches, t, ids.device)
         store = paged["row"]
         hiddens, states = [], []
         for b, c in enumerate(caches):
             n, slot = int(starts[b]), c.slots["rec"]
-            s = slot.pool.data[0, slot.slot]
-            seq = []
-            for j in range(ids.shape[1]):
-                s = torch.tanh(self.w @ s + self.embed[ids[b, j]])
+            before = slot.pool.data[0, slot.slot]
+            cached = store.data[0].index_select(0, store.all[b, :n]).sum(0)
+            seq, sums, means = [], [], []
+            for j, p in enumerate(parents):
+                s = torch.tanh(self.w @ (seq[p] if p >= 0 else before) + self.embed[ids[b, j]])
+                sums.append((sums[p] if p >= 0 else cached) + s)
                 seq.append(s)
-            new = store.new[b * ids.shape[1]:(b + 1) * ids.shape[1]]
-            store.data[0].index_copy_(0, new, torch.stack(seq))
-            kept = store.data[0].index_select(0, store.all[b, : n + ids.shape[1]])
-            means = kept.cumsum(0)[n:] / torch.arange(n + 1, n + ids.shape[1] + 1)[:, None]
-            hiddens.append(torch.cat([torch.stack(seq), means], -1))
+                means.append(sums[-1] / (n + depths[j] + 1))
+            store.data[0].index_copy_(0, store.new[b * t:(b + 1) * t], torch.stack(seq))
+            hiddens.append(torch.cat([torch.stack(seq), torch.stack(means)], -1))
             states.append(torch.stack(seq))
         rec = caches[0].slots["rec"].pool.data
         pending = FakePending(rec, torch.tensor([c.slots["rec"].slot for c in caches]), torch.stack(states))
@@ -171,6 +179,30 @@ class SpoilingProposer:
     def greedy_chain(self, ids, hidden, starts, last_real, context_at, gamma):
         raise NotImplementedError("eager only")
 
+    def propose_tree(self, feed, states, plan) -> Drafts:
+        """A tree plan's rows: a row's c-th child guesses the c-th candidate at it: its top-1, spoiled
+        where q + d is divisible by 5 (a step of 3 or 4 accepted rows, these trees' whole paths, moves
+        the spoiled depth: 3's would not), then the unspoiled top-1 where that was spoiled (else the top-2), so each branch is
+        right where the other is wrong. Row d deep drafts at position q + d, q the feed's last, as a
+        chain's d-th draft does."""
+        rows = []
+        for j, st in enumerate(states):
+            k = feed.counts[j]
+            q = st.cache.length + k
+            st.cache.length += k
+            hidden = self.target.advance(feed.hiddens[j, k - 1][None], feed.tokens[j, k - 1][None], torch.tensor([q]))
+            picks, tokens, hiddens, seen = [], [], [hidden], [0]
+            for i, (p, d) in enumerate(zip(plan.parents[1:], plan.depths[1:]), 1):
+                logits = self.target.logits(hiddens[p])[0]
+                spoiled = (q + d) % 5 == 0
+                top = logits.topk(2).indices.tolist()
+                candidates = [(top[0] + 1) % logits.shape[0] if spoiled else top[0], top[0] if spoiled else top[1]]
+                token = candidates[plan.parents[1:i].count(p)]
+                tokens.append(token)
+                hiddens.append(self.target.advance(hiddens[p], torch.tensor([token]), torch.tensor([q + d])))
+            rows.append(tokens)
+        return Drafts(torch.tensor(rows), [plan.drafts] * len(states))
+
     def take_drafter_kv(self, state):
         raise NotImplementedError
 
@@ -198,11 +230,12 @@ CFG = FakeConfig()
 PROMPTS = [[1, 2, 3], [4, 0, 6, 5, 2, 1, 3], [2]]
 
 
-def _generate(gamma: int, batch: int) -> tuple[list[list[int]], CachePools, list]:
+def _generate(gamma: int, batch: int, tree: tuple[int, ...] | None = None) -> tuple[list[list[int]], CachePools, list]:
     target = FakeTarget(CFG)
     pools = CachePools.create(CFG, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
     proposer = SpoilingProposer(target) if gamma else None
-    engine = SpecEngine(CFG, target, proposer, pools, EngineConfig(gamma=gamma, max_seq_len=64, eos_ids=(), check_invariants=True, graphs="eager"))
+    engine = SpecEngine(CFG, target, proposer, pools, EngineConfig(gamma=gamma, max_seq_len=64, eos_ids=(), check_invariants=True,
+                                                                   graphs="eager", tree=tree))
     res = engine.generate([Request(p, 30, i) for i, p in enumerate(PROMPTS)], batch_size=batch)
     return [r.tokens for r in res], pools, res
 
@@ -222,6 +255,7 @@ def _reference(prompt: list[int], n: int) -> list[int]:
 
 def test_fake_proposer_meets_the_protocol():
     assert isinstance(SpoilingProposer(FakeTarget(CFG)), DraftProposer)
+    assert isinstance(SpoilingProposer(FakeTarget(CFG)), TreeDrafter)
 
 
 def test_pools_follow_the_family_components():
@@ -249,6 +283,40 @@ def test_speculation_over_a_recurrent_state_is_lossless(gamma, batch):
         proposed = sum(a.proposed for a in acc)
         accepted = sum(a.accepted for a in acc)
         assert 0 < accepted < proposed, "the test needs both accepted and rejected drafts"
+
+
+@pytest.mark.parametrize("tree", [(2, 1), (2, 2), (1, 2, 1)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_tree_plan_is_verified_exactly(tree, batch, monkeypatch):
+    """A tree of drafts through the same engine: each row sees its ancestors only, the accepted path's
+    paged rows are gathered into place and the recurrent state committed at its last row, so greedy
+    output equals full recompute; paths through second branches are taken, and everything goes back."""
+    paths, keep = [], SequenceCache.keep_path
+    monkeypatch.setattr(SequenceCache, "keep_path", lambda c, start, rows: paths.append(rows) or keep(c, start, rows))
+    tokens, pools, res = _generate(len(tree), batch, tree)
+    assert tokens == [_reference(p, 30) for p in PROMPTS]
+    assert not any(pools.blocks_held().values()), "a slot or block stayed held"
+    plan = VerifyPlan.tree(tree)
+    later_child = [r and plan.parents.index(plan.parents[r]) != r for r in range(plan.rows)]  # not its parent's first
+    taken = {"first children only": any(p and not any(later_child[r] for r in p) for p in paths),
+             "a later child": any(later_child[r] for p in paths for r in p)}
+    assert all(taken.values()), taken
+    assert sum(x.acceptance.accepted for x in res) < sum(x.acceptance.steps for x in res) * plan.depth
+
+
+def test_a_tree_takes_its_second_branches():
+    """The verdict of a tree: the deepest accepted row, its path's tokens and rows (first branch
+    wrong, second right; and the reverse)."""
+    from glm5mtp_cli.engine.accept import greedy_verdict, unread
+
+    plan = VerifyPlan.tree((2, 1))  # rows: 0; 1, 2 (children of 0); 3 (of 1), 4 (of 2)
+    target = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])  # the target's token after each row
+    logits = torch.nn.functional.one_hot(target, 10).float()
+    drafts = torch.tensor([[4, 5, 6, 7], [5, 4, 1, 7]])  # row 1..4's tokens
+    v = unread([4, 4], greedy_verdict(logits, drafts, plan=plan), plan)
+    v.read()
+    assert (v.accepted, v.next, v.path) == ([2, 1], [9, 6], [[2, 4], [1, 0]])
+    assert v.draft_ids[0] == [5, 7] and v.draft_ids[1][:1] == [5]
 
 
 def test_a_fixed_size_state_refuses_to_roll_back_past_its_last_forward():

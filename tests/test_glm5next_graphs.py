@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from glm5mtp_cli.engine.verify import VerifyPlan
 from glm5mtp_cli.engine.config import ModelSpec, EngineConfig
 from glm5mtp_cli.engine.graphs import EngineGraphs
 from glm5mtp_cli.engine.runtime import graph_mode, load_runtime, make_engine
@@ -18,6 +19,8 @@ from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.sequence import Request
 from kernels._triton import kernel_path
 from test_graphs import check_seats
+from glm5mtp_cli.engine.hooks import observing
+from observe import ahead_taken
 
 # prompt, max new tokens: different lengths, budgets ending apart
 TEXTS = [("def binary_search(items, target):\n", 14), ("import os\n", 6),
@@ -53,17 +56,14 @@ def _run(rt, gamma, mode, slots, sampling=SamplingParams(), device="cpu"):
 
 @pytest.mark.parametrize("gamma", [0, 3])
 @pytest.mark.parametrize("slots", [1, 3])
-def test_static_forwards_equal_eager(rt, gamma, slots, monkeypatch):
+def test_static_forwards_equal_eager(rt, gamma, slots):
     """Static forwards give eager's tokens; at gamma 3 most steps take the draft chain the step
     before launched ahead (drafting.launch_ahead), from the KDA target's device verdict."""
-    from glm5mtp_cli.engine import drafting
-
     taken = []
-    settle = drafting.settle_ahead
-    monkeypatch.setattr(drafting, "settle_ahead", lambda *a: taken.append(1) or settle(*a))
-    eager = _run(rt, gamma, "eager", slots)
-    assert not taken  # eager forwards have no fused chain to launch ahead
-    static = _run(rt, gamma, "static", slots)
+    with observing(ahead_taken(taken)):
+        eager = _run(rt, gamma, "eager", slots)
+        assert not taken  # eager forwards have no fused chain to launch ahead
+        static = _run(rt, gamma, "static", slots)
     assert bool(taken) == (gamma > 0)
     assert [r.tokens for r in static] == [r.tokens for r in eager]
     assert [(r.acceptance.proposed, r.acceptance.accepted) for r in static] == \
@@ -79,8 +79,8 @@ def test_static_sampling_equals_eager(rt):
     assert [r.tokens for r in _run(rt, 2, "static", 3, params)] == [r.tokens for r in eager]
 
 
-def test_seated_sequences_table_rows_and_slot_indices_name_their_own(rt, monkeypatch):
-    check_seats(rt, _work(rt), 3, monkeypatch)
+def test_seated_sequences_table_rows_and_slot_indices_name_their_own(rt):
+    check_seats(rt, _work(rt), 3)
 
 
 def test_retire_points_the_slot_index_at_scratch_before_the_state_goes_back(rt):
@@ -152,12 +152,12 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         held += sum(t.table.nbytes for owner in g.tables.values() for t in owner.values())
         held += sum(s.index.nbytes for owner in g.slot_index.values() for s in owner.values())
         with kernel_path("all"):  # what CUDA graphs capture: the kernels' branch, joined projections
-            out, verdict = bucket.verify[gamma].run()
+            out, verdict = bucket.verify[VerifyPlan.chain(gamma)].run()
         held += out.logits.nbytes + out.hidden_all.nbytes + verdict.nbytes  # `hidden` shares hidden_all's storage
         records = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # views held whole
                    for r in out.pending.rows for t in (r.q, r.k, r.v, r.f, r.b)}
         held += out.pending.extended.nbytes + sum(records.values())
-        held += bucket.commit[gamma].kept.nbytes
+        held += bucket.commit[VerifyPlan.chain(gamma)].kept.nbytes
         if gamma:
             held += bucket.draft[gamma].run().nbytes
         assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma, 128)

@@ -6,14 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm5mtp_cli.engine.verify import VerifyPlan
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import resolve_model
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.engine.graphs import EngineGraphs, ForwardRunner
+from glm5mtp_cli.engine.hooks import observing
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.sequence import Request
+from observe import Around, ahead_taken
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_a_greedy_static_verify_computes_its_verdict(rt, gamma, monkeypatch):
 
     matched = []
     match = accept.greedy_verdict
-    monkeypatch.setattr(accept, "greedy_verdict", lambda *args: matched.append(args) or match(*args))
+    monkeypatch.setattr(accept, "greedy_verdict", lambda *args, **kw: matched.append(args) or match(*args, **kw))
     _run(rt, gamma, "static", 3)
     assert matched == []
     if gamma:
@@ -67,21 +70,24 @@ def test_a_greedy_static_verify_computes_its_verdict(rt, gamma, monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_greedy_static_step_launches_the_next_draft_chain_ahead(rt, batch, monkeypatch):
+def test_a_greedy_static_step_launches_the_next_draft_chain_ahead(rt, batch):
     """A greedy static engine launches the next step's draft chain before the step's read, from the
     verify's device verdict (speculate._draft_ahead), and the next step takes it. A sequence ending
     on an EOS leaves the others their rows of it (batch 3); a request admitted into its slot has
     none, so that chain is dropped and the step drafts as usual (batch 1). Tokens and acceptance
     equal the eager engine's."""
-    from glm5mtp_cli.engine import drafting
-
     eos = _run(rt, 3, "eager", batch)[0].tokens[6]  # ends request 0 early
     eager = _run(rt, 3, "eager", batch, eos=[eos])
     launched, taken = [], []
-    launch, settle = drafting.launch_ahead, drafting.settle_ahead
-    monkeypatch.setattr(drafting, "launch_ahead", lambda *a: launched.append(len(a[2])) or launch(*a))
-    monkeypatch.setattr(drafting, "settle_ahead", lambda *a: taken.append(len(a[2])) or settle(*a))
-    static = _run(rt, 3, "static", batch, eos=[eos])
+
+    def launch(engine, draft_ahead, active, *args):
+        ahead = draft_ahead(active, *args)
+        if ahead is not None:
+            launched.append(len(active))
+        return ahead
+
+    with observing(ahead_taken(taken)), observing(Around({"draft_ahead": launch})):
+        static = _run(rt, 3, "static", batch, eos=[eos])
     assert [r.tokens for r in static] == [r.tokens for r in eager]
     assert [(r.acceptance.proposed, r.acceptance.accepted) for r in static] == \
         [(r.acceptance.proposed, r.acceptance.accepted) for r in eager]
@@ -154,37 +160,37 @@ def test_sequences_finishing_early_are_retired_to_scratch(rt):
     assert any(held.values())
 
 
-def check_seats(rt, requests: list[tuple[list[int], int]], slots: int, monkeypatch) -> None:
+def check_seats(rt, requests: list[tuple[list[int], int]], slots: int) -> None:
     """An admission seats its sequences in one copy (EngineGraphs.occupy): after each schedule,
     every seated slot's row of every table names its sequence's blocks, scratch past them, and its
     slot indices name its state slots (GLM-5-Next's test calls this too)."""
-    from glm5mtp_cli.engine.speculate import SpecEngine
+    from glm5mtp_cli.engine.hooks import watch
 
     pools = rt.make_pools(128, slots, block_size=4)
     engine = make_engine(rt, pools, EngineConfig(gamma=2, max_seq_len=128, eos_ids=(), check_invariants=True, graphs="static"))
     seated = set()
-    schedule = SpecEngine._schedule
 
-    def checked(self, run):
-        active = schedule(self, run)
+    def checked(engine, schedule, run):
+        active = schedule(run)
         for seq in active:
-            for owner, cache in self._slot_caches(seq).items():
-                for name, t in self.runner.graphs.tables.get(owner, {}).items():
+            caches = {"target": seq.cache, "drafter": seq.state.cache}
+            for owner, cache in caches.items():
+                for name, t in engine.runner.graphs.tables.get(owner, {}).items():
                     blocks, row = cache.rows[name].blocks, t.table[seq.slot].tolist()
                     assert row == blocks + [t.scratch] * (len(row) - len(blocks)), (owner, name)
-                for name, index in self.runner.graphs.slot_index.get(owner, {}).items():
+                for name, index in engine.runner.graphs.slot_index.get(owner, {}).items():
                     assert int(index.index[seq.slot]) == cache.slots[name].slot, (owner, name)
             seated.add((seq.req.request_id, seq.slot))
         return active
 
-    monkeypatch.setattr(SpecEngine, "_schedule", checked)
+    watch(engine, Around({"schedule": checked}))
     engine.generate([Request(p, n, i) for i, (p, n) in enumerate(requests)], batch_size=slots)
     engine.close()
     assert {r for r, _ in seated} == set(range(len(requests))) and {s for _, s in seated} == set(range(slots))
 
 
-def test_seated_sequences_table_rows_name_their_blocks(rt, monkeypatch):
-    check_seats(rt, REQUESTS, 2, monkeypatch)
+def test_seated_sequences_table_rows_name_their_blocks(rt):
+    check_seats(rt, REQUESTS, 2)
 
 
 def test_copy_ints_many_writes_whole_tensors_and_chosen_rows():
@@ -254,7 +260,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         for f in bucket.forwards():
             held += sum(t.nbytes for t in (f.ids, f.hidden, f.starts, f.rows) if t is not None)
         held += sum(t.table.nbytes for owner in g.tables.values() for t in owner.values())
-        out, verdict = bucket.verify[gamma].run()
+        out, verdict = bucket.verify[VerifyPlan.chain(gamma)].run()
         held += out.logits.nbytes + out.hidden_all.nbytes + verdict.nbytes  # `hidden` shares hidden_all's storage
         if gamma:
             held += bucket.draft[gamma].run().nbytes

@@ -99,3 +99,9 @@ class ModelFamily(Protocol):
     # bench's baseline: transformers' model of this family on the checkpoint in `folder` (target only)
     def transformers_model(self, folder: str, dtype: torch.dtype) -> torch.nn.Module: ...
 
+
+def refuse_tree(plan) -> None:
+    """A target whose rows attend causally verifies a chain of drafts only: a tree's rows must see their
+    ancestors alone (plan: an engine verify plan, or None for a plain forward)."""
+    if plan is not None and not plan.is_chain:
+        raise NotImplementedError("this model verifies chains of drafts only, as yet")

@@ -1,6 +1,7 @@
 """The accept phase of a step: what one verify keeps of each sequence's drafts (greedy match,
 rejection sampling, or --synthetic-acceptance's draws), read to the host once, as a Verdict; and
-the drafter rows the next propose is fed from it."""
+the drafter rows the next propose is fed from it. A verdict is a path through the verify's plan
+(engine/verify.py): a chain's is its first `accepted` drafts; a tree's names its rows too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from glm5mtp_cli.engine.proposer import Drafts
 from glm5mtp_cli.engine.sampling import accept_rejection, choose
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
+from glm5mtp_cli.engine.verify import VerifyPlan
 
 
 @dataclass
@@ -18,15 +20,19 @@ class Verdict:
     """What one verify decided per sequence. On the device: the next tokens and the accepted counts
     (the target's commit and the drafter's next feed are queued from them before any host read).
     On the host once `read`: drafts proposed and accepted, the target's next token and the drafted
-    ids (empty or None without drafts)."""
+    ids along the accepted path (a chain: all its drafts; empty without drafts), and a tree's path
+    rows. The rows [A, 2 + g] are (accepted, next, the g drafts), a tree's [A, 2 + 2 D] (accepted,
+    next, the D tokens and D rows of its path; past `accepted`: placeholders)."""
 
     proposed: list[int]
     next_dev: torch.Tensor
     accepted_dev: torch.Tensor
-    rows: torch.Tensor | None = None  # greedy_verdict's rows [A, 2 + g] while still unread
+    rows: torch.Tensor | None = None  # while still unread
+    plan: VerifyPlan | None = None  # None: a chain
     accepted: list[int] | None = None
     next: list[int] | None = None
     draft_ids: list[list[int]] | None = None
+    path: list[list[int]] | None = None  # a tree's accepted rows, row 0 left out
     _host: torch.Tensor | None = None  # the rows' host copy while it lands (fetch)
     _landed: object = None  # its CUDA event
 
@@ -46,7 +52,20 @@ class Verdict:
                 self._landed.synchronize()
             host = (self._host if self._host is not None else self.rows).tolist()
             self.rows, self._host, self._landed = None, None, None
-            self.accepted, self.next, self.draft_ids = [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
+            self.accepted, self.next = [r[0] for r in host], [r[1] for r in host]
+            d = self.plan.depth if self.plan is not None else None
+            self.draft_ids = [r[2:2 + d] if d is not None else r[2:] for r in host]
+            if d is not None:
+                self.path = [r[2 + d:] for r in host]
+
+    @property
+    def last_row_dev(self) -> torch.Tensor:
+        """[A] on the device: each sequence's last accepted row of the verify (a chain's: its count)."""
+        if self.plan is None:
+            return self.accepted_dev
+        path = self.rows[:, 2 + self.plan.depth:]
+        at = (self.accepted_dev - 1).clamp(min=0)[:, None]
+        return torch.where(self.accepted_dev > 0, path.gather(1, at)[:, 0], 0)
 
     def clip(self, caps: list[int], eos: set[int]) -> None:
         """Once read: each sequence's accepted drafts cut at its first drafted EOS and at caps[i] (the
@@ -81,11 +100,15 @@ def clip_rows(rows: torch.Tensor, caps: torch.Tensor, eos: torch.Tensor) -> torc
     return torch.cat([cut[:, None], torch.where(cut < acc, at_cut, rows[:, 1])[:, None], drafts], dim=1)
 
 
-def greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor, proposed: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor, proposed: torch.Tensor | None = None,
+                   plan: VerifyPlan | None = None) -> torch.Tensor:
     """Greedy match on the device: [A, 2 + g] rows of (drafts accepted, the target's next token, the
     g drafts) from the verified logits [A, g + 1, V] and the drafts [A, g] (g may be 0). proposed
     [A]: where a confidence stop proposed fewer, the drafts past them are not matched. Also traced
-    into a greedy engine's verify graphs (graphs.py), so that their accept is one read."""
+    into a greedy engine's verify graphs (graphs.py), so that their accept is one read. A tree plan:
+    tree_verdict's rows."""
+    if plan is not None and not plan.is_chain:
+        return tree_verdict(logits, drafts, plan)
     target_tokens = logits.argmax(-1)  # [A, g + 1]
     match = target_tokens[:, :-1] == drafts
     if proposed is not None:
@@ -94,20 +117,41 @@ def greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor, proposed: torch.T
     return torch.cat([acc[:, None], target_tokens.gather(1, acc[:, None]), drafts], dim=1)
 
 
+def tree_verdict(logits: torch.Tensor, drafts: torch.Tensor, plan: VerifyPlan) -> torch.Tensor:
+    """Greedy match over a tree plan's rows: a row is accepted where its parent is and its draft is the
+    target's token there; the deepest accepted row (the first in the plan's order among the deepest)
+    ends the path. -> [A, 2 + 2 D] rows (Verdict)."""
+    target_tokens = logits.argmax(-1)  # [A, R]
+    ok = [torch.ones_like(target_tokens[:, 0], dtype=torch.bool)]
+    for i, p in enumerate(plan.parents[1:], 1):
+        ok.append(ok[p] & (drafts[:, i - 1] == target_tokens[:, p]))
+    depth = torch.tensor(plan.depths, device=logits.device)
+    order = torch.arange(plan.rows, 0, -1, device=logits.device)  # earlier rows win ties
+    best = torch.where(torch.stack(ok, 1), depth * (plan.rows + 1) + order, 0).argmax(1)  # [A]
+    ancestors = [[plan.ancestors(r)[d] if d < len(plan.ancestors(r)) else 0 for d in range(1, plan.depth + 1)]
+                 for r in range(plan.rows)]
+    path = torch.tensor(ancestors, device=logits.device)[best]  # [A, D]
+    tokens = torch.cat([torch.zeros_like(drafts[:, :1]), drafts], dim=1).gather(1, path)  # row 0's: a placeholder
+    return torch.cat([depth[best][:, None], target_tokens.gather(1, best[:, None]), tokens, path], dim=1)
+
+
 def accept(drafts: Drafts | None, logits: torch.Tensor, gens: list, sampling,
-           verdict: torch.Tensor | None = None) -> Verdict:
+           verdict: torch.Tensor | None = None, plan: VerifyPlan | None = None) -> Verdict:
     """Greedy match or rejection sampling (each sequence from its own stream, gens) over the
     verified logits [A, g + 1, V]; greedy decides on the device and is read later, once
     (Verdict.read). verdict: greedy_verdict of these logits and drafts, already computed (a verify
     graph's), taken where every sequence proposed all its drafts."""
     proposed = drafts.counts if drafts is not None else [0] * logits.shape[0]
+    tree = plan if plan is not None and not plan.is_chain else None
     if sampling.greedy:
         tokens = drafts.tokens if drafts is not None else logits.new_empty((logits.shape[0], 0), dtype=torch.long)
         if min(proposed, default=0) < tokens.shape[1]:  # a confidence stop proposed fewer drafts somewhere
             verdict = greedy_verdict(logits, tokens, torch.tensor(proposed, device=logits.device))
         elif verdict is None:
-            verdict = greedy_verdict(logits, tokens)
-        return unread(proposed, verdict)
+            verdict = greedy_verdict(logits, tokens, plan=tree)
+        return unread(proposed, verdict, tree)
+    if tree is not None:
+        raise NotImplementedError("a tree plan's drafts are accepted greedily only, as yet")
     acc, nxt = [], []
     no_drafts = logits.new_empty(0, dtype=torch.long)
     for i, gen in enumerate(gens):
@@ -132,15 +176,22 @@ def accept_synthetic(drafts: Drafts, logits: torch.Tensor, gens: list, sampling,
     return unread(proposed, torch.cat([acc[:, None], nxt[:, None], tokens], dim=1))
 
 
-def unread(proposed: list[int], rows: torch.Tensor) -> Verdict:
-    """A Verdict of rows [A, 2 + g] (greedy_verdict's) still on the device; its device tensors are
-    views of them."""
-    return Verdict(proposed, rows[:, 1], rows[:, 0], rows)
+def unread(proposed: list[int], rows: torch.Tensor, plan: VerifyPlan | None = None) -> Verdict:
+    """A Verdict of rows (greedy_verdict's) still on the device; its device tensors are views of
+    them. plan: a tree's (None: a chain)."""
+    return Verdict(proposed, rows[:, 1], rows[:, 0], rows, plan)
 
 
-def drafter_feed(drafts: torch.Tensor, acc: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
-    """[A, g + 1] device rows whose first a_i + 1 are sequence i's next drafter tokens: its a_i
-    accepted drafts, then the target's token (built once for the batch: no host copy of tokens,
-    and an unchanged batch's next draft reads it whole, proposer.Feed)."""
-    pos = torch.arange(drafts.shape[1] + 1, device=drafts.device)
-    return torch.where(pos[None, :] < acc[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), nxt[:, None])
+def drafter_feed(v: Verdict, drafts: torch.Tensor, hidden_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's next feed from the verdict's device rows: tokens [A, D + 1] whose first a_i + 1 are
+    sequence i's next drafter tokens (its a_i accepted drafts, then the target's token), and the
+    verify's hiddens along the accepted path (a chain's: all of them, in place). Built once for the
+    batch: no host copy of tokens, and an unchanged batch's next draft reads it whole (proposer.Feed)."""
+    path = drafts if v.plan is None else v.rows[:, 2:2 + v.plan.depth]
+    pos = torch.arange(path.shape[1] + 1, device=path.device)
+    tokens = torch.where(pos[None, :] < v.accepted_dev[:, None], torch.cat([path, path[:, :1]], dim=1),
+                         v.next_dev[:, None])
+    if v.plan is None:
+        return tokens, hidden_all
+    rows = torch.cat([torch.zeros_like(path[:, :1]), v.rows[:, 2 + v.plan.depth:]], dim=1)
+    return tokens, hidden_all.gather(1, rows[:, :, None].expand(-1, -1, hidden_all.shape[-1]))

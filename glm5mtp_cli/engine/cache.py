@@ -109,6 +109,13 @@ class PagedRows:
         self.blocks = []
         self._table = None
 
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Rows at positions src to positions dst, every layer's (the sources read before any is written)."""
+        bs = self.pool.block_size
+        at = [[self.blocks[p // bs] * bs + p % bs for p in ps] for ps in (src, dst)]
+        src_slots, dst_slots = (to_device(a, self.pool.data.device) for a in at)
+        self.pool.data.index_copy_(1, dst_slots, self.pool.data.index_select(1, src_slots))
+
 
 class SlotPool:
     """One fixed-size state component (a recurrent state) for all of its layers: data[layer,
@@ -212,6 +219,15 @@ class SequenceCache:
         end = self.length + num_new
         if end > self.capacity:
             self.reserve(end)
+
+    def keep_path(self, start: int, rows: list[int]) -> None:
+        """After a tree verify appended its rows at `start`: the accepted path's rows (their offsets
+        past `start`, root left out) become rows start + 1, start + 2, ... (a chain's already are).
+        A fixed-size state keeps its path through the target's commit, not here."""
+        moved = [(start + r, start + 1 + k) for k, r in enumerate(rows) if r != k + 1]
+        for part in self.rows.values():
+            if moved:
+                part.move(*map(list, zip(*moved)))
 
     def truncate(self, length: int) -> None:
         """Drop rows past `length` (they are overwritten by the next append)."""

@@ -117,6 +117,7 @@ class EngineConfig:
     constraint: Constraint | None = None  # every request's (a prompt line's own replaces it): engine/grammar.py
     constrain_after: int | None = None  # token id after which constraints start (--constrain-after)
     draft_mask: bool = True  # mask the drafter's logits too (--no-draft-mask: only the verify's)
+    tree: tuple[int, ...] | None = None  # verify a tree of drafts (children per depth, engine/verify.py), not a chain
 
     def __post_init__(self):
         if not 0 <= self.gamma <= MAX_GAMMA:
@@ -155,6 +156,18 @@ class EngineConfig:
                             "CUDA graphs on")
         if self.compile not in (None, "off") and self.graphs == "eager":
             raise UserError(f"--compile {self.compile} compiles the static forwards: eager mode has none")
+        if self.tree is not None:
+            self._check_tree()
+
+    def _check_tree(self) -> None:
+        """A tree plan, as yet: greedy, at a fixed gamma (its depth), unconstrained and eager."""
+        if any(k < 1 for k in self.tree) or len(self.tree) != self.gamma:
+            raise UserError(f"a tree of {len(self.tree)} depths needs --gamma {len(self.tree)} and a child "
+                            f"at least per row, got {self.tree} at gamma {self.gamma}")
+        if not self.sampling.greedy or self.gamma_policy != "fixed" or self.graphs != "eager":
+            raise UserError("a tree of drafts is verified greedily at a fixed gamma in eager mode only, as yet")
+        if self.draft_conf_tau is not None or self.synthetic_acceptance is not None or self.constraint is not None:
+            raise UserError("a tree of drafts takes no --draft-conf-tau, --synthetic-acceptance or constraint, as yet")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5mtp_cli.core.host_copy import to_device
-from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState, check_aligned
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, Feed, ProposerState, TreeDrafter, check_aligned
 
 
 def fusable(sampling, tau: float | None) -> bool:
@@ -42,6 +42,15 @@ def propose(head: DraftProposer, runner, feed: Feed, states: list[ProposerState]
     drafts = (Drafts(fused, [g] * len(states)) if fused is not None
               else _chain(head, runner, feed, caches, states, g, tau, masks))
     return _record(drafts, feed, states)
+
+
+def propose_tree(head: TreeDrafter, feed: Feed, states: list[ProposerState], plan) -> Drafts:
+    """A tree plan's drafts for the batch's sequences, drafted by the proposer itself (eager: no
+    forward of a tree's drafting is described to the runner, as yet)."""
+    for st in states:
+        check_aligned(st.real_rows, st)
+    head.start_propose()
+    return _record(head.propose_tree(feed, states, plan), feed, states)
 
 
 def _record(drafts: Drafts, feed: Feed, states: list[ProposerState]) -> Drafts:

@@ -6,8 +6,9 @@ its whole draft chain in one forward) over static device buffers, run eagerly (t
 this with eager). cuda: the same forwards captured as CUDA graphs and replayed.
 
 Built once per engine (EngineGraphs), for a set of batch-size buckets (1, 2, 4, ... up to the
-engine's slot count, as vLLM and nano-vllm do) and, per bucket, for every gamma the engine may use
-in a step (a verify of g + 1 rows and a fused greedy chain of g drafts per g). A step of A active
+engine's slot count, as vLLM and nano-vllm do) and, per bucket, for every verify plan the engine may
+use in a step (engine/verify.py; a chain of g drafts: g + 1 rows) and a fused greedy chain of g drafts
+per gamma g. A step of A active
 sequences replays the smallest bucket >= A; its rows 0..A-1 are the active sequences in order and
 rows A.. are padding that reads and writes only the scratch block.
 
@@ -32,7 +33,8 @@ like the tables. A forward only reads those states; the target's commit records 
 outputs (with the slot indices the forward read), which the runner keeps until the engine's
 `commit` after the accept hands the accepted counts to the target (Target.commit, device tensors
 alone), before that graph's next replay: on CUDA a graph of its own per verify forward, captured
-after it (static.StaticCommit), reading the counts from a buffer.
+after it (static.StaticCommit), reading the counts from a buffer. A verify returns what the accept
+and the commit need as a VerifyRecord: the runner keeps nothing of it between calls.
 One memory pool, the runner's, holds every graph set's captures (decode, verify, draft chain, the
 prefill's buckets, bench's steps). Graphs sharing a pool may reuse each other's freed
 intermediates, so a replay may overwrite what another graph left; that is safe because every
@@ -60,12 +62,14 @@ from dataclasses import dataclass
 import torch
 
 from glm5mtp_cli.engine.accept import greedy_verdict
+from glm5mtp_cli.engine.hooks import watch
 from glm5mtp_cli.engine.cache import CachePools, SlotPool
 from glm5mtp_cli.core.cached import cached_rows
 from glm5mtp_cli.core.host_copy import copy_ints, copy_ints_many, to_device
 from glm5mtp_cli.engine.prefill_graphs import PrefillForwards
 from glm5mtp_cli.engine.proposer import Feed
 from glm5mtp_cli.engine.static import SlotIndex, StaticCommit, StaticForward, StaticVerdict, Table, sequences_forward
+from glm5mtp_cli.engine.verify import VerifyPlan, VerifyRecord
 from glm5mtp_cli.errors import UserError
 from kernels.bitmask import apply_bitmask
 
@@ -100,8 +104,8 @@ def verify_forward(target, greedy: bool):
 
 @dataclass
 class _Bucket:
-    """The static forwards of one batch size: verify[g] (g + 1 rows), and the drafter's fused greedy
-    chain draft[g], or (sampling) its catch-up and chain step. `idx`: each row's table row."""
+    """The static forwards of one batch size: verify[plan] (plan.rows rows), and the drafter's fused
+    greedy chain draft[g], or (sampling) its catch-up and chain step. `idx`: each row's table row."""
 
     size: int
     idx: torch.Tensor
@@ -109,8 +113,8 @@ class _Bucket:
     draft: dict
     catchup: StaticForward | None = None
     chain: StaticForward | None = None
-    commit: dict | None = None  # verify[g]'s StaticCommit, for targets with fixed-size state
-    verdicts: dict | None = None  # verify[g]'s StaticVerdict, captured for a greedy engine's constrained runs
+    commit: dict | None = None  # verify[plan]'s StaticCommit, for targets with fixed-size state
+    verdicts: dict | None = None  # verify[plan]'s StaticVerdict, captured for a greedy engine's constrained runs
     idx_slots: list[int] | None = None  # the engine slots `idx` points its rows at now
 
     def forwards(self) -> list[StaticForward]:
@@ -122,7 +126,7 @@ class _Bucket:
 
 
 class EngineGraphs:
-    """An engine's static forwards for every bucket and gamma, over its block tables."""
+    """An engine's static forwards for every bucket, verify plan and gamma, over its block tables."""
 
     def __init__(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
                  hidden: tuple[int, torch.dtype] | None, device: torch.device, mempool, greedy: bool,
@@ -179,10 +183,11 @@ class EngineGraphs:
         dev = self.device
         idx = torch.full((b,), self.slots, dtype=torch.long, device=dev)  # every row on the scratch row
         tt, ts = self.tables["target"], self.slot_index["target"]
-        verify = {g: StaticForward(target.context, verify_forward(target, greedy), b, g + 1, tt, dev, idx=idx, slots=ts)
-                  for g in gammas}
-        commit = {g: StaticCommit(target, f) for g, f in verify.items()} if target.reads_slots else None
-        verdicts = {g: StaticVerdict(f, self.mask_words) for g, f in verify.items()} if self.masked else None
+        plans = [VerifyPlan.chain(g) for g in gammas]  # static forwards verify chains: causal rows
+        verify = {p: StaticForward(target.context, verify_forward(target, greedy), b, p.rows, tt, dev, idx=idx, slots=ts)
+                  for p in plans}
+        commit = {p: StaticCommit(target, f) for p, f in verify.items()} if target.reads_slots else None
+        verdicts = {p: StaticVerdict(f, self.mask_words) for p, f in verify.items()} if self.masked else None
         bucket = _Bucket(b, idx, verify, {}, commit=commit, verdicts=verdicts)
         if proposer is None or max(gammas) == 0:
             return bucket
@@ -282,6 +287,9 @@ class ForwardRunner:
     catch-up, chain-step and fused-chain forwards; nothing else in the engine knows the mode."""
 
     MODES = ("eager", "static", "cuda")
+    PHASES = {"runner.open": "open", "runner.step": "step", "runner.verify": "verify", "runner.mask": "mask", "runner.catchup": "catchup",
+              "runner.chain_step": "chain_step", "runner.fused_chain": "fused_chain",
+              "runner.fused_chain_ahead": "fused_chain_ahead"}  # as observers see them (engine/hooks.py)
 
     def __init__(self, mode: str, device: torch.device, compile: str = "off", compile_mode: str = "default"):
         """mode, compile, compile_mode: a resolved EngineConfig's (runtime.resolve)."""
@@ -302,9 +310,7 @@ class ForwardRunner:
         self.sequences: list[StaticForward] = []  # bench's steps (sequences_step)
         self.bucket: _Bucket | None = None
         self.active = 0
-        self.pending = None  # the last verify's commit records (Target.commit), until `commit`
-        self.committer: StaticCommit | None = None  # the static commit of the verify that left them
-        self.verdict: torch.Tensor | None = None  # a greedy static verify's verdict (verify_forward), until the next
+        watch(self)
 
     # ---- the engine's lifetime --------------------------------------------------------------
     def open(self, target, proposer, pools: CachePools, slots: int, max_blocks: int, gammas: list[int],
@@ -394,50 +400,41 @@ class ForwardRunner:
         self.sequences = []
 
     # ---- the target -------------------------------------------------------------------------
-    def verify(self, target, ids: torch.Tensor, caches: list):
-        """The target forward over ids [A, T] appended to each active sequence's cache."""
+    def verify(self, target, ids: torch.Tensor, caches: list, plan: VerifyPlan) -> VerifyRecord:
+        """The target forward over ids [A, plan.rows] appended to each active sequence's cache."""
         if self.graphs is None:
-            out = target(ids, caches, rows="all")
-            self.pending, self.verdict = out.pending, None
-            return out
-        f = self.bucket.verify[ids.shape[1] - 1]
+            out = target(ids, caches, rows="all", plan=plan)
+            return VerifyRecord(plan, out.logits, out.hidden_all, target, out.pending)
+        f = self.bucket.verify.get(plan)
+        if f is None:
+            raise UserError(f"a verify of plan {plan.parents} runs eagerly only, as yet: run it with --no-cuda-graphs")
         a = len(caches)
         f.ids[:a].copy_(ids)
         f.set_starts(self._starts(f, caches, [f.t] * a, "verify"))
         for c in caches:
             c.prepare(f.t)  # within capacity (_starts): reserves nothing
         out, verdict = f.run()
-        self.pending = out.pending  # the graph's outputs: committed before its next replay
-        self.committer = self.bucket.commit[ids.shape[1] - 1] if self.bucket.commit else None
         for c in caches:
             c.length += f.t
-        # logits are read before the next replay; the hiddens and the verdict's device tokens are
-        # kept a step (the next verify's first ids; a backlog's rows): copied out
-        self.verdict = verdict[:a].clone() if verdict is not None else None
-        return type(out)(out.logits[:a], None, hidden_all=out.hidden_all[:a].clone())
+        # logits are read before the next replay, the commit records committed before it; the hiddens
+        # and the verdict's device tokens are kept a step (the next verify's first ids; a backlog's
+        # rows): copied out
+        return VerifyRecord(plan, out.logits[:a], out.hidden_all[:a].clone(), target, out.pending,
+                            self.bucket.commit[plan] if self.bucket.commit else None,
+                            verdict[:a].clone() if verdict is not None else None,
+                            self.bucket.verdicts.get(plan) if self.bucket.verdicts else None)
 
-    def mask(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+    @staticmethod
+    def mask(record: VerifyRecord, rows: torch.Tensor) -> None:
         """The step's grammar masks, host rows [A, T, W] (engine/grammar.py), applied in place to the
-        last verify's logits [A, T, V]. Where that verify was captured with its masked verdict, that
-        is one replay and becomes `verdict`; else the masks go to the device and the verdict is left
-        to the accept."""
-        v = self.bucket.verdicts.get(rows.shape[1] - 1) if self.graphs is not None and self.bucket.verdicts else None
-        if v is None:
-            apply_bitmask(logits, rows.to(logits.device, non_blocking=True))
-            self.verdict = None
+        record's logits [A, T, V]. Where its verify was captured with its masked verdict, that is one
+        replay and becomes the record's verdict; else the masks go to the device and the verdict is
+        left to the accept."""
+        if record.masked is None:
+            apply_bitmask(record.logits, rows.to(record.logits.device, non_blocking=True))
+            record.verdict = None
             return
-        self.verdict = v.run(rows).clone()
-
-    def commit(self, target, accepted: torch.Tensor) -> None:
-        """The last verify's fixed-size state keeps each sequence's accepted drafts and the row
-        before them (accepted [A] on the device); a bucket's padding rows keep none."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        if self.graphs is None:
-            target.commit(pending, accepted + 1)
-        else:
-            self.committer.run(pending, accepted)
+        record.verdict = record.masked.run(rows).clone()
 
     # ---- the drafter (called by the engine's drafting) ----------------------------------------
     def catchup(self, proposer, feed: Feed, caches: list):

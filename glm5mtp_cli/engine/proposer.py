@@ -188,5 +188,14 @@ class DraftProposer(Protocol):
     def free_drafter_kv(self, kv: DrafterKV) -> None: ...
 
 
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """A proposer that also drafts a tree plan's rows (engine/verify.py): drafts [A, plan.drafts] in the
+    plan's row order, each row's token a guess at the target's token after its parent, from each
+    sequence's pending feed (its real rows are appended, as a chain's propose appends them)."""
+
+    def propose_tree(self, feed: "Feed", states: list[ProposerState], plan) -> "Drafts": ...
+
+
 class CatchupMisaligned(ValueError):
     """A catch-up feed that does not start at the drafter's current row count."""

@@ -38,20 +38,22 @@ from glm5mtp_cli.engine.cache import CachePools, SequenceCache
 from glm5mtp_cli.core.host_copy import to_device
 from glm5mtp_cli.engine.carry import CarryPlan, hand_back, install
 from glm5mtp_cli.engine.clock import Clock, StepTimes
-from glm5mtp_cli.engine.config import EngineConfig
+from glm5mtp_cli.engine.config import MAX_GAMMA, EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy
 from glm5mtp_cli.engine import drafting
 from glm5mtp_cli.engine.accept import Verdict, accept, accept_synthetic, drafter_feed
 from glm5mtp_cli.engine.grammar import Grammars, StepMasks
 from glm5mtp_cli.engine.graphs import ForwardRunner, table_blocks
+from glm5mtp_cli.engine.hooks import watch
 from glm5mtp_cli.engine.metrics import Acceptance
 from glm5mtp_cli.engine.prefill import prefill_drafters, prefill_targets
 from glm5mtp_cli.engine.prefill_graphs import graph_rows
-from glm5mtp_cli.engine.proposer import DraftProposer, Drafts
+from glm5mtp_cli.engine.proposer import DraftProposer, Drafts, TreeDrafter
 from glm5mtp_cli.engine.sampling import choose, request_stream
 from glm5mtp_cli.engine.sequence import (BatchRow, LiveSequence, Request, SeqResult, StepRecord, budget_tokens,
                                          pending_feed, reserve_tokens, whole_batch)
 from glm5mtp_cli.engine.synthetic import SyntheticAcceptance
+from glm5mtp_cli.engine.verify import VerifyPlan, VerifyRecord
 from glm5mtp_cli.errors import UserError
 from kernels.bitmask import apply_bitmask, words
 
@@ -78,6 +80,12 @@ class SpecEngine:
     logits and final hiddens; `proposer` (a DraftProposer, None for gamma 0) drafts; `runner`
     decides how the decode forwards run (eager, static buffers, CUDA graphs)."""
 
+    # the step's phases, as observers see them (engine/hooks.py)
+    PHASES = {"step": "step", "schedule": "_schedule", "admit": "_admit_into", "catch_up_backlog": "_catch_up_backlog",
+              "masks": "_masks", "draft": "draft", "verify_ids": "_verify_ids", "accept": "_accept",
+              "commit_device": "_commit_device", "draft_ahead": "_draft_ahead", "read": "_read", "commit": "_commit",
+              "finish": "_finish", "judge": "_judge"}
+
     def __init__(self, model_cfg, target, proposer: DraftProposer | None, pools: CachePools, config: EngineConfig,
                  device: torch.device | str = "cpu", comm=None, grammars: Grammars | None = None):
         """model_cfg: the family's config (vocab, EOS); config: resolved (runtime.resolve: max_seq_len,
@@ -86,6 +94,8 @@ class SpecEngine:
         (engine/grammar.py; None: the checkpoint has no tokenizer to match over)."""
         if config.gamma > 0 and proposer is None:
             raise UserError(f"gamma {config.gamma} needs a draft proposer (the checkpoint's MTP layer)")
+        if config.tree is not None and not isinstance(proposer, TreeDrafter):
+            raise UserError("this drafter drafts chains only: a tree of drafts needs one that drafts trees")
         self.cfg = model_cfg
         self.config = config
         self.target = target
@@ -99,6 +109,9 @@ class SpecEngine:
         self._eos_dev = to_device(sorted(self.eos), device)
         self.device = torch.device(device)
         self.policy = GammaPolicy(config.gamma, config.gamma_policy)
+        # each gamma's verify: a chain of its drafts, or the configured tree at its depth
+        self.plans = {g: VerifyPlan.tree(config.tree) if config.tree and g == config.gamma else VerifyPlan.chain(g)
+                      for g in range(MAX_GAMMA + 1)}
         self.comm = comm
         self.hooks = None  # diagnostics' EngineHooks (leak-check's faults); None costs one check per step
         self._admission_s = 0.0  # wall time of the last admission (the rent-or-buy rule's price)
@@ -115,6 +128,7 @@ class SpecEngine:
         self.grammars = grammars
         self._stepwise = False  # this generate call masks drafts (_open_graphs builds the forwards it needs)
         self._mask_words = None  # a grammar mask's words where this call has constrained requests (the masked verdicts)
+        watch(self)
 
     # ---- sizing -----------------------------------------------------------------------------
     def budget_tokens(self, req: Request) -> int:
@@ -210,19 +224,19 @@ class SpecEngine:
         if masks is not None:
             masks.read_drafts(drafts)  # queued before the verify, so the walk below overlaps it
         starts = [s.cache.length for s in active]
-        out = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active])
+        record = self.runner.verify(self.target, self._verify_ids(active, drafts), [s.cache for s in active],
+                                    self.plans[g])
         if masks is not None:
-            self.runner.mask(out.logits, masks.verify(drafts))
-        verdict = self._accept(drafts, out.logits, active)
+            self.runner.mask(record, masks.verify(drafts))
+        verdict = self._accept(drafts, record, active)
         if run.carries:
             verdict.clip_device(to_device(self._caps(active), self.device), self._eos_dev)
         times = StepTimes(p0, v0, self.clock.now())
-        fed = self._commit_device(verdict, drafts, out.hidden_all)
+        fed = self._commit_device(verdict, drafts, record)
         verdict.fetch()
         run.ahead = self._draft_ahead(active, g, verdict, fed, masks)
-        verdict.read()  # after the device work above is queued: it runs while the host waits
-        verdict.clip(self._caps(active), self.eos)
-        self._commit(active, verdict, drafts, fed, out.hidden_all, starts)
+        self._read(verdict, active)  # after the device work above is queued: it runs while the host waits
+        self._commit(active, verdict, drafts, fed, record.hidden_all, starts)
         self._finish(active, verdict, times, starts, run.slots, masks)
         # a step ends in a host read of its tokens, so its host wall time is its device time plus the
         # per-sequence bookkeeping, which at batch 64 outweighs the graph replay (and drafting
@@ -422,6 +436,8 @@ class SpecEngine:
         feed, states = pending_feed([s.pend for s in active]), [s.state for s in active]
         if ahead is not None:
             drafts = drafting.settle_ahead(ahead, feed, states)
+        elif not self.plans[g].is_chain:
+            drafts = drafting.propose_tree(self.head, feed, states, self.plans[g])
         else:
             drafts = drafting.propose(self.head, self.runner, feed, states, g, self.config.draft_conf_tau, masks)
         if self.config.check_invariants:
@@ -468,6 +484,11 @@ class SpecEngine:
                 s.pend = BatchRow.own(t[e:], h[e:])
             self._wall()
 
+    def _read(self, v: Verdict, active: list[LiveSequence]) -> None:
+        """The step's one host read: the verdict's rows, each sequence's cut at its reply's end."""
+        v.read()
+        v.clip(self._caps(active), self.eos)
+
     @staticmethod
     def _caps(active: list[LiveSequence]) -> list[int]:
         """The most drafts each sequence's token budget still takes (its last token is the target's)."""
@@ -484,12 +505,12 @@ class SpecEngine:
         last = self._last_tokens(active)
         return last[:, None] if drafts is None else torch.cat([last[:, None], drafts.tokens], dim=1)
 
-    def _commit_device(self, v: Verdict, drafts: Drafts | None, hidden_all: torch.Tensor):
-        """The device half of the commit, from the verdict's device counts (before its host read):
-        the target's fixed-size state keeps each sequence's accepted prefix; -> the drafter's next
-        feed (accept.drafter_feed with the verify's hiddens), None after a step without drafts."""
-        self.runner.commit(self.target, v.accepted_dev)
-        return (drafter_feed(drafts.tokens, v.accepted_dev, v.next_dev), hidden_all) if drafts is not None else None
+    def _commit_device(self, v: Verdict, drafts: Drafts | None, record: VerifyRecord):
+        """The device half of the commit, from the verdict's device rows (before its host read): the
+        target's fixed-size state keeps each sequence's accepted path; -> the drafter's next feed
+        (accept.drafter_feed), None after a step without drafts."""
+        record.commit(v.last_row_dev)
+        return drafter_feed(v, drafts.tokens, record.hidden_all) if drafts is not None else None
 
     def _commit(self, active: list[LiveSequence], v: Verdict, drafts: Drafts | None, fed, hidden_all: torch.Tensor,
                 starts: list[int]) -> None:
@@ -502,6 +523,8 @@ class SpecEngine:
         next_rows = (v.next_dev[:, None],) if drafts is not None else (v.next_dev[:, None], hidden_all)
         for i, s in enumerate(active):
             a = v.accepted[i]
+            if v.path is not None:
+                s.cache.keep_path(starts[i], v.path[i][:a])
             s.cache.truncate(starts[i] + a + 1)
             s.last_row = BatchRow(next_rows, i, 1)
             if s.state is None:
@@ -548,13 +571,13 @@ class SpecEngine:
         whole = whole_batch([s.last_row for s in active])
         return whole[0][:, 0] if whole is not None else torch.cat([s.last_dev for s in active])
 
-    def _accept(self, drafts: Drafts | None, logits: torch.Tensor, active: list[LiveSequence]) -> Verdict:
+    def _accept(self, drafts: Drafts | None, record: VerifyRecord, active: list[LiveSequence]) -> Verdict:
         """This step's Verdict (engine/accept.py): the models' or, under --synthetic-acceptance, drawn;
-        the runner's where its verify (masked, if a grammar masked the step) decided it."""
+        the record's where its verify (masked, if a grammar masked the step) decided it."""
         gens = [s.gen for s in active]
         if self.synthetic is not None and drafts is not None:
-            return accept_synthetic(drafts, logits, gens, self.sampling, self.synthetic)
-        return accept(drafts, logits, gens, self.sampling, self.runner.verdict)
+            return accept_synthetic(drafts, record.logits, gens, self.sampling, self.synthetic)
+        return accept(drafts, record.logits, gens, self.sampling, record.verdict, record.plan)
 
     def _maybe_finish(self, s: LiveSequence) -> None:
         """Whether s ended with its newest tokens (the verdict cut them at its budget or an EOS)."""

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from glm5mtp_cli.core.cached import CachedRows, cached_rows
+from glm5mtp_cli.core.family import refuse_tree
 from glm5mtp_cli.models.glm5.config import ModelConfig
 from glm5mtp_cli.models.glm5.attention import BatchContext, MLAttention
 from glm5mtp_cli.models.glm5.layers import MLP, MoE, RMSNorm, norm_pair, rope_cos_sin
@@ -114,10 +115,11 @@ class Glm5ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all",
-                real: torch.Tensor | None = None) -> ForwardOut:
+                real: torch.Tensor | None = None, plan=None) -> ForwardOut:
         """Append input_ids [B, T] to each sequence's cache; logits and normed hiddens for `rows`.
         real (the Target protocol's padding rows): nothing to keep them out of, every component is
-        paged rows that the caller cuts back."""
+        paged rows that the caller cuts back. plan: a verify's (None or a chain: causal rows)."""
+        refuse_tree(plan)
         bc = batch_context(self.cfg, caches, input_ids.shape[1], input_ids.device)
         out = self.forward_batch(input_ids, bc, rows)
         for cache in caches:

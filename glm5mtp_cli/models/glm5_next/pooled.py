@@ -47,6 +47,7 @@ import torch
 from glm5mtp_cli.core.cached import CachedRows, CachedSlots, cached_rows, cached_slots
 from glm5mtp_cli.errors import UserError
 from glm5mtp_cli.core import sync_free
+from glm5mtp_cli.core.family import refuse_tree
 from glm5mtp_cli.models.glm5_next.decoder import DEFAULT_ROLLBACK, Glm5NextForCausalLM
 from glm5mtp_cli.models.glm5_next.kda import KdaBatchPending
 from glm5mtp_cli.models.glm5_next.layout import LM_HEAD, PREFIX
@@ -120,10 +121,12 @@ class PooledTarget(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list, rows: str | torch.Tensor = "all",
-                real: torch.Tensor | None = None) -> ForwardOut:
+                real: torch.Tensor | None = None, plan=None) -> ForwardOut:
         """Append input_ids [B, T] to each sequence's cache (one batched forward); real [B] (device):
         rows past real[b] are padding, kept out of the KDA state (the caller truncates them away).
-        The KDA state is as it was until the caller commits out.pending."""
+        The KDA state is as it was until the caller commits out.pending. plan: a verify's (None or a
+        chain: causal rows)."""
+        refuse_tree(plan)
         t, dev = input_ids.shape[1], input_ids.device
         starts, paged = cached_rows(caches, t, dev)
         out = self.forward_batch(input_ids, self.context(starts, t, paged, cached_slots(caches, dev), real), rows)
