@@ -14,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.engine import speculate
+from glm5mtp_cli.engine.hooks import observing
+from observe import Around
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,28 +134,27 @@ def test_text_mode_says_whether_each_constrained_reply_is_complete_and_valid(tmp
     _fits_80(r.stdout)
 
 
-def _interrupt_at_step(monkeypatch, n: int) -> None:
-    """Ctrl-C at the engine's n-th step."""
-    step = speculate.SpecEngine.step
+def _interrupt_at_step(n: int):
+    """An observer (engine/hooks.py) pressing Ctrl-C at the engine's n-th step."""
     calls = []
 
-    def interrupted_step(self, run):
+    def interrupted_step(engine, step, run):
         calls.append(run)
         if len(calls) == n:
             raise KeyboardInterrupt
-        step(self, run)
+        step(run)
 
-    monkeypatch.setattr(speculate.SpecEngine, "step", interrupted_step)
+    return observing(Around({"step": interrupted_step}))
 
 
-def test_ctrl_c_in_text_mode_prints_the_finished_replies(monkeypatch, tmp_path):
+def test_ctrl_c_in_text_mode_prints_the_finished_replies(tmp_path):
     """As --json prints their JSON: the replies that finished, listed as a whole run lists them, then
     the interrupted line; they were dropped (stdout empty)."""
-    _interrupt_at_step(monkeypatch, 6)  # request 0 ends after 3 steps (4 tokens at gamma 0, one from the prefill)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [8, 9]}\n')
-    r = runner.invoke(app, ["generate", "--prompts", str(prompts), "--max-new-tokens", "4", "--gamma", "0",
-                            "--ignore-eos", "--device", "cpu"], env=NARROW)
+    with _interrupt_at_step(6):  # request 0 ends after 3 steps (4 tokens at gamma 0, one from the prefill)
+        r = runner.invoke(app, ["generate", "--prompts", str(prompts), "--max-new-tokens", "4", "--gamma", "0",
+                                "--ignore-eos", "--device", "cpu"], env=NARROW)
     assert r.exit_code == 130, r.output
     assert r.stderr.strip().splitlines() == ["interrupted: 1 of 2 requests had finished; their replies are on stdout"]
     assert r.stdout.startswith("request 0: 3 prompt tokens ─") and "request 1" not in r.stdout

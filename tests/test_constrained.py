@@ -249,19 +249,19 @@ def test_greedy_constrained_equals_constrained_gamma0_for_every_gamma(nano, prom
 
 
 @pytest.mark.parametrize("draft_mask", [True, False])
-def test_static_forwards_mask_their_outputs_alike(nano, prompt_set, draft_mask, monkeypatch):
+def test_static_forwards_mask_their_outputs_alike(nano, prompt_set, draft_mask):
     """The runner's static forwards (what CUDA graphs replay; unmasked drafting there is the fused
     chain): masks applied in place to their output buffers give eager's constrained tokens. Under
     --no-draft-mask most steps take the chain the step before launched ahead of its read (it needs
     no matcher state); masked drafting never does."""
-    from glm5mtp_cli.engine import drafting
+    from glm5mtp_cli.engine.hooks import observing
+    from observe import ahead_taken
 
     taken = []
-    settle = drafting.settle_ahead
-    monkeypatch.setattr(drafting, "settle_ahead", lambda *a: taken.append(1) or settle(*a))
     ids, rules = prompt_set
     base = _run(nano, ids, rules, gamma=0, batch_size=2)
-    got = _run(nano, ids, rules, gamma=3, batch_size=2, draft_mask=draft_mask, graphs="static")
+    with observing(ahead_taken(taken)):
+        got = _run(nano, ids, rules, gamma=3, batch_size=2, draft_mask=draft_mask, graphs="static")
     assert [r.tokens for r in got] == [r.tokens for r in base]
     assert bool(taken) != draft_mask
 
@@ -588,6 +588,6 @@ def test_step_phases_times_the_grammar_work_and_takes_its_wrappers_off(tmp_path,
                              "--batch-sizes", "2", "--gammas", "3", "--repeats", "1", "--max-new-tokens", "8",
                              "--target-layers", "0", "--no-draft-mask", "--json"]) == 0
     row = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
-    for phase in ("StepMasks.read_drafts", "StepMasks.verify", "SeqGrammar.commit", "_judge", "runner.mask"):
+    for phase in ("masks.read_drafts", "masks.verify", "grammar.commit", "judge", "runner.mask"):
         assert row[f"{phase}_us"] > 0, phase
     assert (StepMasks.verify, StepMasks.read_drafts, SeqGrammar.commit) == before

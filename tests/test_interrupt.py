@@ -12,27 +12,27 @@ import sys
 from typer.testing import CliRunner
 
 from glm5mtp_cli.cli import app
-from glm5mtp_cli.engine import speculate
+from glm5mtp_cli.engine.hooks import observing
+from observe import Around
 
 
-def test_ctrl_c_keeps_the_finished_requests(monkeypatch, tmp_path):
-    step = speculate.SpecEngine.step
+def test_ctrl_c_keeps_the_finished_requests(tmp_path):
     calls = []
     held = []
 
-    def interrupted_step(self, run):
+    def interrupted_step(engine, step, run):
         calls.append(run)
-        held.append(self.pools)
+        held.append(engine.pools)
         if len(calls) == 6:  # the first request ends after 3 steps (4 tokens at gamma 0, one from the prefill)
             raise KeyboardInterrupt
-        step(self, run)
+        step(run)
 
-    monkeypatch.setattr(speculate.SpecEngine, "step", interrupted_step)
     trace = tmp_path / "t.jsonl"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [8, 9]}\n')
-    r = CliRunner().invoke(app, ["generate", "--prompts", str(prompts), "--max-new-tokens", "4",
-                                 "--gamma", "0", "--ignore-eos", "--trace", str(trace), "--json", "--device", "cpu"])
+    with observing(Around({"step": interrupted_step})):
+        r = CliRunner().invoke(app, ["generate", "--prompts", str(prompts), "--max-new-tokens", "4", "--gamma", "0",
+                                     "--ignore-eos", "--trace", str(trace), "--json", "--device", "cpu"])
     assert r.exit_code == 130, r.output
     assert r.stderr.strip().splitlines() == [f"interrupted: 1 of 2 requests had finished; their steps are in {trace}; "
                                              "their JSON is on stdout"]

@@ -78,25 +78,26 @@ def test_every_slot_is_busy_before_the_baseline():
     assert doc["verdict"] == "clean" and "grammar" in doc["lifecycles_seen"]
 
 
-def test_graphs_are_built_once_at_the_warm_up(tiny, monkeypatch):
+def test_graphs_are_built_once_at_the_warm_up(tiny):
     """The engine's graphs are built for the slots and the longest request they have met; the
     warm-up fills every slot with the longest prompt, so nothing after the baseline rebuilds them
     (on CUDA a rebuild would show as allocator growth)."""
     from glm5mtp_cli.diagnostics.leakcheck import LeakCheckConfig, run_leakcheck
-    from glm5mtp_cli.engine import graphs
+    from glm5mtp_cli.engine.hooks import observing
     from glm5mtp_cli.engine.runtime import load_runtime
+    from observe import Around
 
     built = []
-    init = graphs.EngineGraphs.__init__
 
-    def counting(self, *args, **kwargs):
-        built.append((args[3], args[4]))  # slots, and the tables' width in blocks
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(graphs.EngineGraphs, "__init__", counting)
+    def counting(runner, open_, *args, **kwargs):
+        new = runner.graphs is None
+        open_(*args, **kwargs)
+        if new and runner.graphs is not None:
+            built.append((runner.graphs.slots, runner.graphs.max_blocks))
     rt = load_runtime(ModelSpec(tiny, "cpu", "fp32"), progress=False)
-    doc = run_leakcheck(rt, LeakCheckConfig(EngineConfig(max_new_tokens=16, max_seq_len=256, graphs="static", batch_size=2),
-                                            sequences=8, seed=1))
+    with observing(Around({"runner.open": counting})):
+        doc = run_leakcheck(rt, LeakCheckConfig(EngineConfig(max_new_tokens=16, max_seq_len=256, graphs="static",
+                                                             batch_size=2), sequences=8, seed=1))
     assert doc["verdict"] == "clean" and len(built) == 1, built
 
 

@@ -17,61 +17,64 @@ import time
 
 import torch
 
-from glm5mtp_cli.engine import static
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
+from glm5mtp_cli.engine.hooks import observing
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
+
+
+class Forwards:
+    """An observer (engine/hooks.py) of the static forwards and commits run inside steps: their seconds,
+    and the steps. A fixed-size state's commit after a verify is a graph replay on CUDA
+    (static.commit), eager compute here, so it counts as a forward too."""
+
+    def __init__(self):
+        self.spent, self.steps, self.stepping = 0.0, 0, False
+
+    def wrap(self, obj, phase: str, fn):
+        if phase == "step":
+            def step(run):
+                self.steps += 1
+                self.stepping = True
+                try:
+                    return fn(run)
+                finally:
+                    self.stepping = False
+            return step
+        if phase not in ("static.run", "static.commit"):
+            return fn
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.stepping:
+                    self.spent += time.perf_counter() - t0
+        return timed
 
 
 def host_us_per_step(gamma: int, batch: int, requests: int = 256, new_tokens: int = 64, repeats: int = 3,
                      model: str = "glm5-tiny") -> float:
     rt = load_runtime(ModelSpec(model, "cpu", "fp32", random_weights=True), progress=False)
     pools = rt.make_pools(200, batch + 1)
-    engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=256, eos_ids=(), graphs="static"))
-    rnd = random.Random(0)
-    reqs = [Request([rnd.randrange(rt.cfg.vocab_size) for _ in range(rnd.randrange(20, 60))], new_tokens, i)
-            for i in range(requests)]
-    spent, steps = [0.0], [0]
-    run, step = static.StaticForward.run, engine.step
-
-    def timed_run(f):
-        t0 = time.perf_counter()
-        out = run(f)
-        spent[0] += time.perf_counter() - t0
-        return out
-
-    commit, stepping = rt.target.commit, [False]
-
-    def timed_commit(pending, kept):
-        # a fixed-size state's commit after a verify: a graph replay on CUDA (StaticCommit), eager
-        # compute here, so it is a forward too; admissions' commits fall outside the decode wall
-        t0 = time.perf_counter()
-        commit(pending, kept)
-        if stepping[0]:
-            spent[0] += time.perf_counter() - t0
-
-    def counted_step(schedule):
-        steps[0] += 1
-        stepping[0] = True
+    forwards = Forwards()
+    with observing(forwards):
+        engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=256, eos_ids=(), graphs="static"))
+        rnd = random.Random(0)
+        reqs = [Request([rnd.randrange(rt.cfg.vocab_size) for _ in range(rnd.randrange(20, 60))], new_tokens, i)
+                for i in range(requests)]
         try:
-            return step(schedule)
+            engine.generate(reqs, batch_size=batch)  # warm-up: builds the static forwards
+            best = None
+            for _ in range(repeats):
+                forwards.spent, forwards.steps, decode0 = 0.0, 0, engine.wall_decode_s
+                engine.generate(reqs, batch_size=batch)
+                host = (engine.wall_decode_s - decode0 - forwards.spent) / forwards.steps
+                best = host if best is None else min(best, host)
+            return best * 1e6
         finally:
-            stepping[0] = False
-
-    static.StaticForward.run, engine.step, rt.target.commit = timed_run, counted_step, timed_commit
-    try:
-        engine.generate(reqs, batch_size=batch)  # warm-up: builds the static forwards
-        best = None
-        for _ in range(repeats):
-            spent[0], steps[0], decode0 = 0.0, 0, engine.wall_decode_s
-            engine.generate(reqs, batch_size=batch)
-            host = (engine.wall_decode_s - decode0 - spent[0]) / steps[0]
-            best = host if best is None else min(best, host)
-        return best * 1e6
-    finally:
-        static.StaticForward.run = run
-        del rt.target.commit
-        engine.close()
+            engine.close()
 
 
 def main() -> None:

@@ -24,9 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
-from glm5mtp_cli.engine import speculate
 from glm5mtp_cli.engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec
-from glm5mtp_cli.engine.graphs import ForwardRunner
+from glm5mtp_cli.engine.hooks import observing
 from glm5mtp_cli.errors import UserError
 from kernels._triton import kernel_path
 
@@ -34,11 +33,10 @@ from kernels._triton import kernel_path
 NO_LAUNCH = {"view", "_unsafe_view", "t", "slice", "select", "expand", "unsqueeze", "squeeze", "as_strided",
              "permute", "transpose", "detach", "alias", "empty", "empty_strided", "split", "split_with_sizes",
              "unbind", "narrow", "lift_fresh", "_reshape_alias", "diagonal", "unflatten", "reshape"}
-PHASES = ((ForwardRunner, "fused_chain", "draft chain"), (ForwardRunner, "fused_chain_ahead", "draft chain ahead"),
-          (ForwardRunner, "catchup", "draft catch-up"),
-          (ForwardRunner, "chain_step", "draft chain step"), (speculate.SpecEngine, "_verify_ids", "verify ids"),
-          (ForwardRunner, "verify", "verify"), (speculate.SpecEngine, "_accept", "accept"),
-          (ForwardRunner, "commit", "commit"))
+# the step's phases counted (engine/hooks.py), by the name printed
+PHASES = {"runner.fused_chain": "draft chain", "runner.fused_chain_ahead": "draft chain ahead",
+          "runner.catchup": "draft catch-up", "runner.chain_step": "draft chain step", "verify_ids": "verify ids",
+          "runner.verify": "verify", "accept": "accept", "static.commit": "commit"}
 
 
 class Launches(TorchDispatchMode):
@@ -102,29 +100,38 @@ def count_launches(model: str = DEFAULT_MODEL, gamma: int = 3, new_tokens: int =
                 for name, fn in list(vars(mod).items()):
                     if callable(fn) and id(fn) in dispatchers:
                         _patch(mod, name, mode.dispatcher(dispatchers[id(fn)], fn), saved)
-        for owner, name, phase in PHASES:
-            _patch(owner, name, _counted(mode, getattr(owner, name), phase, last), saved)
-        engine = make_engine(rt, rt.make_pools(512, 2), EngineConfig(gamma=gamma, max_seq_len=512, graphs="static"))
-        with mode:
-            engine.generate([Request(list(range(5, 69)), new_tokens, 0)], batch_size=1)
+        with observing(Counted(mode, last)):
+            engine = make_engine(rt, rt.make_pools(512, 2), EngineConfig(gamma=gamma, max_seq_len=512, graphs="static"))
+            with mode:
+                engine.generate([Request(list(range(5, 69)), new_tokens, 0)], batch_size=1)
     finally:
         for owner, name, fn in reversed(saved):
             setattr(owner, name, fn)
     return last
 
 
-def _counted(mode: Launches, fn, phase: str, last: dict):
-    def run(*args, **kwargs):
-        if mode.on:  # inside another phase: counted there
-            return fn(*args, **kwargs)
-        mode.on, mode.ops = True, collections.Counter()
-        try:
-            with kernel_path("all"):
+class Counted:
+    """An observer (engine/hooks.py) counting each of PHASES' launches at its last call."""
+
+    def __init__(self, mode: Launches, last: dict):
+        self.mode, self.last = mode, last
+
+    def wrap(self, obj, phase: str, fn):
+        if phase not in PHASES:
+            return fn
+        mode, last, name = self.mode, self.last, PHASES[phase]
+
+        def run(*args, **kwargs):
+            if mode.on:  # inside another phase: counted there
                 return fn(*args, **kwargs)
-        finally:
-            mode.on = False
-            last[phase] = mode.ops
-    return run
+            mode.on, mode.ops = True, collections.Counter()
+            try:
+                with kernel_path("all"):
+                    return fn(*args, **kwargs)
+            finally:
+                mode.on = False
+                last[name] = mode.ops
+        return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from glm5mtp_cli.constraint import Constraint, llguidance
+from glm5mtp_cli.engine.hooks import watch
 from kernels.bitmask import apply_bitmask, unpack, words
 
 MATCHED, TRIGGER, FREE, END = "m", "t", "f", "e"  # what one walked token did (SeqGrammar.spec)
@@ -232,6 +233,8 @@ class SeqGrammar:
     """One sequence's matcher and where its constrained part starts. `spec` lists the tokens walked
     since the last commit (what each did), so a rollback undoes exactly those."""
 
+    PHASES = {"grammar.commit": "commit"}  # as observers see them (engine/hooks.py)
+
     def __init__(self, owner: Grammars, constraint: Constraint, matcher, trigger: int | None, ends: set[int],
                  own_ends: list[int]):
         self.owner, self.constraint, self.matcher = owner, constraint, matcher
@@ -243,6 +246,7 @@ class SeqGrammar:
         self.spec: list[str] = []
         self.emitted = 0  # tokens committed
         self.start = 0 if self.armed else None  # output index where the constrained part starts
+        watch(self)
 
     @property
     def masking(self) -> bool:
@@ -329,6 +333,8 @@ class StepMasks:
     buffers, each position's copy queued as soon as it is chosen (`drafted`), or all of them in one
     copy where the fused chain chose them together."""
 
+    PHASES = {"masks.read_drafts": "read_drafts", "masks.verify": "verify"}  # as observers see them
+
     def __init__(self, grammars: Grammars, seqs: list[SeqGrammar | None], gamma: int, device: torch.device):
         self.seqs = seqs
         self.grammars = grammars
@@ -341,6 +347,7 @@ class StepMasks:
         self.ok = [g is not None for g in seqs]  # still walking: every draft so far allowed
         self.valid = [0 if g is not None else None for g in seqs]  # drafts the grammar allowed
         self.filled = 0  # positions whose rows are filled
+        watch(self)
 
     def _fill_row(self, i: int, col: list[int] | None, counts: list[int] | None = None) -> None:
         """Row i: each walking sequence advanced by its draft i (col, host ids; None for row 0), then

@@ -18,6 +18,7 @@ from glm5mtp_cli.core.cached import CachedRows, CachedSlots
 from glm5mtp_cli.core.host_copy import copy_ints, to_device
 from glm5mtp_cli.engine.compiled import PATH_OF, compile_forward
 from glm5mtp_cli.core.sync_free import sync_free
+from glm5mtp_cli.engine.hooks import watch
 from kernels._triton import kernel_path
 from kernels.bitmask import apply_bitmask
 from kernels.table_slots import table_slots
@@ -70,6 +71,8 @@ class StaticForward:
     """One forward shape (B rows x T new rows) over static buffers: a CUDA graph on CUDA (`capture`),
     the same function run eagerly otherwise. Row b reads table row idx[b]."""
 
+    PHASES = {"static.run": "run"}  # as observers see them (engine/hooks.py)
+
     def __init__(self, context_fn, fn, b: int, t: int, tables: dict[str, Table], device: torch.device,
                  hidden: tuple[int, torch.dtype] | None = None, pick_row: bool = False,
                  idx: torch.Tensor | None = None, slots: dict[str, SlotIndex] | None = None):
@@ -90,6 +93,7 @@ class StaticForward:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out = None
         self.path: str | None = None  # the kernel path a compiled forward runs (None: as set outside)
+        watch(self)
 
     def context(self, starts: torch.Tensor, t: int, real: torch.Tensor | None = None):
         """The model's context of a forward appending t rows at `starts` (device) to every row; the
@@ -170,10 +174,13 @@ class StaticCommit:
     commit records where its graph leaves them, so a step's commit is one replay, not its dozens of
     launches; run eagerly otherwise."""
 
+    PHASES = {"static.commit": "run"}  # as observers see them (engine/hooks.py)
+
     def __init__(self, target, verify: StaticForward):
         self.target, self.verify = target, verify
         self.kept = torch.zeros(verify.b, dtype=torch.long, device=verify.device)
         self.graph: torch.cuda.CUDAGraph | None = None
+        watch(self)
 
     def capture(self, mempool) -> None:
         """After verify.capture: replay the verify once, so that its records hold values (a capture
