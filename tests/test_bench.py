@@ -193,6 +193,35 @@ def test_bench_tp2_on_gloo(tiny):
     assert doc["tp"] == 2 and [row["system"] for row in doc["rows"]] == ["gamma 0", "gamma 2"]
 
 
+def _threads_at_exit(out_dir: str) -> None:
+    """A spawned rank's work: imports what torch._dynamo imports lazily at a model's first build
+    (after the group exists), and records the process's threads at its interpreter's exit, after
+    launch's teardown."""
+    import atexit
+    import os
+
+    import torch.distributed.nn.functional  # noqa: F401
+
+    def record():
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        with open(os.path.join(out_dir, f"{os.getpid()}.txt"), "w") as f:
+            f.write("\n".join(names))
+
+    atexit.register(record)
+
+
+def test_tp_ranks_exit_with_the_group_torn_down(tmp_path):
+    """test_bench_tp2_on_gloo's rank 1 died of SIGABRT now and then under load: the group that
+    destroy_process_group left alive (torch.distributed.nn.functional's defaults held it) was torn
+    down by the interpreter's exit while the peer rank exited. No gloo thread is left by then."""
+    from glm5mtp_cli.engine import launch
+
+    launch.spawn(2, "gloo", _threads_at_exit, str(tmp_path))
+    threads = [p.read_text().split() for p in tmp_path.glob("*.txt")]
+    assert len(threads) == 2 and all(names for names in threads)
+    assert not [n for names in threads for n in names if "gloo" in n or "tcpstore" in n], threads
+
+
 def test_glm5next_transformers_baseline_is_the_same_model():
     """bench's baseline for GLM-5-Next (transformers' ConditionalGeneration over the flat text config)
     loads the shipped checkpoint's weights: its greedy tokens are glm5mtp's gamma-0 tokens."""

@@ -175,6 +175,12 @@ def _rank_main(rank: int, world: int, port: int, backend: str, fn, arg, errors, 
         torch.cuda.set_device(rank)
     if rank != 0:
         _silence()
+    # Imported before the group exists: torch.distributed.nn.functional's functions take group.WORLD
+    # as a default argument, so imported later (torch._dynamo imports it lazily, at a model's first
+    # build) they hold the group, destroy_process_group cannot free it, and its gloo threads and
+    # sockets lived on into the interpreter's teardown while the peer rank exited
+    import torch.distributed.nn as _  # noqa: F401
+
     code = 0
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
