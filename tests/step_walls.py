@@ -16,46 +16,54 @@ import time
 import torch
 
 from glm5mtp_cli.engine.config import EngineConfig, ModelSpec
+from glm5mtp_cli.engine.hooks import observing
 from glm5mtp_cli.engine.runtime import load_runtime, make_engine
 from glm5mtp_cli.engine.sequence import Request
 
 
-def timed(phases: dict, name: str, fn, sync):
-    def run(*args):
-        sync()
-        t0 = time.perf_counter()
-        out = fn(*args)
-        sync()
-        phases[name] += time.perf_counter() - t0
-        return out
-    return run
+class Synced:
+    """An observer (engine/hooks.py): the step's wall times, and each of `phases` synchronized around."""
+
+    NAMES = {"runner.verify": "verify", "accept": "accept", "static.commit": "commit", "finish": "finish"}
+
+    def __init__(self, sync):
+        self.sync, self.walls, self.phases = sync, [], dict.fromkeys(self.NAMES.values(), 0.0)
+
+    def wrap(self, obj, phase: str, fn):
+        if phase == "step":
+            def walled(run):
+                t0 = time.perf_counter()
+                fn(run)
+                self.walls.append(time.perf_counter() - t0)
+            return walled
+        if phase not in self.NAMES:
+            return fn
+
+        def run(*args):
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.sync()
+            self.phases[self.NAMES[phase]] += time.perf_counter() - t0
+            return out
+        return run
 
 
 def measure(rt, gamma: int, compile: str, new_tokens: int, sync) -> dict:
-    engine = make_engine(rt, rt.make_pools(256, 2), EngineConfig(gamma=gamma, max_seq_len=256, eos_ids=(),
-                                                                 compile=compile))
-    walls, phases = [], dict.fromkeys(("verify", "accept", "commit", "finish"), 0.0)
-    step = engine.step
-
-    def walled(run):
-        t0 = time.perf_counter()
-        step(run)
-        walls.append(time.perf_counter() - t0)
-
-    engine.step = walled
-    engine.runner.verify = timed(phases, "verify", engine.runner.verify, sync)
-    engine.runner.commit = timed(phases, "commit", engine.runner.commit, sync)
-    engine._accept = timed(phases, "accept", engine._accept, sync)
-    engine._finish = timed(phases, "finish", engine._finish, sync)
-    try:
-        for _ in range(2):  # the second call: the engine's graphs built and warm
-            walls.clear()
-            phases.update(dict.fromkeys(phases, 0.0))
-            engine.generate([Request(list(range(5, 40)), new_tokens, 0)], batch_size=1)
-    finally:
-        engine.close()
+    synced = Synced(sync)
+    with observing(synced):
+        engine = make_engine(rt, rt.make_pools(256, 2), EngineConfig(gamma=gamma, max_seq_len=256, eos_ids=(),
+                                                                     compile=compile))
+        try:
+            for _ in range(2):  # the second call: the engine's graphs built and warm
+                synced.walls.clear()
+                synced.phases.update(dict.fromkeys(synced.phases, 0.0))
+                engine.generate([Request(list(range(5, 40)), new_tokens, 0)], batch_size=1)
+        finally:
+            engine.close()
+    walls = synced.walls
     return {"compile": compile, "median_ms": statistics.median(walls) * 1e3, "first5_ms": [w * 1e3 for w in walls[:5]],
-            "max_ms": max(walls) * 1e3, "sum_s": sum(walls), "steps": len(walls), "phases_s": phases,
+            "max_ms": max(walls) * 1e3, "sum_s": sum(walls), "steps": len(walls), "phases_s": synced.phases,
             "compile_s": engine.runner.compile_s}
 
 

@@ -434,7 +434,7 @@ def test_matchers_are_freed_with_their_sequences(nano, prompt_set):
         def kept_component(self, owner):
             return None
 
-    engine.hooks = Cancel()
+    engine.lifecycle.hooks = Cancel()
     results = engine.generate([Request(p, 16, i, constraint=c) for i, (p, c) in enumerate(zip(ids, rules))])
     assert {r.finish_reason for r in results} <= {"cancelled", "grammar", "eos"} and engine.grammars.live == 0
     engine.close()

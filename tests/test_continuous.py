@@ -217,9 +217,9 @@ def test_prompts_of_different_lengths_prefilled_together_equal_alone(family, mod
     alone = _alone(family, models, gamma, work=MIXED)
     engine, pools = _make(family, models, gamma, len(MIXED), prefill_chunk=8, prefill_tokens=24)
     widths = []  # sequences per target forward during the admission
-    engine.target = Counting(engine.target, widths)
+    engine.admission.target = Counting(engine.admission.target, widths)
     first = {}  # request -> target forwards run when its first token came
-    engine.on_tokens = lambda rid, toks: first.setdefault(rid, len(widths))
+    engine.lifecycle.on_tokens = lambda rid, toks: first.setdefault(rid, len(widths))
     res = _run(engine, pools, len(MIXED), work=MIXED)
     assert [r.tokens for r in res] == alone
     admission = widths[: max(first.values())]  # every request admitted in one batch: its forwards
@@ -294,36 +294,42 @@ def test_glm5next_prompts_admitted_together_equal_one_prompt_per_forward(glm5nex
     single = _per_request(_run(engine, pools, 3, work=LONG))
     engine, pools = _next_engine(glm5next, 2, 3, prefill_tokens=4096, eos=[eos], **kw)
     widths = []
-    engine.target = Counting(engine.target, widths)
+    engine.admission.target = Counting(engine.admission.target, widths)
     shared = _per_request(_run(engine, pools, 3, work=LONG))
     assert max(widths) > 1  # prompts did share forwards
     assert shared == single
     assert "eos" in {r[1] for r in shared}
 
 
-def test_continuous_admits_once_idle_slots_cost_what_an_admission_does(glm5):
-    engine, _ = _glm5_engine(glm5, 0, 1)
-    engine._admission_s, engine._idle_s = 0.010, 0.0  # the last admission stalled the batch for 10 ms
-    assert not engine._admit_now(free=8, slots=64, waiting=100, running=True)
-    engine._idle_s = 0.010 * 56 - 1e-6  # just under 56 running sequences x 10 ms
-    assert not engine._admit_now(free=8, slots=64, waiting=100, running=True)
-    engine._idle_s = 0.010 * 56
-    assert engine._admit_now(free=8, slots=64, waiting=100, running=True)
-    engine._idle_s = 0.0
-    assert engine._admit_now(free=3, slots=64, waiting=3, running=True)  # the last requests
-    assert engine._admit_now(free=1, slots=64, waiting=100, running=False)  # nothing would run
-    engine.config = engine.config.replace(schedule="static")
-    engine._idle_s = 1.0
-    assert not engine._admit_now(free=63, slots=64, waiting=100, running=True)
-    engine.close()
+def test_continuous_admits_once_idle_slots_cost_what_an_admission_does():
+    from glm5mtp_cli.engine.scheduler import Run, Scheduler
+
+    def due(rule, free, slots=64, waiting=100):
+        run = Run([None] * waiting, [object()] * (slots - free) + [None] * free, [], None, 1)
+        return rule.due(run, run.free())
+
+    rule = Scheduler(EngineConfig(), runner=None)
+    rule.admitted(0.010)  # the last admission stalled the batch for 10 ms
+    assert not due(rule, 8)
+    rule.idle_s = 0.010 * 56 - 1e-6  # just under 56 running sequences x 10 ms
+    assert not due(rule, 8)
+    rule.idle_s = 0.010 * 56
+    assert due(rule, 8)
+    rule.idle_s = 0.0
+    assert due(rule, 3, waiting=3)  # the last requests
+    assert due(rule, 1, slots=1)  # nothing would run
+    static = Scheduler(EngineConfig(schedule="static"), runner=None)
+    static.idle_s = 1.0
+    assert not due(static, 63) and due(static, 64)
 
 
 def test_idle_slot_seconds_accrue_per_step_and_reset_at_admission(glm5):
     engine, pools = _glm5_engine(glm5, 0, 4)
     seen = []  # (idle, last admission) each time the rule is asked while sequences run
-    rule = engine._admit_now
-    engine._admit_now = lambda free, slots, waiting, running: (
-        running and seen.append((engine._idle_s, engine._admission_s))) or rule(free, slots, waiting, running)
+    rule = engine.scheduler
+    due = rule.due
+    rule.due = lambda run, free: (len(free) < len(run.slots) and seen.append((rule.idle_s, rule.admission_s))
+                                  ) or due(run, free)
     work = [(p, n) for p, n in zip([[5, 17, 99], [7, 7], [3, 4, 5, 6], [9], [11, 12]] * 2, [2, 9, 4, 6, 3] * 2)]
     _run(engine, pools, 4, work=work)
     assert seen and all(a > 0 for _, a in seen)

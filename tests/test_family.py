@@ -191,7 +191,7 @@ class SpoilingProposer:
             q = st.cache.length + k
             st.cache.length += k
             hidden = self.target.advance(feed.hiddens[j, k - 1][None], feed.tokens[j, k - 1][None], torch.tensor([q]))
-            picks, tokens, hiddens, seen = [], [], [hidden], [0]
+            tokens, hiddens = [], [hidden]
             for i, (p, d) in enumerate(zip(plan.parents[1:], plan.depths[1:]), 1):
                 logits = self.target.logits(hiddens[p])[0]
                 spoiled = (q + d) % 5 == 0

@@ -9,6 +9,8 @@ from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.engine.gamma import GammaPolicy, bucket_of
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.errors import UserError
+from glm5mtp_cli.engine.hooks import watch
+from observe import Around
 
 from test_continuous import WORK, _make, _run, glm5next_models
 
@@ -215,13 +217,12 @@ def _adaptive(engine, probe_every: int = 3):
     measured = []
     policy.record_cost = lambda active, g, sec: measured.append((g, sec))
     used = []
-    real = engine._choose_gamma
 
-    def spy(active):
-        used.append(real(active))
+    def spy(engine, choose, active):
+        used.append(choose(active))
         return used[-1]
 
-    engine._choose_gamma = spy
+    watch(engine, Around({"choose_gamma": spy}))
     return used, measured
 
 

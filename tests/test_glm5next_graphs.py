@@ -140,7 +140,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     pools = rt.make_pools(128, 1, block_size=4)
     engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), graphs="static"))
     req = Request(_work(rt)[0][0], 20)
-    seq = engine.start(req)
+    seq = engine.admission.start(req)
     seq.slot = 0  # seated, as the engine's schedule does
     try:
         engine._open_graphs([seq], 1, engine._table_blocks([req]))
@@ -160,10 +160,10 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         held += bucket.commit[VerifyPlan.chain(gamma)].kept.nbytes
         if gamma:
             held += bucket.draft[gamma].run().nbytes
-        assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma, 128)
+        assert held == graph_bytes(rt.cfg, torch.float32, engine.admission.reserve_tokens(req), 4, gamma, 128)
     finally:
         engine.close()
-        engine.release(seq)
+        engine.lifecycle.release(seq)
     assert not any(pools.blocks_held().values())
 
 

@@ -104,9 +104,9 @@ def _section_state(comm, folder):
     out = {}
     for tp, rt in zip((1, 2), _runtimes(comm, folder)):
         engine, pools = _engine(rt, 2)
-        seq = engine.start(Request(PROMPTS[0], 8))
+        seq = engine.admission.start(Request(PROMPTS[0], 8))
         out[f"tp{tp}"] = pools.bytes_held()
-        engine.release(seq)
+        engine.lifecycle.release(seq)
     return out
 
 

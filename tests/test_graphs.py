@@ -118,12 +118,12 @@ def test_tables_are_as_wide_as_the_run_needs_and_grow_by_rebuilding(rt):
     static, eager = engine_for("static"), engine_for("eager")
     try:
         assert static.generate([short])[0].tokens == eager.generate([short])[0].tokens
-        need = -(-static.reserve_tokens(short) // 4)
+        need = -(-static.admission.reserve_tokens(short) // 4)
         assert static.runner.graphs.max_blocks == 1 << (need - 1).bit_length() < 128 // 4
         first = static.runner.graphs
         assert static.generate([long])[0].tokens == eager.generate([long])[0].tokens
         assert static.runner.graphs is not first
-        assert static.runner.graphs.max_blocks >= -(-static.reserve_tokens(long) // 4)
+        assert static.runner.graphs.max_blocks >= -(-static.admission.reserve_tokens(long) // 4)
     finally:
         static.close()
     assert not any(pools.blocks_held().values())
@@ -250,7 +250,7 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
     pools = rt.make_pools(128, 1, block_size=4)
     engine = make_engine(rt, pools, EngineConfig(gamma=gamma, max_seq_len=128, eos_ids=(), graphs="static"))
     req = Request(list(range(10, 40)), 20)
-    seq = engine.start(req)
+    seq = engine.admission.start(req)
     seq.slot = 0  # seated, as the engine's schedule does
     try:
         engine._open_graphs([seq], 1, engine._table_blocks([req]))
@@ -264,10 +264,10 @@ def test_graph_bytes_prediction_equals_the_buffers(rt, gamma):
         held += out.logits.nbytes + out.hidden_all.nbytes + verdict.nbytes  # `hidden` shares hidden_all's storage
         if gamma:
             held += bucket.draft[gamma].run().nbytes
-        assert held == graph_bytes(rt.cfg, torch.float32, engine.reserve_tokens(req), 4, gamma, 128)
+        assert held == graph_bytes(rt.cfg, torch.float32, engine.admission.reserve_tokens(req), 4, gamma, 128)
     finally:
         engine.close()
-        engine.release(seq)
+        engine.lifecycle.release(seq)
     assert not any(pools.blocks_held().values())
 
 

@@ -261,7 +261,7 @@ def test_eos_just_past_the_budget_is_not_emitted(spec_rt):
     ref = engine.generate([Request(PROMPTS[1], 20, 0)])[0].tokens
     for budget in range(1, 12):
         engine, pools = _engine(rt, 4, batch=1)
-        engine.eos = {ref[budget]}  # the token right after the budget ends the sequence if let through
+        engine.lifecycle.eos = {ref[budget]}  # the token right after the budget ends the sequence if let through
         res = engine.generate([Request(PROMPTS[1], budget, 0)])[0]
         expected = ref[:budget]
         if ref[budget] in expected:
@@ -284,7 +284,7 @@ def test_last_step_stops_at_the_budget_and_at_eos(spec_rt, sampling):
     ref = engine.generate([Request(PROMPTS[1], 20, 0)])[0].tokens
     for budget, eos, carry in itertools.product(range(1, 12), (False, True), ("none", "all")):
         engine, pools = _engine(rt, 4, batch=1, sampling=sampling)
-        engine.eos = {ref[budget // 2 + 1]} if eos else set()
+        engine.lifecycle.eos = {ref[budget // 2 + 1]} if eos else set()
         res = engine.generate([Request(PROMPTS[1], budget, 0, carry_mode=carry)])[0]
         assert _emitted(res) == res.tokens and len(res.tokens) <= budget, (budget, eos, carry)
         assert sum(r.accepted for r in res.records) == len(res.tokens) - 1 - len(res.records)

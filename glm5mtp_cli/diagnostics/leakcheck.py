@@ -110,7 +110,7 @@ class InjectedFailure(RuntimeError):
 
 
 class Faults:
-    """The engine's hooks (SpecEngine.hooks) that give leak-check its lifecycles: a request that
+    """The engine's hooks (Lifecycle.hooks) that give leak-check its lifecycles: a request that
     fails inside a verify step, one cancelled after some steps as a client would, and a planted leak
     (a state component never given back) that the verdict must catch."""
 
@@ -290,10 +290,10 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
     pools = rt.make_pools(per_seq, lives_held)
     engine = make_engine(rt, pools, e)
     plant = planted_bytes(c.inject_leak)
-    faults = engine.hooks = Faults(c.inject_leak if plant is None else None)
+    faults = engine.lifecycle.hooks = Faults(c.inject_leak if plant is None else None)
 
     def run_round(reqs: list[Request], eos: set[int]) -> list[tuple[str, int]]:
-        engine.eos = eos
+        engine.lifecycle.eos = eos
         try:
             return [(r.finish_reason, len(r.tokens)) for r in engine.generate(reqs)]
         except InjectedFailure as failure:
@@ -309,7 +309,7 @@ def run_leakcheck(rt: Runtime, c: LeakCheckConfig, on_sequence=None) -> dict:
         if kind == "eos":
             # An honest EOS: learn what the model emits for this prompt, then declare the first
             # token that is new at position >= 1 an EOS token, so the sequence ends early.
-            engine.eos = set()
+            engine.lifecycle.eos = set()
             probe = engine.generate([Request(p, e.max_new_tokens, request_id=-10_000 - request_id)],
                                     batch_size=1)[0].tokens
             k = next((j for j in range(1, len(probe)) if probe[j] not in probe[:j]), 0)

@@ -107,11 +107,11 @@ def measure_state(rt: Runtime, c: ProfileConfig, policy: str, max_seq_len: int) 
     cuda_delta = torch.cuda.memory_allocated(dev) - before if before is not None else None
     engine = make_engine(rt, pools, EngineConfig(gamma=c.gamma, max_seq_len=max_seq_len, alloc=policy, eos_ids=(),
                                                  graphs="eager"))
-    seq = engine.start(Request([0], c.budget - 1))
+    seq = engine.admission.start(Request([0], c.budget - 1))
     try:
         held = pools.bytes_held()
     finally:
-        engine.release(seq)
+        engine.lifecycle.release(seq)
     out = {c.name: held.get(c.name, 0) for c in family_of(rt.cfg).state_components(rt.cfg, rt.dtype)}
     out["total"] = sum(out.values())
     if cuda_delta is not None:

@@ -458,3 +458,11 @@ class StepMasks:
             while n < len(toks) and rows[b, n, toks[n] >> 5] >> (toks[n] & 31) & 1:
                 n += 1  # draft n + 1 is allowed by the row before it
             self.valid[b] = n
+
+
+def step_masks(grammars: Grammars | None, seqs: list, gamma: int, device) -> StepMasks | None:
+    """A step's masks for the sequences `seqs` (engine sequences, each with its matcher or None), or None
+    when none of them is constrained."""
+    if grammars is None or all(s.grammar is None for s in seqs):
+        return None
+    return StepMasks(grammars, [s.grammar for s in seqs], gamma, device)

@@ -6,8 +6,8 @@ forwards), a step's grammar masks and a sequence's matcher, a static forward's r
 commit. An observer (anything with `wrap(obj, phase, fn) -> fn`) installed with `observing` wraps the
 phases of every such object built while it is installed, on the object itself; `watch(obj, observer)`
 wraps an object already built. With no observer nothing is wrapped: a step calls its own methods.
-`SpecEngine.hooks` is the other seam: what leak-check and tests steer (a verify that fails, a
-sequence cancelled, a component kept), each consulted behind one `is None` check.
+`Lifecycle.hooks` (engine/lifecycle.py) is the other seam: what leak-check and tests steer (a verify
+that fails, a sequence cancelled, a component kept), each consulted behind one `is None` check.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def run_generate(rt: Runtime, prompts: list[list[int]], config: EngineConfig, on
                   for r in requests)
     pools = rt.make_pools(per_seq, min(config.batch_size, len(requests)), prefill_graphs=config.prefill_graphs)
     engine = make_engine(rt, pools, config)
-    engine.on_tokens = on_tokens
+    engine.lifecycle.on_tokens = on_tokens
     try:
         results = engine.generate(requests)
     except KeyboardInterrupt:
