@@ -39,6 +39,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -171,15 +172,34 @@ def autograd_nodes(pools) -> int:
     return len(seen)
 
 
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives a gloo process group's worker threads
+
+
+def gloo_workers_asleep(timeout_s: float = 10.0) -> bool:
+    """Waits until every gloo worker thread of this process sleeps (Linux's /proc; elsewhere there
+    is nothing to read). A worker wakes the rank waiting on its collective before it lets go of the
+    collective's tensors, and on a loaded CPU it may not run again for a while; meanwhile those
+    tensors, their Python objects kept alive for it, are in the census. Asleep, it holds none."""
+    tasks = "/proc/self/task"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            states = [open(f"{tasks}/{t}/stat").read().rpartition(")")[2].split()[0]
+                      for t in os.listdir(tasks) if open(f"{tasks}/{t}/comm").read().strip() == GLOO_WORKER]
+        except OSError:  # no /proc, or a thread that ended while read
+            return not os.path.isdir(tasks)
+        if all(state == "S" for state in states):
+            return True
+        time.sleep(0.001)
+    return False
+
+
 def _snapshot(pools, device: torch.device, grammars, comm) -> dict:
-    # Under --tp the process group holds the tensors of its last all-reduce and all-gather until the
-    # next one, so each census also read whichever forward's buffers came last: 1.5-4.6 KB that
-    # came and went between snapshots (glm5next-tiny, --tp 2 on the CPU); held at the last two, it
-    # failed a 4-sequence run's verdict now and then. A one-element collective of each kind first
-    # leaves the same few bytes held at every snapshot.
+    # Under --tp on the CPU the census read a forward's collective buffers now and then (1.5 KB,
+    # a verify's local logits at glm5next-tiny --tp 2; 4.6 KB with the gathered ones): held by a
+    # gloo worker that had not yet run again since the collective returned (gloo_workers_asleep).
     if comm is not None:
-        comm.all_reduce_sum(torch.zeros(1, device=device))
-        comm.all_gather(torch.zeros(1, device=device))
+        gloo_workers_asleep()
     gc.collect()
     snap = {"blocks_held": pools.blocks_held(), "bytes_held": pools.bytes_held(),
             "matchers": grammars.live if grammars is not None else 0, "autograd_nodes": autograd_nodes(pools)}
