@@ -39,13 +39,16 @@ class Verdict:
     def fetch(self) -> None:
         """Queue the rows' copy to the host and mark it, so that `read` waits for this copy alone,
         not for work queued after it (the next step's drafts launched ahead)."""
-        if self.rows is not None and self.rows.is_cuda and self._host is None:
+        if self.rows is not None and self.rows.is_cuda and self._host is None and self.accepted is None:
             self._host = self.rows.to("cpu", non_blocking=True)  # pinned, asynchronous
             self._landed = torch.cuda.Event()
             self._landed.record()
 
     def read(self) -> None:
-        """The rows to the host in one read (the step's one sync); a no-op once read."""
+        """The rows to the host in one read (the step's one sync); a no-op once read, or where the host
+        decided them (rejection sampling)."""
+        if self.rows is not None and self.accepted is not None:
+            self.rows = None
         if self.rows is not None:
             self.fetch()
             if self._landed is not None:
@@ -160,8 +163,9 @@ def accept(drafts: Drafts | None, logits: torch.Tensor, gens: list, sampling,
         acc.append(a)
         nxt.append(t)
     both = torch.tensor([acc, nxt], dtype=torch.long, device=logits.device).T  # one copy for both
-    # rows as greedy's, read once (the drafts' one copy to the host)
-    return unread(proposed, both if drafts is None else torch.cat([both, drafts.tokens], dim=1))
+    rows = both if drafts is None else torch.cat([both, drafts.tokens], dim=1)  # greedy's, for the device's part
+    return Verdict(proposed, rows[:, 1], rows[:, 0], rows, accepted=acc, next=nxt,
+                   draft_ids=[[] for _ in acc] if drafts is None else drafts.tokens.tolist())
 
 
 def accept_synthetic(drafts: Drafts, logits: torch.Tensor, gens: list, sampling,
