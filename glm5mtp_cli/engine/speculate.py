@@ -176,7 +176,8 @@ class SpecEngine:
             self.runner.mask(record, masks.verify(drafts))
         verdict = self._accept(drafts, record, active)
         if run.carries:
-            verdict.clip_device(to_device(self._caps(active), self.device), to_device(sorted(self.lifecycle.eos), self.device))
+            eos = to_device(sorted(self.lifecycle.eos), self.device)
+            verdict.clip_device(to_device(self._caps(active), self.device), eos)
         times = StepTimes(p0, v0, self.clock.now())
         fed = self._commit_device(verdict, drafts, record)
         verdict.fetch()

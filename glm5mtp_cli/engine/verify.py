@@ -75,13 +75,6 @@ class VerifyPlan:
             row = self.parents[row]
         return path[::-1]
 
-    def visible(self, device) -> torch.Tensor:
-        """[rows, rows] bool: row i sees row j (an ancestor of i, or i itself)."""
-        seen = torch.zeros(self.rows, self.rows, dtype=torch.bool)
-        for i in range(self.rows):
-            seen[i, self.ancestors(i)] = True
-        return seen.to(device)
-
 
 @dataclass
 class VerifyRecord:
