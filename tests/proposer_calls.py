@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 
 from glm5mtp_cli.engine import drafting
+from glm5mtp_cli.engine.hooks import watch
 from glm5mtp_cli.engine.graphs import ForwardRunner
 from glm5mtp_cli.engine.proposer import Feed, check_aligned
+from observe import Around
 
 
 def prefill_drafter(head, prompt_tokens: torch.Tensor, hiddens: torch.Tensor, state) -> None:
@@ -25,16 +27,14 @@ def propose_one(head, last_token, hidden: torch.Tensor, position: int, num_draft
     return drafting.propose(head, ForwardRunner("eager", hidden.device), feed, [state], num_drafts, None)[0]
 
 
-def spy_proposes(monkeypatch, seen: list) -> None:
+def spy_proposes(engine, seen: list) -> None:
     """Every propose the engine makes appends (its feed, its states, the Drafts it returned) to `seen`."""
-    real = drafting.propose
-
-    def spy(head, runner, feed, states, g, tau, masks=None):
-        drafts = real(head, runner, feed, states, g, tau, masks)
+    def spy(engine, propose, feed, states, *args):
+        drafts = propose(feed, states, *args)
         seen.append((feed, states, drafts))
         return drafts
 
-    monkeypatch.setattr(drafting, "propose", spy)
+    watch(engine, Around({"propose": spy}))
 
 
 def last_confidence(state) -> float | None:

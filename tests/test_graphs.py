@@ -374,17 +374,16 @@ def test_a_changed_batch_gathers_its_rows_by_the_step_they_came_from():
         assert feed.tokens[j, w:].eq(0).all() and feed.hiddens[j, w:].eq(0).all()
 
 
-def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
+def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt):
     """Static forwards, greedy: a propose returns the fused chain's [A, g] output as one
     Drafts (no per-sequence views), every state's last_drafts is it, a row read from it is that
     sequence's DraftChain, and the tokens are eager's."""
-    from glm5mtp_cli.engine import drafting
     from glm5mtp_cli.engine.proposer import Drafts
 
-    seen, real = [], drafting.propose
+    seen = []
 
-    def spy(head, runner, feed, states, g, tau, masks=None):
-        out = real(head, runner, feed, states, g, tau, masks)
+    def spy(engine, propose, feed, states, g, masks):
+        out = propose(feed, states, g, masks)
         seen.append(out)
         if isinstance(out, Drafts):
             assert all(st.last_drafts is out for st in states) and len(out) == len(states)
@@ -392,10 +391,9 @@ def test_a_fused_chain_returns_the_batch_drafts_as_one_tensor(rt, monkeypatch):
             assert out[0].num_drafts == g and out[0].probs is None
         return out
 
-    monkeypatch.setattr(drafting, "propose", spy)
-    static = _run(rt, 3, "static", 2)
+    with observing(Around({"propose": spy})):
+        static = _run(rt, 3, "static", 2)
     assert seen and all(isinstance(c, Drafts) for c in seen)
-    monkeypatch.undo()
     assert [r.tokens for r in static] == [r.tokens for r in _run(rt, 3, "eager", 2)]
 
 
@@ -404,23 +402,22 @@ def test_an_unchanged_batch_feeds_the_drafter_its_last_step_as_one_tensor(rt, mo
     feed) into the next draft; once the batch changes (a sequence finished, one was admitted) its
     rows are gathered into a feed (Feed.gather). Both paths run here, and the tokens are eager's
     (test_static_forwards_equal_eager)."""
-    from glm5mtp_cli.engine import drafting
     from glm5mtp_cli.engine.proposer import Feed
 
-    kinds, gathered, real, real_gather = [], [], drafting.propose, Feed.gather
+    kinds, gathered, real_gather = [], [], Feed.gather
 
-    def spy(head, runner, feed, *args):
+    def spy(engine, propose, feed, *args):
         kinds.append(feed not in gathered)
-        return real(head, runner, feed, *args)
+        return propose(feed, *args)
 
     def gather(rows):
         feed = real_gather(rows)
         gathered.append(feed)
         return feed
 
-    monkeypatch.setattr(drafting, "propose", spy)
     monkeypatch.setattr(Feed, "gather", staticmethod(gather))
-    static = _run(rt, 3, "static", 2)
+    with observing(Around({"propose": spy})):
+        static = _run(rt, 3, "static", 2)
     assert True in kinds and False in kinds, kinds
     monkeypatch.undo()
     assert [r.tokens for r in static] == [r.tokens for r in _run(rt, 3, "eager", 2)]

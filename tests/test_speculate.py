@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from glm5mtp_cli.engine import drafting
+from glm5mtp_cli.engine.hooks import watch
 from glm5mtp_cli.engine.config import EngineConfig
 from glm5mtp_cli.checkpoint.load import load_models
 from glm5mtp_cli.checkpoint.resolve import resolve_model
@@ -15,6 +15,7 @@ from glm5mtp_cli.engine.proposer import CatchupMisaligned, DraftProposer
 from glm5mtp_cli.engine.runtime import Runtime, make_engine
 from glm5mtp_cli.engine.sampling import SamplingParams
 from glm5mtp_cli.engine.sequence import Request
+from observe import Around
 from proposer_calls import last_confidence, prefill_drafter, propose_one, sharded, spy_proposes
 
 
@@ -123,12 +124,12 @@ def _hf_names(sd):
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[1]])
-def test_first_drafts_follow_reference_math(spec_rt, prompt, monkeypatch):
+def test_first_drafts_follow_reference_math(spec_rt, prompt):
     rt, hf = spec_rt
     gamma = 4
     engine, pools = _engine(rt, gamma, batch=1)
     seen = []
-    spy_proposes(monkeypatch, seen)
+    spy_proposes(engine, seen)
     engine.generate([Request(prompt, 2, 0)])
     captured = [[c.tokens.tolist() for c in drafts] for _, _, drafts in seen]
     assert captured[0][0] == _reference_drafts(rt, hf, prompt, gamma)
@@ -181,28 +182,26 @@ def test_ceiling_and_budget_give_the_same_tokens(spec_rt):
     assert out["budget"][1]["drafter_mla"] < out["ceiling"][1]["drafter_mla"]
 
 
-def _spy_chains(engine, monkeypatch):
+def _spy_chains(engine):
     """Every (chain, confidence the head reports for its state right after proposing) of a run."""
     seen = []
-    original = drafting.propose
 
-    def spy(head, runner, feed, states, *args):
-        chains = original(head, runner, feed, states, *args)
-        if head is engine.head:
-            seen.extend((c, last_confidence(st)) for c, st in zip(chains, states))
+    def spy(engine, propose, feed, states, *args):
+        chains = propose(feed, states, *args)
+        seen.extend((c, last_confidence(st)) for c, st in zip(chains, states))
         return chains
 
-    monkeypatch.setattr(drafting, "propose", spy)
+    watch(engine, Around({"propose": spy}))
     return seen
 
 
-def test_confidence_stop_is_lossless_and_shortens_chains(spec_rt, monkeypatch):
+def test_confidence_stop_is_lossless_and_shortens_chains(spec_rt):
     rt, _ = spec_rt
     base, _ = _engine(rt, 4, batch=1)
-    base_chains = _spy_chains(base, monkeypatch)
+    base_chains = _spy_chains(base)
     ref = base.generate([Request(PROMPTS[2], 16, 0)])[0]
     engine, pools = _engine(rt, 4, batch=1, tau=0.999)
-    chains = _spy_chains(engine, monkeypatch)
+    chains = _spy_chains(engine)
     res = engine.generate([Request(PROMPTS[2], 16, 0)])[0]
     assert res.tokens == ref.tokens
     assert res.acceptance.proposed < ref.acceptance.proposed
@@ -210,14 +209,14 @@ def test_confidence_stop_is_lossless_and_shortens_chains(spec_rt, monkeypatch):
     assert chains and all(isinstance(conf, float) and 0 < conf <= 1 and conf == c.confidence for c, conf in chains)
 
 
-def test_confidence_stop_follows_the_draft_distributions(spec_rt, monkeypatch):
+def test_confidence_stop_follows_the_draft_distributions(spec_rt):
     """Sampled drafts carry their distributions q, so the stop rule is checked draft by draft: the
     first draft is always proposed, a later one only while max(q) >= tau, the chain stops at the
     first draft under tau, and its confidence is the least max(q) among the drafts it proposed."""
     rt, _ = spec_rt
     tau = 0.1  # the tiny drafter's max(q) at temperature 1 spreads around 0.1 (measured: chains of 1, 3 and 4)
     engine, _ = _engine(rt, 4, batch=1, tau=tau, sampling=SamplingParams(temperature=1.0, seed=5))
-    chains = _spy_chains(engine, monkeypatch)
+    chains = _spy_chains(engine)
     engine.generate([Request(PROMPTS[2], 16, 0)])
     lengths = set()
     for chain, conf in chains:

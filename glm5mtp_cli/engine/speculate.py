@@ -54,10 +54,9 @@ class SpecEngine:
 
     # the step's phases, as observers see them (engine/hooks.py)
     PHASES = {"step": "step", "schedule": "_schedule", "admit": "_admit_into", "choose_gamma": "_choose_gamma",
-              "catch_up_backlog": "_catch_up_backlog",
-              "masks": "_masks", "draft": "draft", "verify_ids": "_verify_ids", "accept": "_accept",
-              "commit_device": "_commit_device", "draft_ahead": "_draft_ahead", "read": "_read", "commit": "_commit",
-              "finish": "_finish"}
+              "catch_up_backlog": "_catch_up_backlog", "masks": "_masks", "draft": "draft", "propose": "_propose",
+              "verify_ids": "_verify_ids", "accept": "_accept", "commit_device": "_commit_device",
+              "draft_ahead": "_draft_ahead", "read": "_read", "commit": "_commit", "finish": "_finish"}
 
     def __init__(self, model_cfg, target, proposer: DraftProposer | None, pools: CachePools, config: EngineConfig,
                  device: torch.device | str = "cpu", comm=None, grammars: Grammars | None = None):
@@ -227,7 +226,8 @@ class SpecEngine:
         """The graphs' table width in blocks: for the longest reservation among `requests`
         (graphs.table_blocks)."""
         block = min(p.block_size for p in self.pools.pools.values() if hasattr(p, "block_size"))
-        return table_blocks(max((self.admission.reserve_tokens(r) for r in requests), default=1), block, self.max_seq_len)
+        need = max((self.admission.reserve_tokens(r) for r in requests), default=1)
+        return table_blocks(need, block, self.max_seq_len)
 
     def _open_graphs(self, active: list[LiveSequence], slots: int, width: int) -> None:
         """Build (CUDA: capture) the static forwards once per engine, for every bucket up to
@@ -259,14 +259,18 @@ class SpecEngine:
         feed, states = pending_feed([s.pend for s in active]), [s.state for s in active]
         if ahead is not None:
             drafts = drafting.settle_ahead(ahead, feed, states)
-        elif not self.plans[g].is_chain:
-            drafts = drafting.propose_tree(self.head, feed, states, self.plans[g])
         else:
-            drafts = drafting.propose(self.head, self.runner, feed, states, g, self.config.draft_conf_tau, masks)
+            drafts = self._propose(feed, states, g, masks)
         if self.config.check_invariants:
             for s in active:
                 assert s.state.real_rows == s.cache.length, "drafter rows != accepted target rows"
         return drafts
+
+    def _propose(self, feed, states: list, g: int, masks: StepMasks | None) -> Drafts:
+        """A propose over the batch's pending feed: the plan's tree, or a chain of g drafts."""
+        if not self.plans[g].is_chain:
+            return drafting.propose_tree(self.head, feed, states, self.plans[g])
+        return drafting.propose(self.head, self.runner, feed, states, g, self.config.draft_conf_tau, masks)
 
     def _draft_ahead(self, active: list[LiveSequence], g: int, v: Verdict, fed, masks: StepMasks | None
                      ) -> drafting.Ahead | None:
