@@ -131,9 +131,7 @@ def tree_verdict(logits: torch.Tensor, drafts: torch.Tensor, plan: VerifyPlan) -
     depth = torch.tensor(plan.depths, device=logits.device)
     order = torch.arange(plan.rows, 0, -1, device=logits.device)  # earlier rows win ties
     best = torch.where(torch.stack(ok, 1), depth * (plan.rows + 1) + order, 0).argmax(1)  # [A]
-    ancestors = [[plan.ancestors(r)[d] if d < len(plan.ancestors(r)) else 0 for d in range(1, plan.depth + 1)]
-                 for r in range(plan.rows)]
-    path = torch.tensor(ancestors, device=logits.device)[best]  # [A, D]
+    path = torch.tensor(plan.paths, device=logits.device)[best]  # [A, D]
     tokens = torch.cat([torch.zeros_like(drafts[:, :1]), drafts], dim=1).gather(1, path)  # row 0's: a placeholder
     return torch.cat([depth[best][:, None], target_tokens.gather(1, best[:, None]), tokens, path], dim=1)
 

@@ -67,13 +67,18 @@ class VerifyPlan:
         """The longest path's drafts: the most a verify can accept."""
         return max(self.depths)
 
-    def ancestors(self, row: int) -> list[int]:
-        """The rows from row 0 down to `row`, both included."""
-        path = []
-        while row >= 0:
-            path.append(row)
-            row = self.parents[row]
-        return path[::-1]
+    @cached_property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Each row's path from row 0, row 0 left out: its ancestors at depths 1..depth and itself,
+        padded with 0 past its own depth (a verdict's path rows, as tree_verdict writes them)."""
+        out = []
+        for r in range(self.rows):
+            path = []
+            while r > 0:
+                path.append(r)
+                r = self.parents[r]
+            out.append(tuple(path[::-1]) + (0,) * (self.depth - len(path)))
+        return tuple(out)
 
 
 @dataclass
